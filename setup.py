@@ -1,0 +1,43 @@
+"""Packaging for xla_utils.
+
+torch / torchvision / torch_xla are deliberately *not* install requirements:
+Kaggle and Colab ship a matched pair, and pip resolving ``torch`` here would
+replace it with an unmatched newer build. ``python -m xla_utils.env`` prints the
+exact command for a machine that lacks them.
+"""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="xla_utils",
+    version="0.1.0",
+    description="Fast, painless PyTorch/XLA training on Kaggle and Colab TPUs: "
+    "environment check, sharded uint8 image cache, one-cycle trainer, LR finder.",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["xla_utils", "xla_utils.*"]),
+    install_requires=["numpy", "pillow", "fastprogress"],
+    extras_require={
+        "plot": ["matplotlib"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "scikit-learn",
+            "scikit-image",
+            "matplotlib",
+            "nbclient",
+            "nbformat",
+            "ipykernel",
+        ],
+    },
+    entry_points={"console_scripts": ["tpu_cache_ds=xla_utils.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
