@@ -74,7 +74,6 @@ DEVICES_PER_CHIP = {"v2": 2, "v3": 2, "v2/v3": 2, "v4": 1, "v5p": 1, "v5e": 1, "
 # Generations whose accelerator-type suffix counts TensorCores, not chips
 # (v3-8 = 4 chips, v4-8 = 4 chips, v5p-8 = 4 chips; v5litepod-8 = 8 chips).
 _TYPE_COUNTS_CORES = {"v2", "v3", "v4", "v5p"}
-_MAX_CHIPS_PER_HOST = {"v2": 4, "v3": 4, "v4": 4, "v5p": 4, "v5e": 8, "v6e": 8}
 
 # torch_xla major.minor -> Python versions with Linux x86_64 wheels on PyPI
 # (checked with `pip index versions torch_xla --python-version X`).
@@ -91,6 +90,7 @@ LAST_TORCH_XLA = (2, 9)
 OLDEST_SUPPORTED = (2, 5)
 FRESH_VENV_DIR = "~/xla-venv"
 
+_V2V3_BY_PLATFORM = {"kaggle": "v3", "colab": "v2"}
 _COLAB_RUNTIME_VARS = ("COLAB_JUPYTER_IP", "COLAB_KERNEL_MANAGER_PROXY_HOST")
 _KAGGLE_SPAWN_DROP = ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")
 
@@ -216,20 +216,13 @@ def _parse_accelerator_type(value: str | None) -> tuple[str, int] | None:
     """``"v3-8"`` -> ("v3", 8); ``"v5litepod-8"`` -> ("v5e", 8). None if unparsable."""
     if not value:
         return None
-    m = re.fullmatch(r"\s*(v\d+[a-z]*?)(?:litepod|lite)?-(\d+)\s*", value.lower())
+    m = re.fullmatch(r"(v\d+)([a-z]*)-(\d+)", value.strip().lower())
     if not m:
         return None
-    gen = m.group(1)
-    if value.lower().startswith(("v5litepod", "v5lite")):
-        gen = "v5e"
-    elif gen == "v6litepod":  # pragma: no cover - defensive alias
-        gen = "v6e"
-    return gen, int(m.group(2))
-
-
-def _chips_from_type(gen: str, n: int) -> int:
-    chips = n // 2 if gen in _TYPE_COUNTS_CORES else n
-    return max(1, min(chips, _MAX_CHIPS_PER_HOST.get(gen, chips)))
+    num, suffix, n = m.group(1), m.group(2), int(m.group(3))
+    if suffix.startswith("lite"):  # v5litepod-8, v5lite-8
+        suffix = "e"
+    return num + suffix, n
 
 
 def _tpu_type_name(gen: str | None, chips: int) -> str | None:
@@ -359,7 +352,7 @@ def _detect_tpu(root: str, env: Mapping[str, str], pci, evidence: list[str], war
         return None, 0
 
     if acc_type:
-        env_gen, n = acc_type
+        env_gen = acc_type[0]
         evidence.append(f"TPU_ACCELERATOR_TYPE={acc_type_raw}")
         if gen in (None, "unknown") or (gen == "v2/v3" and env_gen in ("v2", "v3")):
             gen = env_gen
@@ -367,8 +360,6 @@ def _detect_tpu(root: str, env: Mapping[str, str], pci, evidence: list[str], war
             warnings.append(
                 f"TPU_ACCELERATOR_TYPE={acc_type_raw} disagrees with the PCI scan ({gen}); trusting PCI."
             )
-        if not gens and not accel and not vfio:  # pragma: no cover - unreachable (chips > 0)
-            chips = _chips_from_type(env_gen, n)
     if gen is None:
         gen = "unknown"
     return gen, chips
@@ -434,6 +425,10 @@ def detect(
 
     pci = _scan_pci(root)
     gen, chips = _detect_tpu(root, env, pci, evidence, warnings)
+    if gen == "v2/v3" and plat in _V2V3_BY_PLATFORM:
+        # v2 and v3 share a PCI id; Kaggle only ever offered v3-8, Colab only v2-8.
+        gen = _V2V3_BY_PLATFORM[plat]
+        evidence.append(f"0x0027 on {plat} means {gen}")
     gpu_count, gpu_name, gpu_why = _detect_gpu(root, pci)
 
     if chips:
@@ -471,6 +466,8 @@ def detect(
             "PJRT_DEVICE=TPU is set but no TPU chip was found: libtpu would retry the "
             "metadata server and hang for more than 5 minutes. Unset it or set PJRT_DEVICE=CPU."
         )
+    if pjrt and pjrt.upper() == "CPU" and accelerator == "tpu":
+        warnings.append("PJRT_DEVICE=CPU on a TPU machine: XLA will run on the host CPU, not the TPU.")
     cpus = _cpu_count(root)
     if accelerator in ("tpu", "gpu") and cpus is not None and cpus <= 4:
         warnings.append(
@@ -599,18 +596,15 @@ def _install_advice(info: EnvInfo) -> Advice | None:
             _fresh_venv(py, tpu),
         )
     spec = _xla_spec(tmm, tpu)
-    if py not in TORCH_XLA_WHEELS.get(tmm, ()):
-        if xmm == tmm:  # installed somehow (e.g. a source build): trust it
-            pass
-        else:
-            return Advice(
-                "python-unsupported",
-                f"torch_xla {tmm[0]}.{tmm[1]} has no wheels for Python {py[0]}.{py[1]}; "
-                f"use the {last} pair in a fresh venv",
-                _fresh_venv(py, tpu),
-            )
+    if py not in TORCH_XLA_WHEELS.get(tmm, ()) and xmm != tmm:  # a paired install is trusted
+        return Advice(
+            "python-unsupported",
+            f"torch_xla {tmm[0]}.{tmm[1]} has no wheels for Python {py[0]}.{py[1]}; "
+            f"use the {last} pair in a fresh venv",
+            _fresh_venv(py, tpu),
+        )
     if xmm is None:
-        note = "" if tpu else " (needed only for simulated XLA cores here; without it xla_utils runs on plain PyTorch)"
+        note = "" if tpu else "; here it is needed only for simulated XLA cores (without it xla_utils runs on plain PyTorch)"
         return Advice(
             "install-torch-xla",
             f"torch_xla is not installed (torch {info.torch} is){note}",
@@ -646,9 +640,11 @@ def advise(info: EnvInfo) -> Advice:
         return Advice(
             "pjrt-without-tpu",
             "PJRT_DEVICE=TPU is set but there is no TPU chip here (libtpu would hang >5 min); "
-            "set it to CPU",
+            'set it to CPU (in a notebook: os.environ["PJRT_DEVICE"] = "CPU"), in a shell',
             "export PJRT_DEVICE=CPU",
         )
+    if adv is not None and adv.kind == "no-xla-wheels":
+        return Advice("ready", f"ready ({adv.message})")
     if adv is not None:
         return adv
     if info.accelerator == "tpu":
@@ -725,7 +721,8 @@ def report(info: EnvInfo) -> str:
     host.append(f"{info.disk_free_gb:g} GiB free in {info.cwd}" if info.disk_free_gb is not None else "disk ?")
     lines = [
         "xla_utils environment",
-        f"  platform     {info.platform}" + (f"  [{'; '.join(info.evidence)}]" if info.evidence else ""),
+        f"  platform     {info.platform}",
+        *([f"  evidence     {'; '.join(info.evidence)}"] if info.evidence else []),
         f"  accelerator  {acc}; PJRT_DEVICE={pj}",
         f"  python       {info.python} ({info.os} {info.machine})",
         f"  torch        {v(info.torch)}   torchvision {v(info.torchvision)}   "

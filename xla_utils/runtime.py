@@ -216,8 +216,6 @@ def backend() -> str:
     """``"xla"`` or ``"torch"`` for the calling replica (see the module docstring)."""
     if _state.backend is not None:
         return _state.backend
-    if os.environ.get("PJRT_DEVICE") and "torch_xla" in sys.modules:
-        return "xla"
     return "xla" if _tpu_present() and xla_available() else "torch"
 
 
@@ -399,12 +397,20 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def to_device(batch: Any, dev=None) -> Any:
-    """Move a tensor or a (nested) tuple/list/dict of tensors to the device."""
+    """Move a tensor or a (nested) tuple/list/dict of tensors to the device.
+
+    On XLA this is ``xm.send_cpu_data_to_device`` (what ``MpDeviceLoader``
+    uses): it copies the host data before returning. A plain ``tensor.to(xla)``
+    may still read the host buffer later, when a loader has already freed or
+    reused it (seen on XLA:CPU as silently wrong batches).
+    """
     import torch
 
     dev = dev or device()
+    if dev.type == "xla":
+        return _load_xla()["xm"].send_cpu_data_to_device(batch, dev)
     if isinstance(batch, torch.Tensor):
-        return batch.to(dev, non_blocking=True)
+        return batch.to(dev, non_blocking=dev.type == "cuda")
     if isinstance(batch, dict):
         return {k: to_device(v, dev) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -687,6 +693,32 @@ def _kill(job) -> None:
     job.join(timeout=5)
 
 
+class _CPUPickler(pickle.Pickler):
+    """Pickles device tensors as CPU tensors, wherever they sit in the object.
+
+    Unpickling an XLA tensor in the caller would initialise the XLA runtime
+    there and make every later launch() impossible.
+    """
+
+    def reducer_override(self, obj):
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            cpu = obj.detach().cpu()
+            if isinstance(obj, torch.nn.Parameter):
+                cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
+            return cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps_cpu(obj: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _CPUPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
 def _job_main(fn, args, cores, simulate, results) -> None:
     """Body of the forked job process: set the environment, then xmp.spawn."""
     os.setsid()  # so that _kill() reaches replicas forked by xmp.spawn
@@ -694,6 +726,12 @@ def _job_main(fn, args, cores, simulate, results) -> None:
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = str(1 if cores == 1 else simulate)
         n = 1 if cores == 1 else simulate
+        # Every replica's execution of a collective blocks a thread until all N
+        # have joined. The asynchronous PJRT CPU client runs executions on a
+        # pool sized by the host's cores (2 here), so N > 2 replicas deadlock
+        # until XLA aborts the process. The synchronous client executes on
+        # torch_xla's own pool, which XLA_THREAD_POOL_SIZE makes big enough.
+        os.environ["PJRT_CPU_ASYNC_CLIENT"] = "0"
         pool = int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0)
         os.environ["XLA_THREAD_POOL_SIZE"] = str(max(pool, 2 * n, 8))
     else:
@@ -731,11 +769,19 @@ def _replica_main(index: int) -> None:
     fn, args, results = _job
     _state.backend, _state.in_replica = "xla", True
     r = -1
+    import torch
+
     try:
         r = rank()
-        out = fn(*args)
+        # Autograd sizes its per-device worker queues once per process, at the
+        # first backward. A parent that ran any backward before forking passes
+        # on queues sized for zero XLA devices, and every replica's backward
+        # then fails an internal assert. Running backward on the calling thread
+        # (thread-local switch) needs no such queues.
+        with torch.autograd.set_multithreading_enabled(False):
+            out = fn(*args)
         if r == 0:
-            results.put(("result", 0, pickle.dumps(_to_cpu(out), protocol=pickle.HIGHEST_PROTOCOL)))
+            results.put(("result", 0, _dumps_cpu(out)))
     except BaseException as exc:
         results.put(("error", r, (traceback.format_exc(), type(exc).__name__)))
         if _sim is not None:

@@ -1,0 +1,491 @@
+"""Builder, format, resume, verify and bad-input handling of xla_utils.cache."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from xla_utils.cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_info, decode_source,
+                             make_variants, read_manifest, verify_cache)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def textured(seed: int, h: int, w: int) -> np.ndarray:
+    """A smooth colour field plus grain: compresses like a photo, unlike pure noise."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w] / max(h, w)
+    phase = rng.uniform(0, 6, 3)
+    base = 127 + 100 * np.sin(6 * xx[..., None] + 4 * yy[..., None] + phase)
+    return np.clip(base + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def photos() -> list[np.ndarray]:
+    import skimage.data as sd
+
+    return [sd.astronaut(), sd.coffee(), sd.chelsea(), sd.rocket()]
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if not p.name.startswith(".")}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """3 classes x 6 images: real photos (downscaled) and textured images, JPEG and PNG."""
+    root = tmp_path_factory.mktemp("folder")
+    pics = photos()
+    for c, name in enumerate(["apple", "banana", "cherry"]):
+        (root / name).mkdir()
+        for i in range(6):
+            k = c * 6 + i
+            if i % 2:
+                arr = pics[k % len(pics)]
+                img = Image.fromarray(arr).resize((arr.shape[1] // 4, arr.shape[0] // 4))
+                img.save(root / name / f"{i}.jpg", quality=95)
+            else:
+                Image.fromarray(textured(k, 60 + 5 * i, 90 - 3 * i)).save(root / name / f"{i}.png")
+    (root / "apple" / "notes.txt").write_text("not an image, ignored by extension")
+    return root
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_validates_and_sizes_shards():
+    with pytest.raises(ValueError, match="variants=3 with augment=False"):
+        CacheConfig(variants=3, augment=False)
+    with pytest.raises(ValueError, match="codec"):
+        CacheConfig(codec="png")
+    with pytest.raises(ValueError, match="scale"):
+        CacheConfig(scale=(0.5, 0.2))
+    cfg = CacheConfig(size=224, variants=4)
+    assert cfg.size == (224, 224) and cfg.augment is True
+    assert CacheConfig(size="256x224").size == (256, 224)
+    per_image = 4 * 224 * 224 * 3
+    assert cfg.images_per_shard(10**6) == 256 * 2**20 // per_image  # size-bound
+    assert CacheConfig(size=224, variants=4, codec="jpeg").images_per_shard(10**6) == 256 * 2**20 // (per_image // 8)
+    assert cfg.images_per_shard(100) == 7  # small data: at least 16 shards
+    assert CacheConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.fingerprint() != CacheConfig(size=224, variants=4, seed=1).fingerprint()
+
+
+def test_file_count_grows_with_bytes_not_samples(tmp_path):
+    class Arrays:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return np.full((8, 8, 3), i % 256, np.uint8), i % 3
+
+    counts = {}
+    for n in (200, 800):
+        r = build_cache(Arrays(n), tmp_path / f"n{n}", size=8, verbose=False)
+        counts[n] = r.files
+    assert counts[200] == counts[800] == 16 + 2  # 16 shards + manifest + labels
+    r = build_cache(Arrays(800), tmp_path / "small_shards", size=8, shard_size=20 * 192, verbose=False)
+    assert r.num_shards == 40 and r.files == 42  # bytes / shard_size
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def test_raw_round_trip_is_exact(tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    src = tmp_path / "src"
+    arrays = {}
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(5):
+            arr = np.random.default_rng(hash((c, i)) % 2**32).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(src / c / f"{i}.png")
+            arrays[f"{c}/{i}.png"] = arr
+    build_cache(src, tmp_path / "plain", size=32, verbose=False)
+    ds = CachedImageDataset(tmp_path / "plain")
+    assert ds.classes == ["a", "b"] and len(ds) == 10 and ds.num_variants == 1
+    for n, (name, arr) in enumerate(sorted(arrays.items())):  # the builder keeps sorted order
+        img, label = ds[n]
+        np.testing.assert_array_equal(img, arr)
+        assert label == (0 if name.startswith("a/") else 1)
+
+    cfg = CacheConfig(size=24, variants=3, rotate=10, flip=True)
+    build_cache(src, tmp_path / "aug", cfg, verbose=False)
+    ds = CachedImageDataset(tmp_path / "aug")
+    for n, name in enumerate(sorted(arrays)):
+        expected = make_variants(decode_source(src / name, cfg)[0], cfg, n)
+        for v in range(3):
+            np.testing.assert_array_equal(ds.image(n, v), expected[v])
+
+
+def test_jpeg_round_trip_psnr(folder, tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    for codec in ("raw", "jpeg"):
+        build_cache(folder, tmp_path / codec, size=64, variants=2, codec=codec, verbose=False)
+    raw, jpg = CachedImageDataset(tmp_path / "raw"), CachedImageDataset(tmp_path / "jpeg")
+    assert len(raw) == len(jpg) == 18
+    psnr = []
+    for i in range(len(raw)):
+        for v in range(2):
+            mse = np.mean((raw.image(i, v).astype(np.float64) - jpg.image(i, v)) ** 2)
+            psnr.append(10 * np.log10(255**2 / mse))
+    assert min(psnr) >= 30.0, psnr  # documented: q90 keeps >= 30 dB on photos and textures
+    assert verify_cache(tmp_path / "jpeg", full=True).ok
+
+
+def test_two_builds_are_byte_identical(folder, tmp_path):
+    cfg = CacheConfig(size=40, variants=3, rotate=12, flip=True, seed=7)
+    build_cache(folder, tmp_path / "one", cfg, workers=1, verbose=False)
+    build_cache(folder, tmp_path / "two", cfg, workers=2, verbose=False)
+    a, b = files(tmp_path / "one"), files(tmp_path / "two")
+    assert a == b and len(a) == read_manifest(tmp_path / "one")["num_shards"] + 2
+    jcfg = CacheConfig(size=40, codec="jpeg")
+    build_cache(folder, tmp_path / "j1", jcfg, workers=1, verbose=False)
+    build_cache(folder, tmp_path / "j2", jcfg, workers=2, verbose=False)
+    assert files(tmp_path / "j1") == files(tmp_path / "j2")
+
+
+def test_variants_are_deterministic_and_rotations_stay_inside():
+    white = Image.new("RGB", (120, 80), (255, 255, 255))
+    cfg = CacheConfig(size=32, variants=6, rotate=30, scale=(0.2, 1.0))
+    v1, v2 = make_variants(white, cfg, 5), make_variants(white, cfg, 5)
+    for a, b in zip(v1, v2):
+        np.testing.assert_array_equal(a, b)
+    for a in v1:
+        assert a.shape == (32, 32, 3) and a.min() >= 250  # no black corners from rotation
+    tex = Image.fromarray(textured(0, 80, 120))
+    vs = make_variants(tex, cfg, 0)
+    assert len({a.tobytes() for a in vs}) == 6
+    assert make_variants(tex, cfg, 1)[0].tobytes() != vs[0].tobytes()
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+
+SLOW_BUILD = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from xla_utils.cache import build_cache
+
+    class Slow:
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            time.sleep(float(os.environ.get("DELAY", "0")))
+            return np.random.default_rng(i).integers(0, 256, (40, 50, 3), dtype=np.uint8), i % 4
+
+    build_cache(Slow(), sys.argv[1], size=24, variants=2, workers=1, verbose=False)
+""")
+
+
+def test_sigkill_mid_build_then_resume_is_byte_identical(tmp_path):
+    script = tmp_path / "slow_build.py"
+    script.write_text(SLOW_BUILD)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], env={**ENV, "DELAY": "0.03"},
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        shards = 0
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                shards = len(json.loads((out / "manifest.json").read_text())["shards"])
+            except (OSError, ValueError, KeyError):
+                shards = 0
+            if shards >= 2:
+                break
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGKILL)  # coordinator and workers, no cleanup
+    finally:
+        proc.wait()
+    m = read_manifest(out)
+    assert not m["complete"] and 2 <= len(m["shards"]) < m["num_shards"] == 16
+    assert not verify_cache(out).ok  # incomplete
+
+    subprocess.run([sys.executable, str(script), str(out)], env=ENV, check=True, timeout=120)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "clean")], env=ENV, check=True, timeout=120)
+    assert files(out) == files(tmp_path / "clean")
+    assert not list(out.glob("*.tmp-*")) and verify_cache(out).ok
+
+
+def test_verify_catches_flipped_byte_and_missing_shard(folder, tmp_path):
+    out = tmp_path / "c"
+    build_cache(folder, out, size=32, variants=2, verbose=False)
+    assert verify_cache(out).ok
+    shard = out / "shard-00003.npy"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    r = verify_cache(out)
+    assert not r.ok and r.bad_files == ["shard-00003.npy"] and "crc32" in r.problems[0]
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert verify_cache(out, full=True).ok
+    (out / "shard-00005.npy").unlink()
+    r = verify_cache(out)
+    assert not r.ok and r.bad_files == ["shard-00005.npy"] and "missing" in r.problems[0]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def forged_bomb_png() -> bytes:
+    """A 100-byte PNG whose header claims 100000 x 100000 pixels."""
+    buf = io.BytesIO()
+    Image.new("L", (1, 1)).save(buf, "PNG")
+    b = bytearray(buf.getvalue())
+    b[16:20] = (100_000).to_bytes(4, "big")
+    b[20:24] = (100_000).to_bytes(4, "big")
+    b[29:33] = zlib.crc32(bytes(b[12:29])).to_bytes(4, "big")
+    return bytes(b)
+
+
+@pytest.fixture(scope="module")
+def bad_folder(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad")
+    c = root / "cls"
+    c.mkdir()
+    good = io.BytesIO()
+    Image.fromarray(textured(1, 48, 64)).save(good, "JPEG", quality=90)
+    good = good.getvalue()
+    (c / "a_good.jpg").write_bytes(good)
+    (c / "b_corrupt.jpg").write_bytes(b"\xff\xd8\xff" + os.urandom(2000))
+    (c / "c_truncated.jpg").write_bytes(good[: len(good) * 6 // 10])
+    (c / "d_zero.jpg").write_bytes(b"")
+    (c / "e_text.png").write_text("this is not a PNG")
+    (c / "f_bomb.png").write_bytes(forged_bomb_png())
+    Image.fromarray(textured(2, 300, 300)).save(c / "g_too_many_pixels.png")
+    Image.fromarray(textured(3, 12, 20)).save(c / "h_small.png")
+    Image.fromarray(textured(4, 40, 40)).convert("CMYK").save(c / "i_cmyk.jpg")
+    Image.fromarray((np.arange(40 * 40).reshape(40, 40) * 40).astype(np.uint16)).save(c / "j_16bit.png")
+    Image.fromarray(textured(5, 40, 40)).convert("P").save(c / "k_palette.png")
+    Image.fromarray(textured(6, 40, 40)).convert("LA").save(c / "l_la.png")
+    Image.fromarray(textured(7, 40, 40)).save(c / "m_good.png")
+    return root
+
+
+def test_bad_input_matrix_is_skipped_and_listed(bad_folder, tmp_path, capsys):
+    from xla_utils.data import CachedImageDataset
+
+    r = build_cache(bad_folder, tmp_path / "c", size=32, max_pixels=50_000, verbose=True)
+    reasons = {e["path"]: e["reason"] for e in r.skipped}
+    assert set(reasons) == {"cls/b_corrupt.jpg", "cls/c_truncated.jpg", "cls/d_zero.jpg", "cls/e_text.png",
+                            "cls/f_bomb.png", "cls/g_too_many_pixels.png"}
+    assert "truncated" in reasons["cls/c_truncated.jpg"]
+    assert "bomb" in reasons["cls/f_bomb.png"].lower()
+    assert "max_pixels" in reasons["cls/g_too_many_pixels.png"]
+    assert "UnidentifiedImageError" in reasons["cls/d_zero.jpg"]
+    assert [e["path"] for e in r.upscaled] == ["cls/h_small.png"]
+    m = read_manifest(tmp_path / "c")
+    assert m["complete"] and len(m["skipped"]) == 6 and m["upscaled"][0]["size"] == [20, 12]
+    ds = CachedImageDataset(tmp_path / "c")
+    assert len(ds) == 7 and r.num_images == 7
+    printed = capsys.readouterr().out
+    assert "skipped 6 image(s)" in printed and "cls/f_bomb.png" in printed and "upscaled 1" in printed
+
+
+def test_small_images_can_be_skipped(bad_folder, tmp_path):
+    r = build_cache(bad_folder, tmp_path / "c", size=32, small="skip", verbose=False)
+    assert "smaller than the target" in {e["path"]: e["reason"] for e in r.skipped}["cls/h_small.png"]
+    assert not r.upscaled
+
+
+def test_strict_stops_at_first_bad_file_and_keeps_finished_shards(bad_folder, tmp_path):
+    out = tmp_path / "c"
+    with pytest.raises(BadImageError, match="cls/b_corrupt.jpg") as err:
+        build_cache(bad_folder, out, size=32, strict=True, workers=1, verbose=False)
+    assert err.value.path == "cls/b_corrupt.jpg"
+    m = read_manifest(out)
+    assert not m["complete"] and [s["index"] for s in m["shards"]] == [0]  # a_good.jpg, before the bad file
+    assert verify_cache(out).problems[0].startswith("incomplete build")  # ... but no corrupted shard
+    before = (out / "shard-00000.npy").read_bytes()
+    r = build_cache(bad_folder, out, size=32, verbose=False)  # rerun without strict resumes
+    assert r.shards_reused == 1 and (out / "shard-00000.npy").read_bytes() == before
+    assert verify_cache(out).ok
+
+
+def test_modes_and_orientation(bad_folder, tmp_path):
+    cfg = CacheConfig(size=16, resize="stretch")
+    # EXIF orientation 6: stored 40x20 with red on the left; displayed 20x40 with red on top.
+    arr = np.zeros((20, 40, 3), np.uint8)
+    arr[:, :20] = (255, 0, 0)
+    arr[:, 20:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(arr).save(tmp_path / "rot.jpg", exif=exif, quality=95)
+    img, wh = decode_source(tmp_path / "rot.jpg", cfg)
+    assert img.size == (20, 40) and wh == (20, 40)
+    px = np.asarray(img)
+    assert px[2, 10, 0] > 200 and px[2, 10, 2] < 60 and px[37, 10, 2] > 200
+
+    def rgb(image) -> np.ndarray:
+        im, _ = decode_source(image, cfg)
+        assert im.mode == "RGB"
+        return np.asarray(im)
+
+    la = Image.fromarray(np.array([[[50, 255], [50, 0]]], np.uint8), "LA")
+    np.testing.assert_array_equal(rgb(la)[0], [[50, 50, 50], [255, 255, 255]])  # transparent -> white
+    rgba = Image.fromarray(np.array([[[10, 20, 30, 255], [10, 20, 30, 0]]], np.uint8), "RGBA")
+    np.testing.assert_array_equal(rgb(rgba)[0], [[10, 20, 30], [255, 255, 255]])
+    i16 = Image.fromarray(np.array([[0, 32896, 65535]], np.uint16))
+    np.testing.assert_array_equal(rgb(i16)[0, :, 0], [0, 128, 255])
+    p = Image.new("P", (2, 1))
+    p.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)
+    p.putpixel((1, 0), 1)
+    np.testing.assert_array_equal(rgb(p)[0, 1], [200, 100, 50])
+    assert rgb(Image.new("L", (3, 3), 77))[0, 0].tolist() == [77, 77, 77]
+    assert rgb(Image.new("1", (3, 3), 1))[0, 0].tolist() == [255, 255, 255]
+    assert rgb(bad_folder / "cls" / "i_cmyk.jpg").shape == (20, 20, 3)  # JPEG draft: 1/2 scale covers 16 px
+    Image.new("CMYK", (16, 16), (0, 0, 0, 0)).save(tmp_path / "white_cmyk.jpg")  # no ink = white
+    assert rgb(tmp_path / "white_cmyk.jpg").min() > 240
+    assert rgb(np.zeros((3, 5), np.uint8)).shape == (3, 5, 3)  # HW array
+    assert rgb(np.zeros((3, 6, 5), np.uint8)).shape == (6, 5, 3)  # CHW array
+
+
+def test_large_jpegs_use_reduced_decode(tmp_path):
+    Image.fromarray(textured(0, 1200, 1600)).save(tmp_path / "big.jpg", quality=90)
+    img, wh = decode_source(tmp_path / "big.jpg", CacheConfig(size=64))
+    assert wh == (1600, 1200) and img.size == (200, 150)  # 1/8 scale still covers 64 px
+    img, _ = decode_source(tmp_path / "big.jpg", CacheConfig(size=64, variants=2))  # crops need more
+    assert img.size == (200, 150) and min(img.size) >= 64 / 0.5
+    img, _ = decode_source(tmp_path / "big.jpg", CacheConfig(size=224, variants=2))
+    assert img.size == (800, 600)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_csv_source_multilabel_missing_files_and_ids_without_extension(tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    img_dir = tmp_path / "train_images"
+    img_dir.mkdir()
+    for name in ("a.jpg", "b.jpg", "c.jpg", "d.png"):
+        Image.fromarray(textured(len(name) + ord(name[0]), 40, 40)).save(img_dir / name)
+    rows = ["image,labels", "a.jpg,scab frog_eye", "b.jpg,healthy", "c.jpg,", "missing.jpg,scab", "d,rust"]
+    (tmp_path / "training_labels.csv").write_text("\n".join(rows) + "\n")
+    r = build_cache(img_dir, tmp_path / "c", labels=tmp_path / "training_labels.csv", size=16, verbose=False)
+    assert [(e["path"], e["reason"]) for e in r.skipped] == [("missing.jpg", "file not found")]
+    ds = CachedImageDataset(tmp_path / "c")
+    assert ds.multilabel and ds.classes == ["frog_eye", "healthy", "rust", "scab"]
+    y = np.stack([ds[i][1] for i in range(len(ds))])
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(y, [[1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]])
+    np.testing.assert_array_equal(ds.source_indices, [0, 1, 2, 4])
+
+    (img_dir / "single.csv").write_text("a.jpg,2\nb.jpg,0\n")  # SRC is the CSV; no header
+    build_cache(img_dir / "single.csv", tmp_path / "s", size=16, verbose=False)
+    ds = CachedImageDataset(tmp_path / "s")
+    assert not ds.multilabel and ds.classes == ["0", "1", "2"] and [ds[0][1], ds[1][1]] == [2, 0]
+
+
+def test_dataset_sources(tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    Image.fromarray(textured(1, 30, 30)).save(tmp_path / "f.png")
+
+    class Items:
+        classes = ["zero", "one", "two"]
+        items = [(Image.fromarray(textured(2, 30, 30)), 0), (textured(3, 30, 30), 1), (str(tmp_path / "f.png"), 2),
+                 (None, 1)]
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            if self.items[i][0] is None:
+                raise RuntimeError("broken sample")
+            return self.items[i]
+
+    r = build_cache(Items(), tmp_path / "c", size=16, verbose=False)
+    assert r.skipped[0]["path"] == "dataset[3]" and "broken sample" in r.skipped[0]["reason"]
+    ds = CachedImageDataset(tmp_path / "c")
+    assert ds.classes == ["zero", "one", "two"] and [ds[i][1] for i in range(3)] == [0, 1, 2]
+
+    multi = [(textured(i, 20, 20), np.array([1.0, 0.0, float(i % 2)])) for i in range(4)]
+    build_cache(multi, tmp_path / "m", size=16, verbose=False)
+    ds = CachedImageDataset(tmp_path / "m")
+    assert ds.multilabel and ds.num_classes == 3
+    np.testing.assert_array_equal(ds.labels, [[1, 0, 0], [1, 0, 1], [1, 0, 0], [1, 0, 1]])
+
+
+def test_flat_folder_is_unlabelled_and_classes_can_be_fixed(folder, tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    flat = tmp_path / "test_images"
+    flat.mkdir()
+    for i in range(3):
+        Image.fromarray(textured(i, 20, 20)).save(flat / f"{i}.png")
+    build_cache(flat, tmp_path / "t", size=16, verbose=False)
+    ds = CachedImageDataset(tmp_path / "t")
+    assert ds.classes == [] and ds[0][1] == -1
+
+    r = build_cache(folder, tmp_path / "v", size=16, classes=["banana", "cherry", "apple", "durian"], verbose=False)
+    assert len(r.skipped) == 0
+    ds = CachedImageDataset(tmp_path / "v")
+    assert ds.classes[:3] == ["banana", "cherry", "apple"] and ds[0][1] == 2  # apple images first on disk
+    r = build_cache(folder, tmp_path / "w", size=16, classes=["apple"], verbose=False)
+    assert len(r.skipped) == 12 and "not in the given classes" in r.skipped[0]["reason"]
+
+
+# ----------------------------------------------------------------------------- resume rules
+
+
+def test_rerun_reuses_and_other_config_is_refused(folder, tmp_path):
+    out = tmp_path / "c"
+    first = build_cache(folder, out, size=32, verbose=False)
+    before = files(out)
+    again = build_cache(folder, out, size=32, verbose=False)
+    assert again.shards_built == 0 and again.shards_reused == first.num_shards and files(out) == before
+    with pytest.raises(BuildError, match=r"size: \[32, 32\] -> \[48, 48\].*--overwrite"):
+        build_cache(folder, out, size=48, verbose=False)
+    assert files(out) == before  # refused without touching anything
+    r = build_cache(folder, out, size=48, overwrite=True, verbose=False)
+    assert r.shards_built == r.num_shards and read_manifest(out)["image_size"] == [48, 48]
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "thesis.tex").write_text("precious")
+    with pytest.raises(BuildError, match="not empty"):
+        build_cache(folder, tmp_path / "foreign", size=32, verbose=False)
+
+
+def test_dry_run_estimates_without_writing(folder, tmp_path):
+    est = build_cache(folder, tmp_path / "none", size=32, variants=2, dry_run=True, verbose=False)
+    assert not (tmp_path / "none").exists()
+    r = build_cache(folder, tmp_path / "real", size=32, variants=2, verbose=False)
+    assert est.num_shards == r.num_shards and est.num_sources == 18
+    shard_bytes = r.bytes - (tmp_path / "real" / "manifest.json").stat().st_size - 128 - 18 * 8
+    assert abs(est.estimated_bytes - shard_bytes) / shard_bytes < 0.05
+    assert est.estimated_seconds > 0 and "fresh" in est.existing
+    info = cache_info(tmp_path / "real")
+    assert info["num_images"] == 18 and info["files"] == r.files and info["bytes"] == r.bytes
+
+
+def test_building_imports_neither_torch_nor_torch_xla(folder, tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        from xla_utils import build_cache
+        from xla_utils.cli import main
+        build_cache({str(folder)!r}, {str(tmp_path / 'a')!r}, size=16, variants=2, verbose=False)
+        assert main(["build", {str(folder)!r}, {str(tmp_path / 'b')!r}, "--size", "16", "--quiet"]) == 0
+        assert main(["verify", {str(tmp_path / 'b')!r}]) == 0
+        assert main(["info", {str(tmp_path / 'b')!r}, "--json"]) == 0
+        bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torch_xla", "torchvision"))
+        assert not bad, bad
+    """)
+    subprocess.run([sys.executable, "-c", code], env=ENV, check=True, timeout=120, capture_output=True)

@@ -1,0 +1,385 @@
+"""LR finder: suggestion rules, exact restore, divergence/NaN stop, XLA compiles, digits quality."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import xla_utils
+from xla_utils import runtime
+from xla_utils.lr_finder import (DEFAULT_RULE, RULES, LRFinderResult, lr_find, suggest, suggest_minimum,
+                                 suggest_slide, suggest_steep, suggest_valley)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tensor_ds(n=256, d=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long() * (classes > 2)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _mlp(d=8, classes=3, dropout=0.0, bn=False):
+    layers = [nn.Linear(d, 16)]
+    if bn:
+        layers.append(nn.BatchNorm1d(16))
+    layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, classes)]
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------- rules
+LRS = np.logspace(-6, 1, 100)
+
+
+def test_minimum_rule():
+    losses = (np.log10(LRS) - np.log10(LRS[60])) ** 2 + 1.0
+    assert suggest_minimum(LRS, losses) == pytest.approx(LRS[60] / 10)
+
+
+def test_steep_rule():
+    # A tanh-shaped drop centred half way between points 50 and 51 (in log LR):
+    # the steepest segment is 50 -> 51, and the rule reports its left end.
+    x = np.log(LRS)
+    centre = (x[50] + x[51]) / 2
+    losses = 5.0 - 2.0 * np.tanh((x - centre) / 1.5)
+    assert suggest_steep(LRS, losses) == LRS[50]
+    # the steepest fall wins over a longer but gentler one
+    losses2 = losses - 0.5 * np.tanh((x - x[20]) / 8.0)
+    assert suggest_steep(LRS, losses2) == LRS[50]
+
+
+def test_valley_rule():
+    # rising 0.5 -> 0.9 over points 0-19, strictly falling 3.0 -> 0.1 over 20-79,
+    # rising above 3.0 afterwards. The longest decreasing run is points 20-79
+    # (60 long); fastai's valley takes start-1 + int(60/3) + int(60/6) = 49.
+    losses = np.concatenate([np.linspace(0.5, 0.9, 20), np.linspace(3.0, 0.1, 60),
+                             np.linspace(3.5, 9.0, 20)])
+    assert suggest_valley(LRS, losses) == LRS[49]
+
+
+def test_slide_rule():
+    # flat until point 59, then a parabola. np.gradient is 0 up to point 58 and
+    # grows after, so the walk from the right stops once the right probe reaches
+    # 58; the last left probe (15 points left of the right one at 59) is 44.
+    i = np.arange(100)
+    losses = 2.0 + 0.05 * np.clip(i - 59, 0, None) ** 2
+    assert suggest_slide(LRS, losses) == LRS[44]
+
+
+def test_suggest_trims_and_stops_at_nan():
+    losses = (np.log10(LRS) - np.log10(LRS[60])) ** 2 + 1.0
+    losses[:10] = 0.0  # inside the skipped first num_it // 10 points
+    out = suggest(LRS, losses, num_it=100)
+    assert set(out) == set(RULES)
+    assert out["minimum"] == pytest.approx(LRS[60] / 10)
+    # a NaN at point 40 cuts everything after it: the minimum is now at 39
+    with_nan = losses.copy()
+    with_nan[40] = np.nan
+    assert suggest(LRS, with_nan, num_it=100)["minimum"] == pytest.approx(LRS[39] / 10)
+    # too short: NaN everywhere
+    short = suggest(LRS[:7], losses[:7], num_it=100)
+    assert all(math.isnan(v) for v in short.values())
+
+
+# ---------------------------------------------------------------- restore
+def _rng_states():
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state().clone())
+
+
+def _same_rng(a, b):
+    na, nb = a[1], b[1]
+    return (a[0] == b[0] and np.array_equal(na[1], nb[1]) and na[2:] == nb[2:]
+            and torch.equal(a[2], b[2]))
+
+
+def _train(model, opt, ds, steps):
+    """A few steps that use every RNG (shuffle: torch; dropout: torch; noise: numpy, python)."""
+    model.train()
+    x_all, y_all = ds.tensors
+    for _ in range(steps):
+        idx = torch.randperm(len(y_all))[:32]
+        noise = torch.from_numpy(np.random.randn(32, x_all.shape[1]).astype(np.float32)) * random.random()
+        loss = nn.functional.cross_entropy(model(x_all[idx] + 0.01 * noise), y_all[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_in_process_restores_everything(optimizer):
+    ds = _tensor_ds()
+    torch.manual_seed(1)
+    model = _mlp(dropout=0.2, bn=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    _train(model, opt, ds, 3)  # non-trivial optimizer state, BN stats and grads
+    model.eval()  # a train/eval flag to restore
+    model[0].weight.grad = torch.full_like(model[0].weight, 0.5)
+    twin_model, twin_opt = copy.deepcopy((model, opt))
+    rng = _rng_states()
+    params_before = list(model.parameters())
+    grads_before = {k: (None if p.grad is None else p.grad.clone()) for k, p in model.named_parameters()}
+
+    res = lr_find(model, nn.functional.cross_entropy, ds, 32, optimizer=optimizer, num_it=30,
+                  show_progress=False)
+    assert isinstance(res, LRFinderResult) and len(res.lrs) > 10
+
+    assert _same_rng(rng, _rng_states())
+    for (k, a), b in zip(model.state_dict().items(), twin_model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert all(p is q for p, q in zip(model.parameters(), params_before))
+    for k, p in model.named_parameters():
+        g = grads_before[k]
+        assert (p.grad is None and g is None) or torch.equal(p.grad, g), k
+    assert not model.training and not any(m.training for m in model.modules())
+    assert str(opt.state_dict()) == str(twin_opt.state_dict())
+
+    # training after lr_find equals training without it, bit for bit
+    _set_rng(rng)
+    _train(twin_model, twin_opt, ds, 5)
+    _set_rng(rng)
+    _train(model, opt, ds, 5)
+    for (k, a), b in zip(model.state_dict().items(), twin_model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def _set_rng(state):
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
+def test_restore_after_an_exception():
+    ds = _tensor_ds()
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    rng = _rng_states()
+    calls = []
+
+    def bad_loss(out, y):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("boom")
+        return nn.functional.cross_entropy(out, y)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        lr_find(model, bad_loss, ds, 32, num_it=20, show_progress=False)
+    assert _same_rng(rng, _rng_states())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values()))
+
+
+# ---------------------------------------------------------------- stopping
+def test_divergence_stop_on_blow_up():
+    # Least squares with SGD: beyond lr ~ 2/L the iterates grow geometrically.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 4, generator=g) * 3
+    ds = torch.utils.data.TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    res = lr_find(lambda: nn.Linear(4, 1), lambda out, y: ((out.squeeze(1) - y) ** 2).mean(), ds, 64,
+                  start_lr=1e-5, end_lr=1e3, num_it=200, show_progress=False)
+    assert res.stop_reason == "diverged"
+    assert len(res.lrs) < 200 and res.lrs[-1] < 1e3
+    sm = res.smoothed
+    best = np.minimum.accumulate(sm)
+    # the loss read lags one step: the sweep ends one step after the crossing
+    assert sm[-2] > 4 * best[-2]
+    assert np.all(sm[:-2] <= 4 * best[:-2])
+    assert len(res.losses) == len(res.smoothed) == len(res.lrs) == len(res.compiles)
+    assert math.isfinite(res.suggestion) and res.suggestion < res.lrs[-1]
+
+
+class _NanAfter(nn.Module):
+    """Output turns NaN (or inf) from the k-th forward pass on."""
+
+    def __init__(self, k, value=float("nan")):
+        super().__init__()
+        self.lin, self.k, self.calls, self.value = nn.Linear(8, 3), k, 0, value
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        return out * self.value if self.calls >= self.k else out
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_inf_stops(value):
+    model = _NanAfter(40, value)
+    res = lr_find(model, nn.functional.cross_entropy, _tensor_ds(), 32, num_it=100,
+                  show_progress=False)
+    assert res.stop_reason == "nan"
+    assert len(res.lrs) == 41  # step 39 (the 40th) read one step late
+    assert np.all(np.isfinite(res.losses[:39])) and not np.isfinite(res.losses[39])
+    assert np.all(np.isfinite(res.smoothed[:39])) and np.isnan(res.smoothed[39:]).all()
+    assert math.isfinite(res.suggestion)
+
+
+def test_too_short_sweep_warns_and_gives_nan():
+    with pytest.warns(RuntimeWarning, match="too early"):
+        res = lr_find(_NanAfter(3), nn.functional.cross_entropy, _tensor_ds(), 32, num_it=100,
+                      show_progress=False)
+    assert math.isnan(res.suggestion) and res.stop_reason == "nan"
+
+
+# ---------------------------------------------------------------- options
+def test_accumulation_equals_the_big_batch():
+    """Without BatchNorm, 2 micro-batches of 32 make the same step as one of 64."""
+    ds = _tensor_ds(n=512)
+    kw = dict(num_it=25, shuffle=False, show_progress=False, optimizer="adam")
+    big = lr_find(lambda: _mlp(), nn.functional.cross_entropy, ds, 64, **kw)
+    acc = lr_find(lambda: _mlp(), nn.functional.cross_entropy, ds, 32, accum_steps=2, **kw)
+    assert (big.batch_size, acc.batch_size, acc.micro_batch_size, acc.accum_steps) == (64, 64, 32, 2)
+    np.testing.assert_allclose(acc.lrs, big.lrs, rtol=1e-12)
+    np.testing.assert_allclose(acc.losses, big.losses, rtol=1e-4)
+    small = lr_find(lambda: _mlp(), nn.functional.cross_entropy, ds, 32, **kw)
+    assert not np.allclose(small.losses[5:], big.losses[5:], rtol=1e-3)
+
+
+def test_uint8_images_are_normalised_on_device():
+    class Images(torch.utils.data.Dataset):
+        def __init__(self):
+            g = np.random.default_rng(0)
+            self.x = g.integers(0, 256, size=(96, 6, 6, 3), dtype=np.uint8)
+            self.y = (self.x[:, :3].mean(axis=(1, 2, 3)) > 127).astype(np.int64)
+
+        def __len__(self):
+            return len(self.y)
+
+        def __getitem__(self, i):
+            return self.x[i], int(self.y[i])
+
+    seen = []
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.fc = nn.Linear(4 * 4 * 4, 2)
+
+        def forward(self, x):
+            seen.append((x.dtype, tuple(x.shape), float(x.mean())))
+            return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+    res = lr_find(Net(), nn.functional.cross_entropy, Images(), 16, num_it=12, show_progress=False)
+    assert len(res.lrs) == 12
+    dtype, shape, mean = seen[0]
+    assert dtype == torch.float32 and shape == (16, 3, 6, 6) and -3 < mean < 3
+
+
+def test_argument_errors():
+    ds = _tensor_ds()
+    model = _mlp()
+    with pytest.raises(TypeError, match="dataset, not a DataLoader"):
+        lr_find(model, nn.functional.cross_entropy, torch.utils.data.DataLoader(ds), 32)
+    with pytest.raises(TypeError, match="optimizer spec"):
+        lr_find(model, nn.functional.cross_entropy, ds, 32,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="rule"):
+        lr_find(model, nn.functional.cross_entropy, ds, 32, rule="median")
+    with pytest.raises(ValueError, match="start_lr"):
+        lr_find(model, nn.functional.cross_entropy, ds, 32, start_lr=1.0, end_lr=0.1)
+    with pytest.raises(ValueError):  # no full batch
+        lr_find(model, nn.functional.cross_entropy, ds, 1000, show_progress=False)
+
+
+def test_lazy_exports_and_progress_bar(capsys):
+    assert xla_utils.lr_find is lr_find and xla_utils.LRFinderResult is LRFinderResult
+    res = xla_utils.lr_find(_mlp(), nn.CrossEntropyLoss(), _tensor_ds(), 32, num_it=15,
+                            rule="steep", show_progress=True)
+    assert res.rule == "steep" and res.suggestion == res.suggestions["steep"]
+    assert res.backend == "torch" and res.optimizer == "SGD"
+    assert "batch 32" in repr(res)
+
+
+# ---------------------------------------------------------------- plot
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = lr_find(_mlp(), nn.functional.cross_entropy, _tensor_ds(), 32, num_it=40, show_progress=False)
+    fig = res.plot(tmp_path / "lr.png")
+    assert (tmp_path / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("(suggestion)" in t and t.startswith(res.rule) for t in labels)
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+    res = LRFinderResult(lrs=LRS[:3], losses=np.ones(3), smoothed=np.ones(3),
+                         suggestions={r: 0.1 for r in RULES}, rule=DEFAULT_RULE, suggestion=0.1,
+                         batch_size=8, micro_batch_size=8, accum_steps=1, optimizer="SGD",
+                         stop_reason="num_it", backend="torch", device="cpu")
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"xla_utils\[plot\]"):
+        res.plot(tmp_path / "x.png")
+
+
+# ---------------------------------------------------------------- XLA:CPU
+def _make_image_net():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 4 * 4, 2))
+
+
+class _UInt8Images(torch.utils.data.Dataset):
+    def __len__(self):
+        return 128
+
+    def __getitem__(self, i):
+        g = np.random.default_rng(i)
+        return g.integers(0, 256, size=(6, 6, 3), dtype=np.uint8), i % 2
+
+
+@pytest.mark.parametrize("optimizer,accum", [("sgd", 1), ("adam", 2)])
+def test_xla_cpu_no_recompile_and_caller_untouched(optimizer, accum):
+    if not runtime.xla_available():
+        pytest.skip("torch_xla not installed")
+    # the caller's process has used autograd: the forked child must still work
+    _train(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), _tensor_ds(), 1)
+    model = _make_image_net()
+    before = copy.deepcopy(model.state_dict())
+    rng = _rng_states()
+    res = lr_find(model, nn.functional.cross_entropy, _UInt8Images(), 16, optimizer=optimizer,
+                  num_it=12, accum_steps=accum, simulate=1, show_progress=True, timeout=300)
+    assert res.backend == "xla" and res.device.startswith("xla")
+    assert len(res.compiles) == len(res.lrs) >= 10
+    assert res.compiles[:2].sum() >= 1
+    assert res.compiles[2:].sum() == 0, res.compiles
+    assert res.batch_size == 16 * accum
+    assert np.all(np.isfinite(res.losses[:5]))
+    assert _same_rng(rng, _rng_states())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values()))
+
+
+# ---------------------------------------------------------------- digits quality
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_lr_finder", ROOT / "scripts" / "bench_lr_finder.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_digits_default_rule_quality():
+    """The acceptance target, at seed 0 and the benchmark's budget (see
+    docs/BENCHMARKS.md): for an MLP and a CNN, each with SGD and Adam, one-cycle
+    at the default suggestion is within 2x of the best val loss of an 11-point
+    max_lr grid and beats 10x and 1/10 of the grid's best LR."""
+    pytest.importorskip("sklearn")
+    bench = _load_bench()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = bench.load_digits_split()
+        failures = []
+        for kind, opt_name in bench.CONFIGS:
+            c = bench.evaluate_config(kind, opt_name, 0, data, bench.Budget(), rules=(DEFAULT_RULE,))
+            if not c.passes(DEFAULT_RULE):
+                failures.append(f"{kind}+{opt_name}: lr {c.suggestions[DEFAULT_RULE]:.3g} -> "
+                                f"{c.rule_loss[DEFAULT_RULE]:.3f}; grid best {c.best_lr:.3g} -> "
+                                f"{c.best_loss:.3f}, 10x {c.loss_10x:.3f}, 1/10 {c.loss_01x:.3f}")
+    finally:
+        torch.set_num_threads(threads)
+    assert not failures, failures

@@ -1,0 +1,231 @@
+"""xla_utils.runtime on real XLA:CPU (no mocks): launch, simulated cores, errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from xla_utils import runtime as rt
+
+
+def _reduce_job(steps: int):
+    r, n, dev = rt.rank(), rt.world_size(), rt.device()
+    x = torch.tensor([float(r + 2)], device=dev)  # never 0.0/1.0: those are graph constants
+    sums = []
+    for _ in range(steps):
+        s = rt.all_reduce(x)
+        rt.sync()
+        sums.append(float(s.cpu()))
+    onehot = torch.zeros(n)
+    onehot[r] = 2.0
+    seen = rt.all_reduce(onehot.to(dev))
+    rt.sync()
+    return {
+        "n": n,
+        "sums": sums,
+        "ranks": (seen.cpu() / 2).tolist(),
+        "number_sum": rt.all_reduce(r * 1.5),
+        "number_mean": rt.all_reduce(float(r), op="mean"),
+        "sim": rt.is_simulated(),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_simulated_all_reduce_exact_20_times():
+    expected = float(sum(r + 2 for r in range(8)))
+    for attempt in range(20):
+        out = rt.launch(_reduce_job, 3, simulate=8, timeout=120)
+        assert out["n"] == 8, attempt
+        assert out["sums"] == [expected] * 3, attempt
+        assert out["ranks"] == [1.0] * 8, attempt  # 8 distinct ranks 0..7
+        assert out["number_sum"] == 1.5 * sum(range(8))
+        assert out["number_mean"] == sum(range(8)) / 8
+        assert out["sim"] is True
+
+
+def _fail_in_rank_3():
+    r, dev = rt.rank(), rt.device()
+    x = torch.tensor([3.0], device=dev)
+    for step in range(50):
+        if r == 3 and step == 2:
+            raise ValueError("deliberate failure in rank three")
+        x = rt.all_reduce(x) / 7.5
+        rt.sync()
+    return float(x.cpu())
+
+
+@pytest.mark.timeout(90)
+def test_exception_in_rank_3_reaches_caller_with_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(rt.ReplicaError) as info:
+        rt.launch(_fail_in_rank_3, simulate=8)
+    err = info.value
+    assert err.rank == 3
+    assert err.exc_type == "ValueError"
+    assert "deliberate failure in rank three" in err.remote_traceback
+    assert "_fail_in_rank_3" in err.remote_traceback  # the replica's own frame
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(90)
+def test_replica_process_crash_is_reported():
+    def crash():
+        if rt.rank() == 5:
+            os._exit(3)
+        for _ in range(3):
+            rt.sync()
+
+    with pytest.raises(rt.ReplicaError, match="died abruptly"):
+        rt.launch(crash, simulate=8)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_kills_job():
+    def forever():
+        while True:
+            time.sleep(0.1)
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        rt.launch(forever, simulate=2, timeout=3)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(60)
+def test_closure_and_cores_1():
+    captured = {"k": 7}
+    # A closure cannot be pickled: works only because launch forks.
+    out = rt.launch(lambda: (rt.world_size(), rt.rank(), str(rt.device()), captured["k"]),
+                    cores=1, simulate=8)
+    assert out[0] == 1 and out[1] == 0 and out[2].startswith("xla") and out[3] == 7
+
+
+@pytest.mark.timeout(60)
+def test_save_master_writes_all_meet(tmp_path):
+    path = tmp_path / "ck.pt"
+
+    def job():
+        w = torch.full((3,), 2.5, device=rt.device()) * (rt.rank() + 2)
+        rt.save({"w": w, "rank": rt.rank()}, path)
+        return path.exists()  # every replica sees the file after save returns
+
+    assert rt.launch(job, simulate=4) is True
+    obj = torch.load(path)
+    assert obj["rank"] == 0 and torch.equal(obj["w"], torch.full((3,), 5.0))
+    assert not (tmp_path / "ck.pt.tmp").exists()
+
+
+@pytest.mark.timeout(60)
+def test_compile_count_stable_and_report():
+    def job():
+        dev = rt.device()
+        w = torch.randn(4, 4).to(dev)
+        counts = []
+        before = rt.metrics()
+        for _ in range(6):
+            w = torch.tanh(w @ w.T * 0.5)
+            rt.sync()
+            counts.append(rt.metrics()["compiles"])
+        return counts, rt.metrics_report(before, rt.metrics(), steps=6)
+
+    counts, report = rt.launch(job, simulate=2)
+    assert counts[0] >= 1 and counts[-1] == counts[1]  # compiled once, then cached
+    assert "XLA compilations" in report and "No CPU-fallback ops" in report
+
+
+def test_torch_backend_in_process():
+    # No TPU here and no simulate: plain torch, world size 1, in this process.
+    out = rt.launch(lambda: (rt.backend(), rt.world_size(), rt.rank(), rt.device().type,
+                             os.getpid()))
+    assert out == ("torch", 1, 0, "cuda" if torch.cuda.is_available() else "cpu", os.getpid())
+    assert rt.all_reduce(3.0) == 3.0
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.ones(1, 2)).sum().backward()
+    before = m.weight.detach().clone()
+    rt.launch(rt.optimizer_step, opt)
+    assert not torch.equal(before, m.weight)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="cores"):
+        rt.launch(print, cores=4)
+    with pytest.raises(ValueError, match="simulate"):
+        rt.launch(print, simulate=0)
+
+
+def _run_py(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_launch_refuses_when_runtime_initialised():
+    p = _run_py("""
+        import torch_xla
+        from xla_utils import runtime as rt
+        torch_xla.device()  # initialises the runtime in this process
+        try:
+            rt.launch(print, simulate=2)
+        except rt.RuntimeAlreadyInitializedError as e:
+            print("REFUSED:", e)
+    """)
+    assert "REFUSED:" in p.stdout, p.stderr[-2000:]
+    assert "restart" in p.stdout
+
+
+def test_missing_torch_xla_message():
+    p = _run_py("""
+        import sys
+        sys.modules['torch_xla'] = None  # behaves as not installed
+        from xla_utils import runtime as rt
+        try:
+            rt.launch(print, simulate=2)
+        except rt.XLAUnavailableError as e:
+            print("MSG:", e)
+    """)
+    assert "MSG: torch_xla is not installed" in p.stdout, p.stderr[-2000:]
+    assert "pip install" in p.stdout
+
+
+@pytest.mark.timeout(60)
+def test_backward_in_parent_before_launch():
+    # A CPU backward here initialises autograd's device queues for 0 XLA devices;
+    # the forked replicas must still be able to run backward on XLA.
+    w = torch.ones(2, requires_grad=True)
+    (w * 2).sum().backward()
+
+    def job():
+        v = torch.ones(2, device=rt.device(), requires_grad=True)
+        (v * (rt.rank() + 3)).sum().backward()
+        rt.sync()
+        return rt.all_reduce(float(v.grad.cpu().sum()))
+
+    assert rt.launch(job, simulate=2) == 2 * 3 + 2 * 4
+
+
+@pytest.mark.timeout(60)
+def test_device_prefetch_copies_before_host_buffer_reuse():
+    import numpy as np
+
+    def job():
+        buf = np.zeros((64, 64), dtype=np.float32)
+
+        def reusing_loader():
+            for k in range(12):
+                buf[:] = k + 2  # the same host memory for every batch
+                yield torch.from_numpy(buf)
+
+        sums = []
+        for x in rt.device_prefetch(reusing_loader(), depth=2):
+            s = x.sum()
+            rt.sync()
+            sums.append(float(s.cpu()))
+        return sums
+
+    assert rt.launch(job, simulate=1) == [64 * 64 * (k + 2.0) for k in range(12)]

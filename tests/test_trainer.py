@@ -1,0 +1,164 @@
+"""OneCycleTrainer and debug_run on real XLA:CPU (simulated cores) and plain torch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from xla_utils import OneCycleSchedule, OneCycleTrainer, debug_run, runtime
+from xla_utils.trainer import TrainerConfig, scale_lr
+
+
+def _digits_tensors(n_val: int = 360):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(len(x), generator=g)
+    x, y = x[perm], y[perm]
+    train = torch.utils.data.TensorDataset(x[n_val:], y[n_val:])
+    val = torch.utils.data.TensorDataset(x[:n_val], y[:n_val])
+    return train, val
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def test_config_validation_and_scaling():
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainerConfig(batch_size=0)
+    with pytest.raises(ValueError, match="lr_scaling"):
+        TrainerConfig(lr_scaling="cubic")
+    with pytest.raises(TypeError, match="options are"):
+        OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), [], batchsize=3)
+    assert scale_lr(1e-3, 8, "linear") == pytest.approx(8e-3)
+    assert scale_lr(1e-3, 4, "sqrt") == pytest.approx(2e-3)
+    assert scale_lr(1e-3, 8, "none") == 1e-3
+    assert TrainerConfig(optimizer="sgd").scaling_rule == "linear"
+    assert TrainerConfig(optimizer="adam").scaling_rule == "sqrt"
+
+
+def test_torch_backend_fit_learns_and_reports(capsys):
+    train, val = _digits_tensors()
+    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, batch_size=32, epochs=3,
+                        max_lr=1e-2, optimizer="adam", seed=1)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    h = t.fit()
+    out = capsys.readouterr().out
+    assert "1 core x 32 per core = 32 global batch; max_lr 0.01 x 1 = 0.01 (sqrt scaling)" in out
+    assert h.backend == "torch" and len(h) == 3
+    assert h[-1]["accuracy"] > 0.9
+    assert h[-1]["samples"] == len(val)  # every validation sample counted once
+    assert h[0]["train_loss"] > h[-1]["train_loss"]
+    # the trained weights land in the caller's model and in the history
+    assert not torch.equal(before["0.weight"], t.model.state_dict()["0.weight"])
+    assert torch.equal(h.state_dict["0.weight"], t.model.state_dict()["0.weight"])
+    steps = 3 * (len(train) // 32)
+    sched = OneCycleSchedule(steps, 1e-2)
+    assert h[-1]["lr_last"] == pytest.approx(sched.lr(steps - 1), rel=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_simulated_8_cores_equal_one_core_with_8x_batch():
+    """Gradient averaging over 8 replicas of batch b == one replica with batch 8b."""
+    train, _ = _digits_tensors()
+    torch.manual_seed(0)
+    init = _mlp()
+    results = []
+    for cores, bs in ((8, 8), (1, 64)):
+        t = OneCycleTrainer(_copy(init), nn.CrossEntropyLoss(), train, batch_size=bs, epochs=1,
+                            max_lr=0.05, optimizer="sgd", lr_scaling="none", seed=3)
+        h = t.fit(simulate=8, cores="all" if cores == 8 else 1)
+        assert h.world_size == cores and h.global_batch == 64
+        results.append(h.state_dict)
+    a, b = results
+    moved = (a["0.weight"] - init.state_dict()["0.weight"]).abs().max()
+    assert moved > 1e-3  # the run really trained
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def _copy(m):
+    import copy
+
+    return copy.deepcopy(m)
+
+
+@pytest.mark.timeout(300)
+def test_compiles_constant_after_first_epoch_and_resume_exact(tmp_path):
+    train, val = _digits_tensors()
+    torch.manual_seed(0)
+    init = _mlp()
+    kw = dict(batch_size=16, epochs=3, max_lr=5e-3, optimizer="adamw", weight_decay=1e-4,
+              seed=5, checkpoint_dir=str(tmp_path / "full"), keep_checkpoints=3)
+    full = OneCycleTrainer(_copy(init), nn.CrossEntropyLoss(), train, val, **kw).fit(simulate=4)
+    compiles = [e["compiles"] for e in full.epochs]
+    assert compiles[0] > 0 and compiles[1] == compiles[0] and compiles[2] == compiles[0], compiles
+    assert (tmp_path / "full" / "final.pt").exists()
+    assert sorted(p.name for p in (tmp_path / "full").glob("epoch_*.pt")) == [
+        "epoch_001.pt", "epoch_002.pt", "epoch_003.pt"]
+
+    kw["checkpoint_dir"] = str(tmp_path / "resumed")
+    resumed_t = OneCycleTrainer(_copy(init), nn.CrossEntropyLoss(), train, val, **kw)
+    resumed = resumed_t.fit(simulate=4, resume=tmp_path / "full" / "epoch_002.pt")
+    assert [e["epoch"] for e in resumed.epochs] == [1, 2, 3]
+    assert resumed.epochs[:2] == full.epochs[:2]  # history carried over
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=1e-6)
+    final = torch.load(tmp_path / "resumed" / "final.pt")
+    torch.testing.assert_close(final["0.weight"], full.state_dict["0.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_resume_refuses_other_world_size(tmp_path):
+    train, _ = _digits_tensors()
+    t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=64, epochs=2,
+                        checkpoint_dir=str(tmp_path))
+    t.fit()
+    with pytest.raises(runtime.ReplicaError, match="1 cores"):
+        OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=64, epochs=2).fit(
+            simulate=2, resume=tmp_path / "epoch_001.pt")
+    with pytest.raises(ValueError, match="final.pt holds weights only"):
+        t.fit(resume=tmp_path / "final.pt")
+
+
+@pytest.mark.timeout(120)
+def test_exception_in_step_reaches_caller():
+    train, _ = _digits_tensors()
+    calls = {"n": 0}
+
+    def bad_step(model, batch, loss_fn):
+        calls["n"] += 1
+        if runtime.rank() == 2 and calls["n"] > 3:
+            raise RuntimeError("bad batch in custom train_step")
+        x, y = batch
+        return loss_fn(model(x), y)
+
+    t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16, epochs=1,
+                        train_step=bad_step)
+    with pytest.raises(runtime.ReplicaError, match="bad batch in custom train_step") as info:
+        t.fit(simulate=4)
+    assert info.value.rank == 2 and "bad_step" in info.value.remote_traceback
+
+
+@pytest.mark.timeout(120)
+def test_debug_run_uses_barrier_one_execution_per_step():
+    train, _ = _digits_tensors()
+    rep = debug_run(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16, steps=5,
+                    print_report=False)
+    assert rep.backend == "xla" and rep.steps == 5
+    assert [s["executions"] for s in rep.per_step] == [1] * 5
+    assert rep.per_step[0]["compiles"] >= 1
+    assert all(s["compiles"] == 0 for s in rep.per_step[2:])
+    assert "No CPU-fallback ops" in rep.report and "no recompilation" in rep.report
+    assert all(np.isfinite(rep.losses))
+
+
+def test_bf16_autocast_runs():
+    train, val = _digits_tensors()
+    h = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=1,
+                        max_lr=1e-2, bf16=True).fit()
+    assert np.isfinite(h[0]["train_loss"]) and np.isfinite(h[0]["val_loss"])

@@ -1,0 +1,261 @@
+"""``tpu_cache_ds``: build, inspect, verify, preview and benchmark image caches.
+
+    tpu_cache_ds build SRC OUT --size 224 --variants 4 [--codec raw|jpeg] [--shard-size 256MB]
+                       [--workers N] [--labels FILE.csv] [--strict] [--overwrite] [--dry-run]
+    tpu_cache_ds info OUT [--json]
+    tpu_cache_ds verify OUT [--full]
+    tpu_cache_ds preview OUT --out grid.png
+    tpu_cache_ds bench OUT [--json]
+
+Also ``python -m xla_utils.cache ...``. Exit status: 0 on success, 1 on a failed
+build or a failed verification, 2 on bad arguments. ``build``, ``info`` and
+``verify`` import neither torch nor torch_xla.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Any, Sequence
+
+from .cache import (BadImageError, BuildError, CacheConfig, _fmt_bytes, build_cache, cache_info, parse_size,
+                    read_manifest, verify_cache)
+
+__all__ = ["main", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"256MiB"`` -> 268435456, ``"256MB"`` -> 256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB, 256MB, 1G or 4096")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 224 or 256x224 (HxW)") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = CacheConfig()
+    p = argparse.ArgumentParser(prog="tpu_cache_ds", description="Sharded uint8 image caches for fast "
+                                "TPU input pipelines (xla_utils).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("build", help="build or resume a cache from an image folder, a CSV or labels",
+                       description="Build a cache; rerunning the same command resumes it.")
+    b.add_argument("src", metavar="SRC", help="image folder (one sub-folder per class; flat = unlabelled) "
+                   "or a CSV of path,label rows (multi-label: space-separated labels)")
+    b.add_argument("out", metavar="OUT", help="output directory")
+    b.add_argument("--size", type=_size, default=d.size, help="output size, 224 or HxW (default 224)")
+    b.add_argument("--variants", type=int, default=d.variants,
+                   help="stored variants per image; >1 means random-resized crops (default 1: plain)")
+    b.add_argument("--codec", choices=("raw", "jpeg"), default=d.codec,
+                   help="raw uint8 (fastest loading, default) or jpeg (about 8-10x smaller)")
+    b.add_argument("--quality", type=int, default=d.quality, help="JPEG quality (default 90)")
+    b.add_argument("--shard-size", type=parse_bytes, default=d.shard_size,
+                   help="target shard size, e.g. 256MiB, 1GB (MB/GB decimal, MiB/GiB binary; default 256MiB)")
+    b.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    b.add_argument("--labels", metavar="FILE.csv", help="CSV of path,label rows with paths relative to SRC")
+    b.add_argument("--classes-from", metavar="CACHE", help="reuse the class list of another cache "
+                   "(e.g. the training cache when building the validation cache)")
+    b.add_argument("--strict", action="store_true", help="stop at the first bad image instead of skipping it")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing cache in OUT")
+    b.add_argument("--dry-run", action="store_true", help="estimate size, time and shards from a pilot; "
+                   "write nothing")
+    aug = b.add_mutually_exclusive_group()
+    aug.add_argument("--augment", dest="augment", action="store_const", const=True, default=None,
+                     help="random-resized-crop variants even with --variants 1")
+    aug.add_argument("--plain", dest="augment", action="store_const", const=False,
+                     help="plain resize (only with --variants 1)")
+    b.add_argument("--resize", choices=("crop", "stretch"), default=d.resize,
+                   help="plain variant: shorter side + centre crop (default) or exact stretch")
+    b.add_argument("--scale", type=float, nargs=2, metavar=("MIN", "MAX"), default=d.scale,
+                   help="random crop area fraction (default 0.25 1)")
+    b.add_argument("--ratio", type=float, nargs=2, metavar=("MIN", "MAX"), default=d.ratio,
+                   help="random crop aspect ratio w/h (default 0.75 1.333)")
+    b.add_argument("--rotate", type=float, default=d.rotate, help="max rotation in degrees (default 0)")
+    b.add_argument("--flip", action="store_true", help="bake random horizontal flips into variants "
+                   "(usually better done on the device: images_to_float(flip=True))")
+    b.add_argument("--seed", type=int, default=d.seed, help="augmentation seed (default 0)")
+    b.add_argument("--resample", choices=("bilinear", "bicubic", "lanczos"), default=d.resample)
+    b.add_argument("--small", choices=("upscale", "skip"), default=d.small,
+                   help="images smaller than --size: upscale and list them (default) or skip them")
+    b.add_argument("--max-pixels", type=int, default=d.max_pixels,
+                   help="skip sources with more pixels (decompression bombs; default 89478485)")
+    ml = b.add_mutually_exclusive_group()
+    ml.add_argument("--multilabel", dest="multilabel", action="store_const", const=True, default=None,
+                    help="CSV labels are multi-label even if every row has one")
+    ml.add_argument("--single-label", dest="multilabel", action="store_const", const=False)
+    b.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    b.set_defaults(func=_cmd_build)
+
+    i = sub.add_parser("info", help="summary of a cache")
+    i.add_argument("out", metavar="OUT")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=_cmd_info)
+
+    v = sub.add_parser("verify", help="check every shard's size and crc32 (exit 1 and name the bad file)")
+    v.add_argument("out", metavar="OUT")
+    v.add_argument("--full", action="store_true", help="also parse every shard and decode every JPEG")
+    v.set_defaults(func=_cmd_verify)
+
+    pv = sub.add_parser("preview", help="PNG grid: one row per image, one column per variant")
+    pv.add_argument("out", metavar="OUT")
+    pv.add_argument("--out", dest="png", required=True, metavar="GRID.png")
+    pv.add_argument("--images", type=int, default=8, help="rows (default 8, spread over the cache)")
+    pv.add_argument("--max-variants", type=int, default=8, help="columns at most (default 8)")
+    pv.set_defaults(func=_cmd_preview)
+
+    bn = sub.add_parser("bench", help="loader throughput (samples/s) of iterate_batches in this process")
+    bn.add_argument("out", metavar="OUT")
+    bn.add_argument("--batch-size", type=int, default=256)
+    bn.add_argument("--workers", type=int, default=None, help="loader threads (default min(4, cores))")
+    bn.add_argument("--seconds", type=float, default=5.0, help="timed duration after one warm-up pass")
+    bn.add_argument("--json", action="store_true", help="machine-readable output")
+    bn.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tpu_cache_ds``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (BuildError, BadImageError, FileNotFoundError, ValueError) as e:
+        print(f"tpu_cache_ds {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"tpu_cache_ds {args.command}: interrupted (finished shards are kept; rerun to resume)",
+              file=sys.stderr)
+        return 130
+
+
+def _cmd_build(a: argparse.Namespace) -> int:
+    classes = read_manifest(a.classes_from)["classes"] if a.classes_from else None
+    cfg = CacheConfig(size=a.size, variants=a.variants, augment=a.augment, resize=a.resize, scale=tuple(a.scale),
+                      ratio=tuple(a.ratio), rotate=a.rotate, flip=a.flip, seed=a.seed, codec=a.codec,
+                      quality=a.quality, shard_size=a.shard_size, resample=a.resample, small=a.small,
+                      max_pixels=a.max_pixels, multilabel=a.multilabel)
+    build_cache(a.src, a.out, cfg, labels=a.labels, classes=classes, workers=a.workers, strict=a.strict,
+                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet)
+    return 0
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    info = cache_info(a.out)
+    if a.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    h, w = info["image_size"]
+    classes = info["classes"] or []
+    shown = ", ".join(classes[:10]) + (f", ... ({len(classes) - 10} more)" if len(classes) > 10 else "")
+    cfg = info["config"]
+    lines = [
+        f"cache:    {info['path']} ({'complete' if info['complete'] else 'INCOMPLETE: rerun the build'})",
+        f"images:   {info['num_images']:,} of {info['num_sources']:,} sources ({len(info['skipped'])} skipped, "
+        f"{info['upscaled']} upscaled), {info['num_variants']} variant(s) at {w}x{h}, {info['codec']}",
+        f"labels:   {info['num_classes']} classes{' (multi-label)' if info['multilabel'] else ''}: {shown}",
+        f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {_fmt_bytes(info['bytes'])}",
+        f"augment:  {cfg['augment']} (scale {cfg['scale']}, ratio {[round(r, 3) for r in cfg['ratio']]}, "
+        f"rotate {cfg['rotate']}, flip {cfg['flip']}, seed {cfg['seed']})",
+        f"source:   {info['source']['kind']} {info['source']['path']}",
+    ]
+    lines += [f"skipped:  {e['path']}: {e['reason']}" for e in info["skipped"][:10]]
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    r = verify_cache(a.out, full=a.full)
+    if r.ok:
+        print(f"OK: {r.checked_files} shards, {_fmt_bytes(r.checked_bytes)} checked"
+              + (" (full decode)" if a.full else " (size + crc32)"))
+        return 0
+    for line in r.problems:
+        print(f"BAD {line}", file=sys.stderr)
+    print(f"FAILED: {len(r.bad_files)} bad file(s): {', '.join(r.bad_files) or '-'}", file=sys.stderr)
+    return 1
+
+
+def _cmd_preview(a: argparse.Namespace) -> int:
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from .data import CachedImageDataset
+
+    ds = CachedImageDataset(a.out)
+    rows = sorted({int(round(x)) for x in np.linspace(0, len(ds) - 1, min(a.images, len(ds)))})
+    cols = min(ds.num_variants, a.max_variants)
+    h, w = ds.image_size
+    pad, text = 4, 14
+    grid = Image.new("RGB", (pad + cols * (w + pad), pad + len(rows) * (h + text + pad)), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
+    for r, i in enumerate(rows):
+        y = pad + r * (h + text + pad)
+        label = ds.label(i)
+        if ds.multilabel:
+            name = " ".join(ds.classes[c] for c in np.flatnonzero(label)) or "-"
+        else:
+            name = ds.classes[label] if 0 <= label < len(ds.classes) else "unlabelled"
+        draw.text((pad, y), f"#{i} {name}"[: max(8, cols * w // 7)], fill=(0, 0, 0))
+        for v in range(cols):
+            grid.paste(Image.fromarray(ds.image(i, v)), (pad + v * (w + pad), y + text))
+    grid.save(a.png)
+    print(f"wrote {a.png}: {len(rows)} images x {cols} variant(s)")
+    return 0
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from .data import CachedImageDataset
+
+    ds = CachedImageDataset(a.out)
+    bs = min(a.batch_size, len(ds))
+    result = bench_loader(ds, bs, a.workers, a.seconds)
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{result['samples_per_s']:,.0f} samples/s ({result['mb_per_s']:,.0f} MB/s of uint8) over "
+              f"{result['batches']} batches of {bs} at {result['image_size'][1]}x{result['image_size'][0]} "
+              f"({result['codec']}, {result['workers']} threads, {result['seconds']:.1f} s after a warm-up pass)")
+    return 0
+
+
+def bench_loader(ds: Any, batch_size: int, workers: int | None, seconds: float) -> dict[str, Any]:
+    """Samples/s of :func:`iterate_batches` over ``ds`` for about ``seconds``, after
+    one untimed warm-up pass (bounded by ``seconds``) that fills the page cache."""
+    from .data import iterate_batches
+
+    workers = workers if workers is not None else min(4, os.cpu_count() or 1)
+
+    def timed(limit: float, epoch: int) -> tuple[int, float]:
+        n, t0 = 0, time.perf_counter()
+        for x, _, _ in iterate_batches(ds, batch_size, epoch=epoch, num_workers=workers, drop_last=True):
+            n += x.shape[0]
+            if time.perf_counter() - t0 > limit:
+                break
+        return n, time.perf_counter() - t0
+
+    timed(seconds, 0)
+    samples, elapsed, epoch = 0, 0.0, 1
+    while elapsed < seconds:
+        n, t = timed(seconds - elapsed, epoch)
+        samples, elapsed, epoch = samples + n, elapsed + t, epoch + 1
+    h, w = ds.image_size
+    return {"samples_per_s": samples / elapsed, "mb_per_s": samples * h * w * 3 / elapsed / 1e6,
+            "batches": samples // batch_size, "batch_size": batch_size, "seconds": elapsed,
+            "workers": workers, "codec": ds.codec,
+            "image_size": [h, w], "num_images": len(ds)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""Reading an image cache built by :mod:`xla_utils.cache`.
+
+* :class:`CachedImageDataset` - map-style ``(uint8 HxWx3 image, label)`` over the
+  memory-mapped shards (8 processes share one copy in the page cache); epoch
+  ``e`` shows variant ``e % num_variants`` of every image.
+* :class:`DistributedBatchSampler` - one exact global shuffle per epoch, cut into
+  the same number of full batches on every rank (no ragged batch, so no
+  recompiles); ``drop_last=False`` pads the tail and marks the padding invalid.
+* :func:`iterate_batches` - uint8 NHWC batches assembled by background threads
+  into a ring of preallocated buffers (no per-sample tensors, no collate).
+* :func:`images_to_float` - uint8 NHWC -> normalised NCHW float/bf16 (optional
+  random flip) on whatever device the batch is on, so the host never normalises.
+
+Everything here is safe to share between threads: the dataset is read-only
+after construction and all per-pass state lives in the iterator. (The one
+exception is :meth:`CachedImageDataset.set_epoch`, which only affects
+``ds[i]``; :func:`iterate_batches` takes ``epoch`` explicitly.) torch_xla is
+never imported here.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .cache import JPEG_MAGIC, LABELS, read_manifest
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "CachedImageDataset",
+    "DistributedBatchSampler",
+    "BatchIterable",
+    "iterate_batches",
+    "images_to_float",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class CachedImageDataset:
+    """Map-style dataset over a complete cache directory.
+
+    ``ds[i]`` is ``(image, label)``: ``image`` a ``uint8[H, W, 3]`` array (a copy),
+    ``label`` an ``int`` class index (-1 = unlabelled) or, for multi-label caches, a
+    ``float32[num_classes]`` multi-hot array. Indices follow the source order with
+    skipped images left out (``source_indices`` maps back to the source).
+
+    Attributes: ``classes``, ``num_classes``, ``multilabel``, ``image_size`` (H, W),
+    ``num_variants``, ``codec``, ``labels`` (``int64[N]`` or ``float32[N, C]``),
+    ``source_indices``, ``manifest``, ``path``, ``epoch``.
+    """
+
+    def __init__(self, path: str | os.PathLike, epoch: int = 0):
+        self.path = Path(path).expanduser().resolve()
+        self.epoch = epoch
+        self._open()
+
+    def _open(self) -> None:
+        m = read_manifest(self.path)
+        if not m["complete"]:
+            raise ValueError(f"the cache in {self.path} is incomplete ({len(m['shards'])}/{m['num_shards']} "
+                             "shards): rerun the same build command to finish it")
+        self.manifest = m
+        self.classes: list[str] = list(m["classes"])
+        self.num_classes = len(self.classes)
+        self.multilabel: bool = bool(m["multilabel"])
+        self.image_size: tuple[int, int] = tuple(m["image_size"])
+        self.num_variants: int = int(m["num_variants"])
+        self.codec: str = m["codec"]
+        labels = np.load(self.path / LABELS)
+        self.labels = labels.astype(np.float32) if self.multilabel else labels.astype(np.int64)
+        counts = np.array([s["num_images"] for s in m["shards"]], dtype=np.int64)
+        self._n = int(counts.sum())
+        if len(self.labels) != self._n:
+            raise ValueError(f"{self.path / LABELS} has {len(self.labels)} labels for {self._n} images")
+        self._shard_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self._local = np.arange(self._n, dtype=np.int64) - starts[self._shard_of]
+        skipped = {e["source_index"] for e in m["skipped"]}
+        self.source_indices = np.array(
+            [i for s in m["shards"] for i in range(s["first_source"], s["first_source"] + s["num_sources"])
+             if i not in skipped], dtype=np.int64)
+        # raw: per variant, per shard, a uint8[n, H, W, 3] view of the memory map.
+        # jpeg: per shard, (memory map, int64 offsets, images in the shard).
+        self._slabs: list[list[np.ndarray | None]] = []
+        self._jpeg: list[tuple[np.memmap, np.ndarray, int] | None] = []
+        for s in m["shards"]:
+            f = self.path / s["file"]
+            if s["num_images"] == 0:
+                self._jpeg.append(None)
+                self._slabs.append([None] * self.num_variants)
+            elif self.codec == "raw":
+                # plain ndarray views: indexing an np.memmap subclass costs more per sample
+                self._slabs.append(list(np.load(f, mmap_mode="r").view(np.ndarray)))
+            else:
+                mm = np.memmap(f, dtype=np.uint8, mode="r")
+                if mm[:8].tobytes() != JPEG_MAGIC:
+                    raise ValueError(f"{f} is not a JPEG shard")
+                count = int(mm[8:16].view("<u8")[0])
+                offsets = np.array(mm[16:16 + 8 * (count + 1)].view("<u8"), dtype=np.int64)
+                self._jpeg.append((mm, offsets, s["num_images"]))
+        self._slabs = [list(v) for v in zip(*self._slabs)] if self._slabs else []
+        self._rings: dict[tuple, _Ring] = {}  # batch buffers reused by consecutive passes (see _ring_batches)
+        self._rings_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # memory maps are reopened, not pickled
+        return {"path": self.path, "epoch": self.epoch}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path, self.epoch = state["path"], state["epoch"]
+        self._open()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        h, w = self.image_size
+        return (f"CachedImageDataset({str(self.path)!r}: {self._n} images, {w}x{h}, "
+                f"{self.num_variants} variant(s), {self.codec}, {self.num_classes} classes"
+                f"{', multi-label' if self.multilabel else ''})")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the variant that ``ds[i]`` shows (``epoch % num_variants``)."""
+        self.epoch = int(epoch)
+
+    def variant(self, epoch: int) -> int:
+        """Variant shown in ``epoch``."""
+        return int(epoch) % self.num_variants
+
+    def _check(self, i: int) -> int:
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"index {i} out of range for {self._n} images")
+        return i
+
+    def label(self, i: int) -> int | np.ndarray:
+        i = self._check(i)
+        return self.labels[i].copy() if self.multilabel else int(self.labels[i])
+
+    def image(self, i: int, variant: int = 0) -> np.ndarray:
+        """Variant ``variant`` of image ``i`` as a new ``uint8[H, W, 3]`` array."""
+        i = self._check(i)
+        out = np.empty((*self.image_size, 3), np.uint8)
+        self._read(int(self._shard_of[i]), variant % self.num_variants, int(self._local[i]), out)
+        return out
+
+    def _read(self, s: int, v: int, j: int, out: np.ndarray) -> None:
+        if self.codec == "raw":
+            out[...] = self._slabs[v][s][j]
+            return
+        mm, offsets, n = self._jpeg[s]
+        e = v * n + j
+        with Image.open(io.BytesIO(mm[offsets[e]:offsets[e + 1]])) as im:
+            out[...] = np.asarray(im)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int | np.ndarray]:
+        return self.image(i, self.variant(self.epoch)), self.label(i)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, Any]]:
+        """Batched fetch used by ``torch.utils.data.DataLoader``: one gather into one
+        array, returned as per-sample views so the default collate still works."""
+        idx = np.asarray(indices, dtype=np.int64)
+        x = np.empty((len(idx), *self.image_size, 3), np.uint8)
+        self.load_batch(idx, self.epoch, x)
+        return [(x[k], self.label(i)) for k, i in enumerate(idx)]
+
+    def load_batch(self, indices: np.ndarray, epoch: int, out: np.ndarray) -> None:
+        """Copy images ``indices`` (variant of ``epoch``) into ``out`` (``uint8[B, H, W, 3]``)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self._n):
+            raise IndexError(f"indices out of range for {self._n} images")
+        v = self.variant(epoch)
+        shards, local = self._shard_of[idx].tolist(), self._local[idx].tolist()
+        if self.codec == "raw":
+            slabs = self._slabs[v]
+            for k, (s, j) in enumerate(zip(shards, local)):
+                out[k] = slabs[s][j]
+        else:
+            for k, (s, j) in enumerate(zip(shards, local)):
+                self._read(s, v, j, out[k])
+
+
+class DistributedBatchSampler:
+    """Exact global shuffle cut into equal full batches per rank.
+
+    Every epoch draws one permutation of all ``num_samples`` (seeded by
+    ``(seed, epoch)``, identical on every rank and independent of the world size).
+    Global batch ``k`` is positions ``[k * B * W, (k + 1) * B * W)`` of it and rank
+    ``r`` takes the ``r``-th block of ``B``. ``drop_last=True`` drops the last
+    ``num_samples % (B * W)`` samples of the permutation (different ones each
+    epoch); ``drop_last=False`` pads the tail by repeating the permutation from its
+    start and marks those slots invalid, so every sample appears exactly once
+    among the valid slots of all ranks. ``len()`` is the batch count per rank.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, world_size: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+        if num_samples < 1 or batch_size < 1 or world_size < 1:
+            raise ValueError(f"num_samples={num_samples}, batch_size={batch_size} and world_size={world_size} "
+                             "must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if seed < 0:
+            raise ValueError(f"seed={seed} must be >= 0")
+        if drop_last and num_samples < batch_size * world_size:
+            raise ValueError(f"batch_size {batch_size} x world_size {world_size} > {num_samples} samples: no full "
+                             "batch; lower batch_size or use drop_last=False")
+        self.num_samples, self.batch_size = int(num_samples), int(batch_size)
+        self.world_size, self.rank = int(world_size), int(rank)
+        self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        g = self.batch_size * self.world_size
+        return self.num_samples // g if self.drop_last else math.ceil(self.num_samples / g)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The global sample order of ``epoch`` (same on every rank)."""
+        if epoch < 0:
+            raise ValueError(f"epoch={epoch} must be >= 0")
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples).astype(np.int64)
+
+    def batches(self, epoch: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(indices int64[B], valid bool[B])`` for each batch of this rank in ``epoch``
+        (default: the epoch set by :meth:`set_epoch`)."""
+        epoch = self.epoch if epoch is None else epoch
+        n = len(self)
+        g = self.batch_size * self.world_size
+        order = np.resize(self.order(epoch), n * g)  # np.resize repeats from the start
+        for k in range(n):
+            a = k * g + self.rank * self.batch_size
+            yield order[a:a + self.batch_size], self.valid_mask(k)
+
+    def valid_mask(self, batch: int) -> np.ndarray:
+        """``bool[B]``: which slots of this rank's batch ``batch`` are real samples."""
+        a = batch * self.batch_size * self.world_size + self.rank * self.batch_size
+        return np.arange(a, a + self.batch_size) < self.num_samples
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for idx, _ in self.batches():
+            yield idx
+
+
+class BatchIterable:
+    """One pass over ``(x, y, valid)`` batches; see :func:`iterate_batches`.
+
+    Iterating again starts a new pass over the same epoch; :meth:`set_epoch` changes it.
+    """
+
+    def __init__(self, dataset: Any, sampler: DistributedBatchSampler, epoch: int, num_workers: int | None):
+        self.dataset, self.sampler, self.epoch = dataset, sampler, int(epoch)
+        self.num_workers = num_workers
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if isinstance(self.dataset, CachedImageDataset):
+            workers = self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1)
+            return _ring_batches(self.dataset, self.sampler, self.epoch, workers)
+        return self._loader_batches()
+
+    def _loader_batches(self) -> Iterator[tuple[Any, Any, torch.Tensor]]:
+        from torch.utils.data import DataLoader
+
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        batches = [idx for idx, _ in self.sampler.batches(self.epoch)]
+        loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers or 0)
+        for k, batch in enumerate(loader):
+            if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+                raise TypeError("iterate_batches needs a dataset of (input, target) pairs; its collated "
+                                f"batch is a {type(batch).__name__}")
+            yield batch[0], batch[1], torch.from_numpy(self.sampler.valid_mask(k))
+
+
+class _Ring:
+    """``R`` preallocated batch slots (numpy buffers and the tensors viewing them).
+
+    Consecutive passes of one rank reuse the ring (allocating and first-touching
+    ~200 MB per epoch costs more than loading it), continuing the slot sequence
+    at ``base`` so that the previous pass's last batches keep their guarantee.
+    """
+
+    def __init__(self, ds: CachedImageDataset, batch_size: int, size: int):
+        self.size, self.base, self.in_use = size, 0, False
+        self.xs = np.empty((size, batch_size, *ds.image_size, 3), np.uint8)
+        self.ys = (np.empty((size, batch_size, ds.num_classes), np.float32) if ds.multilabel
+                   else np.empty((size, batch_size), np.int64))
+        self.vs = np.empty((size, batch_size), np.bool_)
+        self.slots = [(torch.from_numpy(self.xs[r]), torch.from_numpy(self.ys[r]), torch.from_numpy(self.vs[r]))
+                      for r in range(size)]
+
+
+def _take_ring(ds: CachedImageDataset, sampler: DistributedBatchSampler, size: int) -> _Ring:
+    key = (sampler.rank, sampler.world_size, sampler.batch_size, size)
+    with ds._rings_lock:
+        ring = ds._rings.get(key)
+        if ring is None or ring.in_use:  # a concurrent pass of the same rank gets its own buffers
+            ring = _Ring(ds, sampler.batch_size, size)
+            ds._rings.setdefault(key, ring)
+        ring.in_use = True
+        return ring
+
+
+def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoch: int,
+                  workers: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Fill batches into a ring of ``R = workers + 3`` preallocated slots.
+
+    Batch ``j`` (counted across the passes that share the ring) lives in slot
+    ``j % R`` and is only overwritten by batch ``j + R``, which a thread may start
+    once the consumer has asked for batch ``j + 3``: a yielded batch survives two
+    further requests.
+    """
+    batches = list(sampler.batches(epoch))
+    nb, R = len(batches), workers + 3
+    ring = _take_ring(ds, sampler, R)
+    base = ring.base
+
+    def fill(k: int) -> None:
+        idx, valid = batches[k]
+        r = (base + k) % R
+        ds.load_batch(idx, epoch, ring.xs[r])
+        np.take(ds.labels, idx, axis=0, out=ring.ys[r])
+        ring.vs[r] = valid
+
+    cond = threading.Condition()
+    st = {"next": 0, "requested": 0, "stop": False, "error": None}
+    ready: set[int] = set()
+
+    def worker() -> None:
+        while True:
+            with cond:
+                k = st["next"]
+                if st["stop"] or k >= nb:
+                    return
+                st["next"] = k + 1
+                cond.wait_for(lambda: st["stop"] or st["requested"] >= k - R + 4)
+                if st["stop"]:
+                    return
+            try:
+                fill(k)
+            except BaseException as e:  # handed to the consumer
+                with cond:
+                    st["error"] = e
+                    cond.notify_all()
+                return
+            with cond:
+                ready.add(k)
+                cond.notify_all()
+
+    threads = [threading.Thread(target=worker, daemon=True, name=f"xla_utils-batches-{n}")
+               for n in range(min(workers, nb))]
+    for t in threads:
+        t.start()
+    try:
+        for m in range(nb):
+            with cond:
+                st["requested"] = m + 1
+                cond.notify_all()
+                if threads:
+                    cond.wait_for(lambda: m in ready or st["error"] is not None)
+                    if st["error"] is not None:
+                        raise st["error"]
+                    ready.discard(m)
+            if not threads:
+                fill(m)
+            yield ring.slots[(base + m) % R]
+    finally:
+        with cond:
+            st["stop"] = True
+            cond.notify_all()
+        for t in threads:  # a thread may still be writing a slot; the next pass must not start before
+            t.join()
+        with ds._rings_lock:
+            ring.base = base + max(st["next"], st["requested"])
+            ring.in_use = False
+
+
+def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank: int = 0, shuffle: bool = True,
+                    seed: int = 0, epoch: int = 0, drop_last: bool = True,
+                    num_workers: int | None = None) -> BatchIterable:
+    """Batches ``(x, y, valid)`` of host tensors for one rank and one epoch.
+
+    The sampler is :class:`DistributedBatchSampler` (equal full batches on every
+    rank; ``valid`` is ``bool[B]``, all True when ``drop_last=True``).
+
+    * :class:`CachedImageDataset`: ``x`` is ``uint8[B, H, W, 3]``, ``y`` is
+      ``int64[B]`` or ``float32[B, C]``, filled by ``num_workers`` background
+      threads (default ``min(4, cores)``; 0 = in the caller) into a ring of
+      preallocated buffers. A yielded batch stays valid until two further
+      batches have been requested: copy it (or move it to the device) first.
+    * any other map-style dataset of ``(input, target)``: a torch ``DataLoader``
+      with the same batches, default collate and ``num_workers`` processes
+      (default 0).
+    """
+    sampler = DistributedBatchSampler(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
+    return BatchIterable(dataset, sampler, epoch, num_workers)
+
+
+def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                    flip: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 ``[B, H, W, C]`` -> ``(x / 255 - mean) / std`` as a contiguous ``[B, C, H, W]`` tensor.
+
+    Runs on ``x``'s device (call it after moving the uint8 batch to the TPU: 4x
+    less to transfer, no host float work). ``flip=True`` mirrors a random half of
+    the batch horizontally using the device RNG. Arithmetic is float32, the result
+    is cast to ``dtype`` (e.g. ``torch.bfloat16``); no shape depends on the data.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"expected a uint8 [B, H, W, C] batch, got shape {tuple(x.shape)}")
+    c = x.shape[3]
+    if len(mean) != c or len(std) != c:
+        raise ValueError(f"mean/std have {len(mean)}/{len(std)} values for {c} channels")
+    x = x.permute(0, 3, 1, 2)
+    if flip:
+        coin = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
+        x = torch.where(coin, x.flip(3), x)
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32).view(1, c, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32).view(1, c, 1, 1)
+    y = x.to(torch.float32) * scale.to(x.device) + shift.to(x.device)
+    return y.to(dtype).contiguous()

@@ -1,0 +1,582 @@
+"""Learning-rate range test ("LR finder") on one core.
+
+:func:`lr_find` trains a model for at most ``num_it`` optimizer steps while the
+learning rate grows exponentially from ``start_lr`` to ``end_lr``, records the
+training loss of every step, and suggests a ``max_lr`` for a one-cycle run.
+
+Why one core: the predecessor ran its finder on 8 cores, where each core stopped
+on its own, the loss came from one core's batch, the replicas could start from
+different weights, and the answer was for a batch 8x larger than the one it
+reported. Here there is one replica and one decision, and the result states
+the batch size its answer is valid for (:attr:`LRFinderResult.batch_size`).
+
+Where it runs (:func:`xla_utils.runtime.launch` with ``cores=1``): on a TPU host,
+and with ``simulate=1``, in a forked child on one XLA device, so the notebook
+process never initialises the XLA runtime and can launch a multi-core fit later;
+the caller's model, optimizer and RNGs are untouched by construction. Without
+a TPU it runs in-process on the CUDA device or the CPU, and restores the
+model's parameters, buffers, gradients and train/eval flags and the Python,
+NumPy and torch (CPU and CUDA) RNG states afterwards, bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import runtime
+from .optim import OptimizerSpec, make_optimizer, set_hparams
+
+__all__ = ["LRFinderResult", "lr_find", "suggest", "RULES", "DEFAULT_RULE",
+           "suggest_minimum", "suggest_steep", "suggest_valley", "suggest_slide"]
+
+RULES = ("minimum", "steep", "valley", "slide")
+# Chosen by measurement (scripts/bench_lr_finder.py, docs/BENCHMARKS.md "LR finder").
+DEFAULT_RULE = "minimum"
+
+
+# --------------------------------------------------------------------------
+# Suggestion rules. Each takes the LRs and the smoothed losses of the usable
+# part of the sweep (increasing LRs, finite losses, at least 2 points).
+# --------------------------------------------------------------------------
+def suggest_minimum(lrs: np.ndarray, losses: np.ndarray) -> float:
+    """LR at the lowest smoothed loss, divided by 10 (fastai ``minimum``)."""
+    return float(lrs[int(np.argmin(losses))]) / 10.0
+
+
+def suggest_steep(lrs: np.ndarray, losses: np.ndarray) -> float:
+    """LR where the loss falls fastest per unit of log(LR) (fastai ``steep``)."""
+    grads = np.diff(losses) / np.diff(np.log(lrs))
+    return float(lrs[int(np.argmin(grads))])
+
+
+def suggest_valley(lrs: np.ndarray, losses: np.ndarray) -> float:
+    """fastai ``valley``: find the longest run over which the loss keeps falling
+    (longest decreasing subsequence, O(n^2)) and take the LR
+    ``int(len/3) + int(len/6)`` points after its start, about half way down."""
+    n = len(losses)
+    lds = [1] * n
+    max_start = max_end = 0
+    for i in range(1, n):
+        for j in range(i):
+            if losses[i] < losses[j] and lds[i] < lds[j] + 1:
+                lds[i] = lds[j] + 1
+            if lds[max_end] < lds[i]:
+                max_end = i
+                max_start = max_end - lds[max_end]
+    sections = (max_end - max_start) / 3
+    idx = max_start + int(sections) + int(sections / 2)
+    return float(lrs[idx])
+
+
+def suggest_slide(lrs: np.ndarray, losses: np.ndarray, lr_diff: int = 15,
+                  thresh: float = 0.005, adjust_value: float = 1.0) -> float:
+    """fastai ``slide``: walk left from the end of the sweep, comparing the loss
+    gradient (per point, loss units) at two points ``lr_diff`` apart, until they
+    agree within ``thresh``; the left point's LR (times ``adjust_value``)."""
+    grad = np.gradient(losses)
+    lr_diff = min(lr_diff, len(losses) - 1)
+    r_idx = -1
+    l_idx = r_idx - lr_diff
+    local_min_lr = lrs[l_idx]
+    while l_idx >= -len(losses) and abs(grad[r_idx] - grad[l_idx]) > thresh:
+        local_min_lr = lrs[l_idx]
+        r_idx -= 1
+        l_idx -= 1
+    return float(local_min_lr) * adjust_value
+
+
+_RULE_FNS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+    "minimum": suggest_minimum,
+    "steep": suggest_steep,
+    "valley": suggest_valley,
+    "slide": suggest_slide,
+}
+
+
+def suggest(lrs: Sequence[float], smoothed: Sequence[float], num_it: int | None = None,
+            skip_end: int = 5) -> dict[str, float]:
+    """Every rule's suggestion for a recorded sweep, as ``{rule: lr}``.
+
+    As fastai does, the first ``num_it // 10`` points (``num_it`` defaults to
+    the number of points) and the last ``skip_end`` (default 5) are dropped, as
+    is everything from the first non-finite loss on. A rule gets NaN when fewer
+    than 3 points remain.
+    """
+    lrs = np.asarray(lrs, dtype=np.float64)
+    losses = np.asarray(smoothed, dtype=np.float64)
+    num_it = len(lrs) if num_it is None else num_it
+    stop = len(losses) - skip_end
+    bad = np.flatnonzero(~np.isfinite(losses[:max(stop, 0)]))
+    if len(bad):
+        stop = int(bad[0])
+    lrs, losses = lrs[num_it // 10:stop], losses[num_it // 10:stop]
+    if len(lrs) < 3:
+        return {r: math.nan for r in RULES}
+    return {r: fn(lrs, losses) for r, fn in _RULE_FNS.items()}
+
+
+# --------------------------------------------------------------------------
+# Result
+# --------------------------------------------------------------------------
+@dataclass
+class LRFinderResult:
+    """What :func:`lr_find` measured.
+
+    Attributes
+    ----------
+    lrs:
+        Learning rate of every completed optimizer step, float64[n].
+    losses:
+        Raw training loss of each step (mean over its batch; NaN/inf kept as
+        recorded), float64[n].
+    smoothed:
+        Exponentially smoothed, bias-corrected loss (``beta``), float64[n]; NaN
+        from the first non-finite raw loss on.
+    suggestions:
+        ``{rule: lr}`` for every rule in :data:`RULES` (NaN when the sweep was
+        too short to say).
+    rule, suggestion:
+        The rule used for the answer and its LR (``suggestions[rule]``).
+    batch_size:
+        The batch the answer is valid for: samples per optimizer step, i.e.
+        ``micro_batch_size * accum_steps``. A run whose global batch differs
+        (e.g. ``cores x per-core batch``) should scale the LR (the trainer does).
+    micro_batch_size, accum_steps:
+        Samples per forward pass and micro-batches accumulated per step.
+    optimizer:
+        Name of the optimizer class the sweep used (e.g. ``"SGD"``).
+    stop_reason:
+        ``"num_it"`` (the sweep ran to ``end_lr``), ``"diverged"`` (smoothed loss
+        above ``diverge_factor`` x best) or ``"nan"`` (a non-finite loss).
+    backend, device:
+        Where it ran (``"xla"``/``"torch"``, e.g. ``"xla:0"``, ``"cpu"``).
+    compiles:
+        XLA graph compilations during each step, int[n] (zeros on plain torch);
+        after the first two steps they should be 0.
+    """
+
+    lrs: np.ndarray
+    losses: np.ndarray
+    smoothed: np.ndarray
+    suggestions: dict[str, float]
+    rule: str
+    suggestion: float
+    batch_size: int
+    micro_batch_size: int
+    accum_steps: int
+    optimizer: str
+    stop_reason: str
+    backend: str
+    device: str
+    compiles: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def __repr__(self) -> str:
+        others = ", ".join(f"{r}={v:.3g}" for r, v in self.suggestions.items())
+        return (f"LRFinderResult(suggestion={self.suggestion:.3g} ({self.rule}) for batch "
+                f"{self.batch_size} with {self.optimizer}; {others}; {len(self.lrs)} steps, "
+                f"stopped: {self.stop_reason}; on {self.device})")
+
+    def plot(self, path: str | os.PathLike | None = None, skip_start: int = 0,
+             skip_end: int = 0):
+        """Plot loss against LR (log scale), marking every rule's suggestion and
+        the chosen one. Needs matplotlib (``pip install 'xla_utils[plot]'``).
+
+        ``path``: write a PNG there and return the figure (no window is opened);
+        without it the figure is made with pyplot, so a notebook shows it.
+        ``skip_start`` / ``skip_end``: points left out at either end (default 0).
+        Returns the ``matplotlib.figure.Figure``.
+        """
+        try:
+            import matplotlib
+        except ImportError:
+            raise ImportError("LRFinderResult.plot needs matplotlib: pip install 'xla_utils[plot]' "
+                              "(or pip install matplotlib)") from None
+        if path is not None:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+
+            fig = Figure(figsize=(6.4, 4.2))
+            FigureCanvasAgg(fig)
+            ax = fig.add_subplot()
+        else:
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        del matplotlib
+        end = len(self.lrs) - skip_end
+        lrs, raw, sm = (a[skip_start:end] for a in (self.lrs, self.losses, self.smoothed))
+        ax.plot(lrs, raw, color="0.75", lw=0.8, label="loss")
+        ax.plot(lrs, sm, color="C0", lw=1.6, label="smoothed loss")
+        ok = np.isfinite(sm)
+        markers = {"minimum": "v", "steep": "^", "valley": "s", "slide": "D"}
+        for r, lr in self.suggestions.items():
+            if not math.isfinite(lr) or not ok.any():
+                continue
+            y = float(np.interp(np.log(lr), np.log(lrs[ok]), sm[ok]))
+            chosen = r == self.rule
+            ax.plot([lr], [y], linestyle="none", marker=markers.get(r, "o"),
+                    ms=10 if chosen else 6, color="C3" if chosen else "0.3",
+                    label=f"{r}: {lr:.2g}" + (" (suggestion)" if chosen else ""))
+        if ok.any():  # keep the divergence tail from squashing the interesting part
+            finite_raw = raw[np.isfinite(raw)]
+            lo = min(float(sm[ok].min()), float(finite_raw.min()) if finite_raw.size else math.inf)
+            hi = float(sm[ok][0])
+            ax.set_ylim(lo - 0.1 * (hi - lo + 1e-12), hi + 0.6 * (hi - lo + 1e-12))
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"LR finder: {self.optimizer}, batch {self.batch_size}, "
+                     f"suggestion {self.suggestion:.2g}")
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        if path is not None:
+            fig.savefig(os.fspath(path), dpi=110, bbox_inches="tight")
+        return fig
+
+
+# --------------------------------------------------------------------------
+# lr_find
+# --------------------------------------------------------------------------
+@dataclass
+class _Config:
+    model: Any
+    loss: Callable[..., torch.Tensor]
+    data: Any
+    batch_size: int
+    optimizer: OptimizerSpec
+    weight_decay: float
+    start_lr: float
+    end_lr: float
+    num_it: int
+    beta: float
+    diverge_factor: float
+    accum_steps: int
+    rule: str
+    seed: int
+    shuffle: bool
+    num_workers: int | None
+    batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None
+    show_progress: bool
+    parent_pid: int
+
+
+def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
+            loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+            data: Any, batch_size: int, optimizer: OptimizerSpec = "sgd",
+            start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = 100, *,
+            weight_decay: float = 0.0, beta: float = 0.98, diverge_factor: float = 4.0,
+            accum_steps: int = 1, rule: str = DEFAULT_RULE, seed: int = 0,
+            shuffle: bool = True, num_workers: int | None = None,
+            batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            show_progress: bool = True, simulate: int | None = None,
+            timeout: float | None = None) -> LRFinderResult:
+    """LR range test on one core; returns an :class:`LRFinderResult`.
+
+    Parameters
+    ----------
+    model:
+        An ``nn.Module`` or a zero-argument factory returning one. Its weights
+        are the starting point; they are unchanged afterwards.
+    loss:
+        ``loss(model_output, target) -> scalar tensor``, mean over the batch
+        (e.g. ``nn.CrossEntropyLoss()``).
+    data:
+        Map-style dataset (e.g. :class:`xla_utils.CachedImageDataset`), batched
+        with :func:`xla_utils.data.iterate_batches` (shuffled, last partial
+        batch dropped, several passes if ``num_it`` needs them). uint8 NHWC
+        image batches are converted on the device with
+        :func:`xla_utils.data.images_to_float` (ImageNet mean/std).
+    batch_size:
+        Samples per forward pass on the one core: use the per-core batch of the
+        run you plan.
+    optimizer:
+        ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"`` or a callable, as
+        :func:`xla_utils.optim.make_optimizer`. The finder builds its own, so an
+        existing optimizer of yours is never touched; its momentum stays at the
+        optimizer's default during the sweep.
+    start_lr, end_lr, num_it:
+        The sweep: step ``i`` of ``num_it`` uses
+        ``start_lr * (end_lr/start_lr) ** (i/(num_it-1))`` (defaults 1e-7, 10, 100).
+    weight_decay:
+        Passed to the optimizer (default 0.0); use the value of the real run.
+    beta:
+        Smoothing of the loss, ``avg = beta*avg + (1-beta)*loss``, bias corrected
+        (default 0.98).
+    diverge_factor:
+        Stop when the smoothed loss exceeds this multiple of its best value so
+        far (default 4). A NaN or infinite loss stops the sweep too.
+    accum_steps:
+        Micro-batches of ``batch_size`` accumulated per optimizer step (default
+        1). With ``accum_steps=k`` the answer is for the global batch ``k *
+        batch_size`` of a k-core run, including per-core BatchNorm statistics,
+        at k times the cost. The default is 1 because one sweep per per-core
+        batch plus the trainer's scaling rule (linear for SGD, square root for
+        Adam) is k times cheaper and is how the trainer consumes it.
+    rule:
+        Which suggestion becomes ``result.suggestion``: one of :data:`RULES`
+        (default :data:`DEFAULT_RULE`, picked by measurement, see
+        ``docs/BENCHMARKS.md``); all rules are in ``result.suggestions``.
+    seed:
+        Seeds the data order and the finder's RNGs (dropout, augmentation);
+        default 0. Your own RNG state is restored afterwards.
+    shuffle, num_workers:
+        Passed to :func:`xla_utils.data.iterate_batches`.
+    batch_tfm:
+        ``batch_tfm(x) -> x`` applied to each input batch on the device instead
+        of the default (uint8 NHWC -> normalised float NCHW, else unchanged).
+    show_progress:
+        A fastprogress bar (console style in the forked XLA child). Default True.
+    simulate:
+        ``1`` runs on one simulated XLA:CPU device (tests and debugging without a
+        TPU); see :func:`xla_utils.runtime.launch`.
+    timeout:
+        Seconds before a forked run is killed (``TimeoutError``); default none.
+
+    Loss reads: the step's loss stays on the device; after each step boundary
+    the host reads the *previous* step's loss (already computed, so reading it
+    costs a transfer but never stalls the device), which makes the divergence
+    test one step late and keeps one device->host transfer per step.
+    """
+    if isinstance(data, torch.utils.data.DataLoader):
+        raise TypeError("lr_find takes the dataset, not a DataLoader: it batches the data itself "
+                        "so that it knows the batch size its answer is for (pass loader.dataset)")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("pass the optimizer spec ('sgd', 'adam', 'adamw' or a callable), not an "
+                        "optimizer instance: lr_find builds its own so that yours stays untouched")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not 0 < start_lr < end_lr:
+        raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr!r}, {end_lr!r}")
+    if num_it < 2:
+        raise ValueError(f"num_it must be >= 2, got {num_it!r}")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be >= 1, got {accum_steps!r}")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+    if diverge_factor <= 1.0:
+        raise ValueError(f"diverge_factor must be > 1, got {diverge_factor!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
+                  weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
+                  num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
+                  accum_steps=int(accum_steps), rule=rule, seed=int(seed), shuffle=shuffle,
+                  num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
+                  parent_pid=os.getpid())
+    res = runtime.launch(_replica, cfg, cores=1, simulate=simulate, timeout=timeout)
+    if not math.isfinite(res.suggestion):
+        warnings.warn(f"LR finder: the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, "
+                      f"too early for a suggestion; lower start_lr ({start_lr:g}) or check the data",
+                      RuntimeWarning, stacklevel=2)
+    return res
+
+
+def _replica(cfg: _Config) -> LRFinderResult:
+    # In a forked child nothing of the caller's can change; in-process, the
+    # caller's model and RNGs are restored, whatever happens.
+    in_process = os.getpid() == cfg.parent_pid
+    saved = _CallerState.take(cfg.model if isinstance(cfg.model, torch.nn.Module) else None) \
+        if in_process else None
+    # If the caller's process ran any backward pass before forking, the child
+    # inherits an autograd engine with no worker queue for the XLA device and
+    # backward() dies with an INTERNAL ASSERT (device_ready_queues_). Running
+    # autograd on the calling thread avoids those queues; XLA only traces here.
+    single_thread = (torch.autograd.set_multithreading_enabled(False)
+                     if runtime.backend() == "xla" else contextlib.nullcontext())
+    try:
+        with single_thread:
+            return _sweep(cfg)
+    finally:
+        if saved is not None:
+            saved.restore()
+
+
+@dataclass
+class _CallerState:
+    """Bit-exact snapshot of what an in-process sweep changes."""
+
+    py_rng: Any
+    np_rng: Any
+    torch_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    module: torch.nn.Module | None
+    device: torch.device | None
+    tensors: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    training: dict[str, bool]
+
+    @classmethod
+    def take(cls, module: torch.nn.Module | None) -> "_CallerState":
+        tensors: dict[str, torch.Tensor] = {}
+        grads: dict[str, torch.Tensor | None] = {}
+        training: dict[str, bool] = {}
+        dev = None
+        if module is not None:
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    dev = dev or p.device
+                    tensors["p:" + name] = p.detach().clone()
+                    grads[name] = None if p.grad is None else p.grad.detach().clone()
+                # named_buffers includes non-persistent buffers, unlike state_dict
+                for name, b in module.named_buffers():
+                    tensors["b:" + name] = b.detach().clone()
+            training = {name: m.training for name, m in module.named_modules()}
+        return cls(
+            py_rng=random.getstate(), np_rng=np.random.get_state(),
+            torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            module=module, device=dev, tensors=tensors, grads=grads, training=training)
+
+    def restore(self) -> None:
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        m = self.module
+        if m is None:
+            return
+        if self.device is not None:
+            m.to(self.device)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                p.copy_(self.tensors["p:" + name])
+                g = self.grads[name]
+                p.grad = None if g is None else g.clone()
+            for name, b in m.named_buffers():
+                b.copy_(self.tensors["b:" + name])
+        for name, mod in m.named_modules():
+            mod.training = self.training[name]
+
+
+def _default_tfm(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] == 3:
+        from .data import images_to_float
+
+        return images_to_float(x)
+    return x
+
+
+def _micro_batches(cfg: _Config) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) host batches, passing over the data as often as needed."""
+    from .data import iterate_batches
+
+    epoch = 0
+    while True:
+        batches = iterate_batches(cfg.data, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed,
+                                  epoch=epoch, drop_last=True, num_workers=cfg.num_workers)
+        n = 0
+        for x, y, _valid in batches:
+            n += 1
+            yield x, y
+        if n == 0:  # would loop forever
+            raise ValueError(f"no batch of {cfg.batch_size} in a dataset of {len(cfg.data)} samples")
+        epoch += 1
+
+
+def _progress(total: int, show: bool):
+    """A fastprogress bar over range(total), or a plain range."""
+    if not show:
+        return range(total)
+    from fastprogress.fastprogress import ConsoleProgressBar, progress_bar
+
+    # A forked child cannot draw notebook widgets; a console bar prints to
+    # stdout, which Jupyter forwards from subprocesses.
+    if runtime.backend() == "xla":
+        return ConsoleProgressBar(range(total), leave=False)
+    return progress_bar(range(total), leave=False)
+
+
+def _sweep(cfg: _Config) -> LRFinderResult:
+    dev = runtime.device()
+    runtime.set_seed(cfg.seed)
+    model = cfg.model if isinstance(cfg.model, torch.nn.Module) else cfg.model()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module or a factory returning one, got {type(model).__name__}")
+    model.to(dev)
+    model.train()
+    opt = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.start_lr,
+                         weight_decay=cfg.weight_decay)
+    tfm = cfg.batch_tfm or _default_tfm
+    k = cfg.accum_steps
+    # Prefetching to the CPU would only alias host buffers that the data
+    # iterator may recycle; on a real device it overlaps transfers with compute.
+    depth = 0 if dev.type == "cpu" else 2
+    batches = runtime.device_prefetch(_micro_batches(cfg), depth=depth)
+    ratio = cfg.end_lr / cfg.start_lr
+
+    lrs: list[float] = []
+    raw: list[float] = []
+    smoothed: list[float] = []
+    compiles: list[int] = []
+    avg, best = 0.0, math.inf
+    stop_reason = "num_it"
+    pending: torch.Tensor | None = None  # the last step's loss, still on the device
+
+    def record(loss_value: float) -> bool:
+        """Add one step's loss; True when the sweep must stop."""
+        nonlocal avg, best, stop_reason
+        raw.append(loss_value)
+        if not math.isfinite(loss_value) or stop_reason == "nan":
+            smoothed.append(math.nan)
+            stop_reason = "nan"
+            return True
+        avg = cfg.beta * avg + (1 - cfg.beta) * loss_value
+        sm = avg / (1 - cfg.beta ** len(raw))
+        smoothed.append(sm)
+        best = min(best, sm)
+        if sm > cfg.diverge_factor * best:
+            stop_reason = "diverged"
+            return True
+        return False
+
+    pb = _progress(cfg.num_it, cfg.show_progress)
+    try:
+        for i in pb:
+            before = runtime.metrics()["compiles"]
+            lr = cfg.start_lr * ratio ** (i / (cfg.num_it - 1))
+            set_hparams(opt, lr)
+            opt.zero_grad(set_to_none=True)
+            total = None
+            for j in range(k):
+                x, y = next(batches)
+                out = model(tfm(x))
+                step_loss = cfg.loss(out, y)
+                (step_loss / k if k > 1 else step_loss).backward()
+                total = step_loss.detach() if total is None else total + step_loss.detach()
+                if j < k - 1:
+                    runtime.sync()
+            runtime.optimizer_step(opt)
+            runtime.sync()
+            lrs.append(float(opt.param_groups[0]["lr"]))
+            stop = pending is not None and record(pending.item() / k)
+            compiles.append(runtime.metrics()["compiles"] - before)
+            pending = total
+            if hasattr(pb, "comment") and smoothed:
+                pb.comment = f"lr {lrs[len(smoothed) - 1]:.2e}  loss {smoothed[-1]:.4f}"
+            if stop:
+                if hasattr(pb, "on_iter_end"):
+                    pb.on_iter_end()
+                break
+        if pending is not None:
+            record(pending.item() / k)
+    finally:
+        batches.close()
+
+    lrs_a = np.asarray(lrs, dtype=np.float64)
+    sm_a = np.asarray(smoothed, dtype=np.float64)
+    suggestions = suggest(lrs_a, sm_a, num_it=cfg.num_it)
+    return LRFinderResult(
+        lrs=lrs_a, losses=np.asarray(raw, dtype=np.float64), smoothed=sm_a,
+        suggestions=suggestions, rule=cfg.rule, suggestion=suggestions[cfg.rule],
+        batch_size=cfg.batch_size * k, micro_batch_size=cfg.batch_size, accum_steps=k,
+        optimizer=type(opt).__name__, stop_reason=stop_reason, backend=runtime.backend(),
+        device=str(dev), compiles=np.asarray(compiles, dtype=np.int64))
