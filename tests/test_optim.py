@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from xla_utils.optim import avoid_special, avoid_special_momentum, get_hparams, make_optimizer, set_hparams
+from xla_utils.optim import Adam, avoid_special, avoid_special_momentum, get_hparams, make_optimizer, set_hparams
 
 
 def _model():
@@ -20,12 +20,12 @@ def test_named_optimizers():
     assert (g["lr"], g["momentum"], g["nesterov"], g["weight_decay"]) == (0.1, 0.9, False, 1e-4)
 
     adam = make_optimizer("Adam", _model(), lr=1e-3)  # a module and any case work
-    assert type(adam) is torch.optim.Adam
+    assert isinstance(adam, Adam) and adam.param_groups[0]["decoupled"] is False
     assert adam.param_groups[0]["betas"] == (0.9, 0.999)
     assert adam.param_groups[0]["weight_decay"] == 0.0
 
     adamw = make_optimizer("adamw", _model().parameters(), lr=1e-3)
-    assert type(adamw) is torch.optim.AdamW
+    assert isinstance(adamw, Adam) and adamw.param_groups[0]["decoupled"] is True
     assert adamw.param_groups[0]["weight_decay"] == 0.0  # ours, not torch's 0.01
 
     with pytest.raises(ValueError, match="unknown optimizer"):
@@ -105,3 +105,50 @@ def test_special_scalars_are_nudged():
     set_hparams(opt, 1.0, 0.0)
     lr, beta1 = get_hparams(opt)
     assert lr == 1.0 - 2.0**-24 and beta1 == 2.0**-24
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_xla_safe_adam_matches_torch(decoupled):
+    """Same trajectory as torch.optim.Adam / AdamW (cycling beta1 and LR included)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    ours = Adam(a.parameters(), lr=1e-2, weight_decay=0.05, decoupled=decoupled)
+    ref_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    ref = ref_cls(b.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+    x, y = torch.randn(64, 5), torch.randn(64, 3)
+    for step in range(200):
+        lr, beta1 = 1e-2 * (1 + step % 7) / 7, 0.85 + 0.1 * (step % 5) / 5
+        for opt, m in ((ours, a), (ref, b)):
+            set_hparams(opt, lr, beta1)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_adam_no_recompile_on_xla_over_long_run():
+    """Past step ~160, torch's 1 - 0.9**t is exactly 1.0 in float32 (a new graph on XLA)."""
+    from xla_utils import runtime
+    from xla_utils.schedule import OneCycleSchedule
+
+    def job():
+        dev = runtime.device()
+        m = torch.nn.Linear(4, 2).to(dev)
+        opt = make_optimizer("adamw", m.parameters(), lr=1e-3, weight_decay=1e-2)
+        sched = OneCycleSchedule(total_steps=300, max_lr=1e-3)  # ends at lr 4e-9
+        x, y = runtime.to_device((torch.randn(8, 4), torch.randn(8, 2)), dev)
+        counts = []
+        for step in range(300):
+            sched.apply(opt, step)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            runtime.sync()
+            counts.append(runtime.metrics()["compiles"])
+        return counts
+
+    counts = runtime.launch(job, simulate=1)
+    assert counts[-1] == counts[2], [i for i in range(1, 300) if counts[i] != counts[i - 1]]

@@ -210,7 +210,9 @@ def test_backward_in_parent_before_launch():
 
 
 @pytest.mark.timeout(60)
-def test_device_prefetch_copies_before_host_buffer_reuse():
+def test_device_prefetch_delivers_each_batch_when_loader_reuses_buffer():
+    # (The transfer bug fixed in runtime.to_device showed only in full training
+    # runs; tests/test_trainer.py's 8-vs-1 equivalence test is its regression test.)
     import numpy as np
 
     def job():

@@ -1006,12 +1006,14 @@ def _run_pool(src, cfg, out, todo, per_shard, total, workers, strict, verbose, r
     shard_of = {ex.submit(_build_shard, k, k * per_shard, min(src.num_items, (k + 1) * per_shard)): k
                 for k in todo}
     pending = set(shard_of)
+    recorded: set[Any] = set()
     try:
         while pending:
             finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
             for f in finished:
                 try:
                     record(f.result())
+                    recorded.add(f)
                 except BadImageError:
                     raise
                 except BrokenProcessPool as e:
@@ -1033,8 +1035,8 @@ def _run_pool(src, cfg, out, todo, per_shard, total, workers, strict, verbose, r
         for f in pending:
             f.cancel()
         ex.shutdown(wait=True)
-        for f in pending:  # keep shards that finished while we were stopping
-            if f.done() and not f.cancelled() and f.exception() is None:
+        for f in shard_of:  # keep every shard that did finish, also while we were stopping
+            if f not in recorded and not f.cancelled() and f.exception() is None:
                 record(f.result())
         save()
         raise

@@ -72,7 +72,7 @@ class MetricAccumulator:
         self._slots = ["loss", "n"]
         for m in self.names:
             self._slots += ["tp", "fp", "fn"] if m == "f1" else [m]
-        self.totals = torch.zeros(len(self._slots), dtype=torch.float32, device=device)
+        self.totals = runtime.to_device(torch.zeros(len(self._slots)), device)
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> None:
         """Add one batch. ``valid`` is bool[B]; invalid (padding) rows count for nothing."""

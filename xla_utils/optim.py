@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Union
 import numpy as np
 import torch
 
-__all__ = ["OPTIMIZERS", "avoid_special", "avoid_special_momentum", "make_optimizer",
+__all__ = ["OPTIMIZERS", "Adam", "avoid_special", "avoid_special_momentum", "make_optimizer",
            "set_hparams", "get_hparams"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -106,10 +106,9 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[Any] | torch.nn.Module,
         if name == "sgd":
             return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, nesterov=False,
                                    weight_decay=weight_decay)
-        if name == "adam":
-            return torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay)
-        if name == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay)
+        if name in ("adam", "adamw"):
+            return Adam(params, lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay,
+                        decoupled=name == "adamw")
         raise ValueError(f"unknown optimizer {spec!r}; use one of {OPTIMIZERS} or a callable "
                          "spec(params, lr=..., weight_decay=...)")
     if not callable(spec):
@@ -131,6 +130,66 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[Any] | torch.nn.Module,
                 raise ValueError(f"{type(opt).__name__} has no weight_decay; pass weight_decay=0.0")
             group["weight_decay"] = weight_decay
     return opt
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam (``decoupled=False``) and AdamW (``decoupled=True``) that never recompile on XLA.
+
+    The update is torch's (``torch.optim.Adam`` / ``AdamW`` with ``foreach=False``),
+    but every per-step Python scalar goes through :func:`avoid_special`. torch's
+    versions compute ``1 - beta1**step``, ``sqrt(1 - beta2**step)`` and (AdamW)
+    ``1 - lr * weight_decay`` as Python floats; these reach exactly 1.0 in float32
+    (after ~160 steps, ~16,000 steps, and when a one-cycle LR gets small), and
+    XLA compiles a new graph for that constant. ``capturable=True`` avoids that
+    but recompiles every step once ``betas[0]`` is scheduled. The difference to
+    torch's result is at most one float32 ulp of those factors.
+
+    Parameters: ``lr`` (default 1e-3), ``betas`` (default (0.9, 0.999)), ``eps``
+    (default 1e-8), ``weight_decay`` (default 0: L2 added to the gradient, or
+    decoupled decay ``p -= lr * weight_decay * p`` when ``decoupled``).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = ADAM_BETAS, eps: float = 1e-8,
+                 weight_decay: float = 0.0, decoupled: bool = False):
+        if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid Adam settings: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, decoupled=decoupled))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 (documented on the class)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2) = float(group["lr"]), group["betas"]
+            wd, eps = group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = state["step"]
+                if wd:
+                    if group["decoupled"]:
+                        p.add_(p, alpha=avoid_special(-lr * wd))
+                    else:
+                        grad = grad.add(p, alpha=wd)
+                state["exp_avg"].lerp_(grad, avoid_special(1 - beta1))
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step_size = avoid_special(lr / (1 - beta1 ** t))
+                bias2_sqrt = avoid_special(math.sqrt(1 - beta2 ** t))
+                denom = (state["exp_avg_sq"].sqrt() / bias2_sqrt).add_(eps)
+                p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+        return loss
 
 
 def _keywords(fn: Callable[..., Any]) -> set[str]:

@@ -408,7 +408,9 @@ def to_device(batch: Any, dev=None) -> Any:
 
     dev = dev or device()
     if dev.type == "xla":
-        return _load_xla()["xm"].send_cpu_data_to_device(batch, dev)
+        moved = _load_xla()["xm"].send_cpu_data_to_device(batch, dev)
+        # it wraps a bare tensor in a list
+        return moved[0] if isinstance(batch, torch.Tensor) else moved
     if isinstance(batch, torch.Tensor):
         return batch.to(dev, non_blocking=dev.type == "cuda")
     if isinstance(batch, dict):

@@ -328,7 +328,9 @@ class OneCycleTrainer:
             runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + rk)
             model.train()
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=dev)
+            # Device data, not torch.zeros(device=xla): a zeros *op* would make
+            # each epoch's first step a different graph (one recompile).
+            loss_sum = runtime.to_device(torch.zeros(()), dev)
             lr_last = sched.lr(step)
             it = runtime.device_prefetch(batches(self.train_data, epoch, True))
             pb = progress_bar(range(steps_per_epoch), parent=mb) if mb is not None else None
