@@ -23,6 +23,7 @@ setup(
     install_requires=["numpy", "pillow", "fastprogress"],
     extras_require={
         "plot": ["matplotlib"],
+        "demo": ["scikit-learn"],
         "test": [
             "pytest",
             "pytest-timeout",

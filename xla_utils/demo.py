@@ -66,17 +66,14 @@ def make_cnn():
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xla_utils.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="xla_utils_demo", help="working folder (default ./xla_utils_demo)")
-    p.add_argument("--cores", type=int, default=8, help="simulated XLA:CPU cores (default 8)")
-    p.add_argument("--tpu", action="store_true", help="train on every real TPU core instead")
-    p.add_argument("--epochs", type=int, default=6, help="training epochs (default 6)")
-    p.add_argument("--batch-size", type=int, default=16, help="per-core batch size (default 16)")
-    p.add_argument("--max-lr", default="find",
-                   help="peak LR for one core, or 'find' to run the LR finder (default)")
-    args = p.parse_args(argv)
+def run_demo(out: str | Path = "xla_utils_demo", cores: int = 8, tpu: bool = False,
+             epochs: int = 6, batch_size: int = 16, max_lr: float | str = "find"):
+    """Run the whole demo; returns the trainer's :class:`~xla_utils.trainer.History`.
 
+    ``cores`` simulated XLA:CPU cores (default 8) unless ``tpu`` (every real TPU
+    core); ``batch_size`` per core (default 16); ``max_lr`` for one core, or
+    ``"find"`` (default) to run the LR finder first.
+    """
     import torch
 
     from .cache import build_cache
@@ -87,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     info = env.detect()
     print(f"[1/4] environment: {info.platform}, {info.accelerator}, torch {info.torch}, "
           f"torch_xla {info.torch_xla}, {info.cpus} vCPUs", flush=True)
-    out = Path(args.out)
+    out = Path(out)
     train_dir, val_dir = render_digits(out / "images")
     n_train = sum(1 for _ in train_dir.rglob("*.png"))
     n_val = sum(1 for _ in val_dir.rglob("*.png"))
@@ -101,18 +98,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[3/4] caches: {len(train)} x {train.num_variants} variants, {len(val)} val, "
           f"classes {train.classes}", flush=True)
 
-    simulate = None if args.tpu else args.cores
     trainer = OneCycleTrainer(make_cnn, torch.nn.CrossEntropyLoss(), train, val,
-                              batch_size=args.batch_size, epochs=args.epochs, optimizer="adam",
+                              batch_size=batch_size, epochs=epochs, optimizer="adam",
                               flip=False, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), seed=0)
-    max_lr: float | str = args.max_lr if args.max_lr == "find" else float(args.max_lr)
-    where = "all TPU cores" if args.tpu else f"{args.cores} simulated cores (XLA:CPU)"
+    where = "all TPU cores" if tpu else f"{cores} simulated cores (XLA:CPU)"
     print(f"[4/4] one-cycle training on {where}", flush=True)
-    history = trainer.fit(simulate=simulate, max_lr=max_lr)
+    history = trainer.fit(simulate=None if tpu else cores, max_lr=max_lr)
     print(history, flush=True)
-    acc = history[-1]["accuracy"]
-    print(f"final validation accuracy {acc:.2%} on {history[-1]['samples']} images; "
-          f"total {time.perf_counter() - t_start:.0f} s", flush=True)
+    print(f"final validation accuracy {history[-1]['accuracy']:.2%} on {history[-1]['samples']} "
+          f"images; total {time.perf_counter() - t_start:.0f} s", flush=True)
+    return history
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m xla_utils.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="xla_utils_demo", help="working folder (default ./xla_utils_demo)")
+    p.add_argument("--cores", type=int, default=8, help="simulated XLA:CPU cores (default 8)")
+    p.add_argument("--tpu", action="store_true", help="train on every real TPU core instead")
+    p.add_argument("--epochs", type=int, default=6, help="training epochs (default 6)")
+    p.add_argument("--batch-size", type=int, default=16, help="per-core batch size (default 16)")
+    p.add_argument("--max-lr", default="find",
+                   help="peak LR for one core, or 'find' to run the LR finder (default)")
+    args = p.parse_args(argv)
+    max_lr = args.max_lr if args.max_lr == "find" else float(args.max_lr)
+    run_demo(args.out, cores=args.cores, tpu=args.tpu, epochs=args.epochs,
+             batch_size=args.batch_size, max_lr=max_lr)
     return 0
 
 
