@@ -122,8 +122,9 @@ class History:
     validation metrics (when ``val_data`` was given), ``lr_max`` (peak LR used),
     ``lr_last`` (LR of the epoch's last step), ``images_per_s`` (global, this
     epoch including any compilation), ``compiles`` (XLA compilations so far in
-    the run, cumulative), ``seconds``. ``state_dict`` is the final model state
-    on the CPU.
+    the run, cumulative), ``host_reads_per_step`` (device->host transfers per
+    training step in this process, all its replicas together: the progress-bar
+    loss reads), ``seconds``. ``state_dict`` is the final model state on the CPU.
     """
 
     epochs: list[dict[str, Any]]
@@ -328,6 +329,7 @@ class OneCycleTrainer:
             runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + rk)
             model.train()
             t0 = time.perf_counter()
+            to_host0 = runtime.metrics()["to_host"]
             # Device data, not torch.zeros(device=xla): a zeros *op* would make
             # each epoch's first step a different graph (one recompile).
             loss_sum = runtime.to_device(torch.zeros(()), dev)
@@ -349,6 +351,7 @@ class OneCycleTrainer:
                     seen = (i + 1) * cfg.batch_size * ws
                     pb.comment = (f"loss {float(loss_sum.cpu()) / (i + 1):.4f}  "
                                   f"{seen / (time.perf_counter() - t0):.0f} img/s")
+            to_host = runtime.metrics()["to_host"] - to_host0
             train_loss = runtime.all_reduce(float(loss_sum.cpu()) / steps_per_epoch, op="mean")
             seconds = time.perf_counter() - t0
             record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": train_loss}
@@ -357,7 +360,8 @@ class OneCycleTrainer:
                 record.update({"val_loss": val.pop("loss")}, **val)
             record.update(lr_max=max_lr, lr_last=lr_last,
                           images_per_s=steps_per_epoch * cfg.batch_size * ws / seconds,
-                          compiles=runtime.metrics()["compiles"], seconds=seconds)
+                          compiles=runtime.metrics()["compiles"],
+                          host_reads_per_step=to_host / steps_per_epoch, seconds=seconds)
             history.append(record)
             if mb is not None:
                 mb.write(_epoch_line(record))
