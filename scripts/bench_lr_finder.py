@@ -50,7 +50,7 @@ class Budget:
     num_it: int = 100  # LR finder steps
     # Each LR's validation loss is the mean over this many training seeds
     # (single runs on 500 validation images are too noisy to rank LRs).
-    train_seeds: int = 3
+    train_seeds: int = 5
 
 
 @dataclass

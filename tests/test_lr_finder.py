@@ -14,8 +14,8 @@ from torch import nn
 
 import xla_utils
 from xla_utils import runtime
-from xla_utils.lr_finder import (DEFAULT_RULE, RULES, LRFinderResult, lr_find, suggest, suggest_minimum,
-                                 suggest_slide, suggest_steep, suggest_valley)
+from xla_utils.lr_finder import (DEFAULT_RULE, RULES, LRFinderResult, lr_find, suggest, suggest_between,
+                                 suggest_minimum, suggest_slide, suggest_steep, suggest_valley)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +54,15 @@ def test_steep_rule():
     # the steepest fall wins over a longer but gentler one
     losses2 = losses - 0.5 * np.tanh((x - x[20]) / 8.0)
     assert suggest_steep(LRS, losses2) == LRS[50]
+
+
+def test_between_rule():
+    # steepest fall starting at point 50 (as above), minimum at point 80
+    x = np.log(LRS)
+    losses = 5.0 - 2.0 * np.tanh((x - (x[50] + x[51]) / 2) / 1.5) + 3.0 * np.clip(x - x[80], 0, None) ** 2
+    assert suggest_minimum(LRS, losses) == pytest.approx(LRS[80] / 10)
+    assert suggest_steep(LRS, losses) == LRS[50]
+    assert suggest_between(LRS, losses) == pytest.approx(math.sqrt(LRS[80] / 10 * LRS[50]))
 
 
 def test_valley_rule():
