@@ -1,7 +1,6 @@
 """OneCycleSchedule: equality with torch's OneCycleLR, no special scalars, apply()."""
 from __future__ import annotations
 
-import math
 import warnings
 
 import numpy as np
