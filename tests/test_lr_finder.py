@@ -5,6 +5,7 @@ import copy
 import importlib.util
 import math
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -320,7 +321,7 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
                          suggestions={r: 0.1 for r in RULES}, rule=DEFAULT_RULE, suggestion=0.1,
                          batch_size=8, micro_batch_size=8, accum_steps=1, optimizer="SGD",
                          stop_reason="num_it", backend="torch", device="cpu")
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"xla_utils\[plot\]"):
         res.plot(tmp_path / "x.png")
 
@@ -366,6 +367,7 @@ def test_xla_cpu_no_recompile_and_caller_untouched(optimizer, accum):
 def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_lr_finder", ROOT / "scripts" / "bench_lr_finder.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

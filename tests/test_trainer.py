@@ -162,3 +162,30 @@ def test_bf16_autocast_runs():
     h = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=1,
                         max_lr=1e-2, bf16=True).fit()
     assert np.isfinite(h[0]["train_loss"]) and np.isfinite(h[0]["val_loss"])
+
+
+@pytest.mark.timeout(300)
+def test_debug_run_after_in_process_fit_does_not_hang(tmp_path):
+    """GNU OpenMP is not fork-safe: after the caller trained a conv net in-process
+    (cached uint8 data), a forked replica's deepcopy(model) used to hang forever."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import numpy as np, torch
+        from xla_utils import build_cache, CachedImageDataset, OneCycleTrainer
+        rng = np.random.default_rng(0)
+        items = [(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8), i % 3) for i in range(18)]
+        build_cache(items, {str(tmp_path / 'cache')!r}, size=32, variants=2, verbose=False)
+        ds = CachedImageDataset({str(tmp_path / 'cache')!r})
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
+                                  torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1),
+                                  torch.nn.Flatten(), torch.nn.Linear(64, 3))
+        t = OneCycleTrainer(net, torch.nn.CrossEntropyLoss(), ds, batch_size=4, epochs=1)
+        t.fit()                       # in-process, plain torch: uses the OpenMP pool
+        rep = t.fit(debug=True)       # forks an XLA:CPU child that deep-copies the model
+        print("DEBUG-STEPS", rep.steps)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert "DEBUG-STEPS 4" in p.stdout, (p.stdout[-1500:], p.stderr[-1500:])

@@ -20,7 +20,6 @@ NumPy and torch (CPU and CUDA) RNG states afterwards, bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
@@ -39,15 +38,16 @@ __all__ = ["LRFinderResult", "lr_find", "suggest", "RULES", "DEFAULT_RULE", "sug
 
 RULES = ("between", "minimum", "steep", "valley", "slide")
 # Chosen by measurement (scripts/bench_lr_finder.py, docs/BENCHMARKS.md "LR finder"):
-# on digits it was the only rule within 2x of the best one-cycle max_lr in every
-# (model, optimizer, seed) tried; "minimum" alone was 0.4-0.5 decades too low
-# for SGD, "steep" alone erratic.
+# on digits it was the only rule whose one-cycle run stayed within 2x of the best
+# grid max_lr's validation loss in every (model, optimizer, seed) tried (worst
+# 1.46x-1.68x); "minimum" alone was about 0.4 decades too low (worst 2.6x),
+# "steep" alone erratic.
 DEFAULT_RULE = "between"
 
 
 # --------------------------------------------------------------------------
 # Suggestion rules. Each takes the LRs and the smoothed losses of the usable
-# part of the sweep (increasing LRs, finite losses, at least 2 points).
+# part of the sweep (increasing LRs, finite losses, at least 3 points).
 # --------------------------------------------------------------------------
 def suggest_minimum(lrs: np.ndarray, losses: np.ndarray) -> float:
     """LR at the lowest smoothed loss, divided by 10 (fastai ``minimum``)."""
@@ -332,9 +332,10 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         batch plus the trainer's scaling rule (linear for SGD, square root for
         Adam) is k times cheaper and is how the trainer consumes it.
     rule:
-        Which suggestion becomes ``result.suggestion``: one of :data:`RULES`
-        (default :data:`DEFAULT_RULE`, picked by measurement, see
-        ``docs/BENCHMARKS.md``); all rules are in ``result.suggestions``.
+        Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
+        Default ``"between"`` (:data:`DEFAULT_RULE`, the geometric mean of
+        ``"minimum"`` and ``"steep"``), picked by measurement, see
+        ``docs/BENCHMARKS.md``; every rule's answer is in ``result.suggestions``.
     seed:
         Seeds the data order and the finder's RNGs (dropout, augmentation);
         default 0. Your own RNG state is restored afterwards.
@@ -396,15 +397,9 @@ def _replica(cfg: _Config) -> LRFinderResult:
     in_process = os.getpid() == cfg.parent_pid
     saved = _CallerState.take(cfg.model if isinstance(cfg.model, torch.nn.Module) else None) \
         if in_process else None
-    # If the caller's process ran any backward pass before forking, the child
-    # inherits an autograd engine with no worker queue for the XLA device and
-    # backward() dies with an INTERNAL ASSERT (device_ready_queues_). Running
-    # autograd on the calling thread avoids those queues; XLA only traces here.
-    single_thread = (torch.autograd.set_multithreading_enabled(False)
-                     if runtime.backend() == "xla" else contextlib.nullcontext())
     try:
-        with single_thread:
-            return _sweep(cfg)
+        # (autograd after fork is handled by runtime.launch for every replica)
+        return _sweep(cfg)
     finally:
         if saved is not None:
             saved.restore()

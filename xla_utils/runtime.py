@@ -127,6 +127,8 @@ def _load_xla() -> dict[str, Any]:
         return _XLA
     if _XLA_ERROR is not None:
         raise XLAUnavailableError(_XLA_ERROR)
+    if "PJRT_DEVICE" not in os.environ and "torch_xla" not in sys.modules and not _tpu_present():
+        os.environ["PJRT_DEVICE"] = "CPU"  # torch_xla's own default here, minus its warning
     try:
         import torch_xla
         import torch_xla.core.xla_model as xm
@@ -197,6 +199,7 @@ class _State(threading.local):
 _state = _State()
 _sim: _Sim | None = None  # process-global: the threads share it
 _job: tuple | None = None  # (fn, args, result queue) inside a launched job
+_job_pid: int | None = None
 _TPU_PRESENT: bool | None = None
 
 
@@ -426,10 +429,14 @@ def device_prefetch(batches: Iterable, depth: int = 2) -> Iterator:
     Unlike torch_xla's ``MpDeviceLoader`` it never ends the step itself: the
     training loop owns its step boundary (:func:`sync`), which is what makes
     the simulated-core recipe and exact compile accounting possible.
-    ``depth`` batches are in flight at most (default 2).
+    ``depth`` batches are in flight at most (default 2). On the torch backend
+    batches are moved inline, one at a time.
     """
     dev = device()
-    if depth <= 0:
+    if depth <= 0 or dev.type != "xla":
+        # Only XLA transfers copy; on CPU/CUDA a batch handed over early could be
+        # a loader's reused buffer by the time it is used (and prefetching on
+        # the host's own cores gains nothing).
         for b in batches:
             yield to_device(b, dev)
         return
@@ -590,8 +597,6 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
         raise ValueError(f"cores must be 'all' or 1, got {cores!r} (TPUs run 1 or all cores)")
     if simulate is not None and (not isinstance(simulate, int) or simulate < 1):
         raise ValueError(f"simulate must be a positive int (number of XLA:CPU devices), got {simulate!r}")
-    if simulate is not None and "PJRT_DEVICE" not in os.environ and not _tpu_present():
-        os.environ["PJRT_DEVICE"] = "CPU"  # what torch_xla defaults to, without its warning
     use_xla = simulate is not None or (_tpu_present() and xla_available())
     if use_xla:
         _load_xla()  # clear XLAUnavailableError before forking
@@ -721,9 +726,42 @@ def _dumps_cpu(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the process that forked us dies, so that a killed
+    notebook kernel or test runner never leaves replicas running."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _openmp_single_thread() -> None:
+    """Keep this (forked) thread out of OpenMP parallel regions.
+
+    GNU OpenMP is not fork-safe: if the caller's thread ever ran a parallel
+    torch op, its team's worker threads do not exist in the child, and the
+    child's next parallel region waits for them forever (seen as a hang in
+    ``copy.deepcopy(model)``). ``torch.set_num_threads`` cannot be used after a
+    fork (it asserts on torch's pthreadpool), so this sets the OpenMP runtime's
+    own per-thread limit; ATen then runs parallel loops inline. Threads started
+    later get fresh teams and keep their parallelism.
+    """
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+        for lib in libs:
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(lib).omp_set_num_threads(1)
+
+
 def _job_main(fn, args, cores, simulate, results) -> None:
     """Body of the forked job process: set the environment, then xmp.spawn."""
     os.setsid()  # so that _kill() reaches replicas forked by xmp.spawn
+    _die_with_parent()
+    _openmp_single_thread()
     if simulate is not None:
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = str(1 if cores == 1 else simulate)
@@ -744,12 +782,13 @@ def _job_main(fn, args, cores, simulate, results) -> None:
             env.prepare_spawn()
         except Exception as exc:  # never block a launch on a reporting helper
             print(f"xla_utils: environment preparation skipped: {exc}", file=sys.stderr)
-    global _sim, _job
+    global _sim, _job, _job_pid
     n_sim = (1 if cores == 1 else simulate) if simulate is not None else 0
     _sim = _Sim(n_sim, threading.Barrier(n_sim)) if n_sim > 1 else None
     # xmp.spawn pickles its args; a Queue (and a notebook lambda) cannot be
     # pickled, so replicas find the job in this module global, inherited by fork.
     _job = (fn, args, results)
+    _job_pid = os.getpid()
     xmp = _load_xla()["xmp"]
     try:
         xmp.spawn(_replica_main, nprocs=1 if cores == 1 else None, start_method="fork")
@@ -769,6 +808,8 @@ def _job_main(fn, args, cores, simulate, results) -> None:
 
 def _replica_main(index: int) -> None:
     fn, args, results = _job
+    if os.getpid() != _job_pid:
+        _die_with_parent()
     _state.backend, _state.in_replica = "xla", True
     r = -1
     import torch
@@ -788,8 +829,9 @@ def _replica_main(index: int) -> None:
         results.put(("error", r, (traceback.format_exc(), type(exc).__name__)))
         if _sim is not None:
             _sim.barrier.abort()
-        if _sim is None:
-            # In a separate process: flush the report before dying.
+        elif os.getpid() != _job_pid:
+            # A replica process of its own: flush the report before dying
+            # (the job process, where nprocs=1 runs, still needs the queue).
             results.close()
             results.join_thread()
         raise

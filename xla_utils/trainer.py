@@ -238,14 +238,16 @@ class OneCycleTrainer:
     # ------------------------------------------------------------------ API
     def find_lr(self, simulate: int | None = None, **kwargs: Any):
         """Run :func:`xla_utils.lr_find` on one core with this trainer's model,
-        loss, data, batch size and optimizer; the result is also kept in
-        ``self.lr_finder_result``. Extra keywords go to ``lr_find``."""
+        loss, data, per-core batch size, optimizer and image normalisation; the
+        result is also kept in ``self.lr_finder_result``. Extra keywords go to
+        ``lr_find`` (e.g. ``accum_steps=8`` to answer for an 8-core run)."""
         from .lr_finder import lr_find
 
         cfg = self.config
+        kwargs.setdefault("batch_tfm", lambda x: self._prepare(x, train=False))
         self.lr_finder_result = lr_find(self.model, self.loss, self.train_data, cfg.batch_size,
                                         optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
-                                        simulate=simulate, **kwargs)
+                                        seed=cfg.seed, simulate=simulate, **kwargs)
         return self.lr_finder_result
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
@@ -266,25 +268,34 @@ class OneCycleTrainer:
                              train_step=self.train_step)
         cfg = self.config
         base_lr = cfg.max_lr if max_lr is None else max_lr
+        lr_world = 1  # the world size base_lr is meant for
         ckpt = None
         if resume is not None:
             ckpt = _load_checkpoint(resume)
             self.model.load_state_dict(ckpt["model"])
-            base_lr = ckpt["base_lr"]
+            base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
         elif base_lr == "find":
-            res = self.find_lr(simulate=1 if simulate is not None else None)
+            # Measure at the run's own global batch: k accumulated micro-batches
+            # of the per-core batch are exactly one k-core step's gradient, so
+            # the answer needs no scaling rule on top of the finder's rule.
+            lr_world = _planned_world_size(cores, simulate)
+            res = self.find_lr(simulate=1 if simulate is not None else None, accum_steps=lr_world)
             base_lr = res.suggestion
-            print(f"lr_find suggests max_lr {base_lr:.3g} for batch {res.batch_size} on one core "
-                  f"(rule: {res.rule}); the trainer scales it by the number of cores.", flush=True)
+            if not math.isfinite(base_lr):
+                raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
+                                   "pass max_lr=<number> or look at trainer.lr_finder_result.plot()")
+            print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch {res.batch_size} "
+                  f"({cfg.batch_size} x {lr_world} micro-batches on one core, rule {res.rule}).",
+                  flush=True)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
-        out = runtime.launch(self._replica, float(base_lr), ckpt, cores=cores,
+        out = runtime.launch(self._replica, float(base_lr), lr_world, ckpt, cores=cores,
                              simulate=simulate, timeout=timeout)
         self.model.load_state_dict(out.state_dict)
         return out
 
     # ------------------------------------------------------------- replica
-    def _replica(self, base_lr: float, ckpt: dict | None) -> History:
+    def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None) -> History:
         cfg = self.config
         ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
         model = self.model
@@ -294,11 +305,14 @@ class OneCycleTrainer:
             model = copy.deepcopy(model)
         model = model.to(dev)
         rule = cfg.scaling_rule
-        max_lr = scale_lr(base_lr, ws, rule)
+        # base_lr is for lr_world cores (1, or the world lr_find measured for)
+        max_lr = scale_lr(base_lr, ws, rule) / scale_lr(1.0, lr_world, rule)
+        how = f"{rule} scaling" if lr_world == 1 else \
+            f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
         runtime.master_print(
             f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core = "
             f"{ws * cfg.batch_size} global batch; max_lr {base_lr:.3g} x "
-            f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({rule} scaling)")
+            f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})")
         opt = make_optimizer(cfg.optimizer, model.parameters(), lr=max_lr / cfg.div_factor,
                              weight_decay=cfg.weight_decay)
 
@@ -366,7 +380,8 @@ class OneCycleTrainer:
             if mb is not None:
                 mb.write(_epoch_line(record))
             if cfg.checkpoint_dir is not None:
-                self._checkpoint(model, opt, epoch + 1, history, base_lr, ws, steps_per_epoch)
+                self._checkpoint(model, opt, epoch + 1, history, base_lr, lr_world, ws,
+                                 steps_per_epoch)
         state = model.state_dict()
         if cfg.checkpoint_dir is not None:
             runtime.save(state, Path(cfg.checkpoint_dir) / "final.pt")
@@ -398,12 +413,13 @@ class OneCycleTrainer:
             raise ValueError("val_data yielded no batch")
         return acc.compute()
 
-    def _checkpoint(self, model, opt, epoch: int, history, base_lr, ws, steps_per_epoch) -> None:
+    def _checkpoint(self, model, opt, epoch: int, history, base_lr, lr_world, ws,
+                    steps_per_epoch) -> None:
         cfg = self.config
         directory = Path(cfg.checkpoint_dir)
         state = {
             "model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-            "history": history, "base_lr": base_lr, "world_size": ws,
+            "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": ws,
             "steps_per_epoch": steps_per_epoch,
             "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
         }
@@ -421,6 +437,19 @@ def _epoch_line(r: dict[str, Any]) -> str:
             parts.append(f"{k} {r[k]:.4f}")
     parts += [f"{r['images_per_s']:.0f} img/s", f"{r['compiles']} compiles"]
     return "  ".join(parts)
+
+
+def _planned_world_size(cores: int | str, simulate: int | None) -> int:
+    """The world size a launch will have, found without touching the XLA runtime."""
+    if cores == 1:
+        return 1
+    if simulate is not None:
+        return simulate
+    if runtime.backend() == "xla":
+        from . import env
+
+        return max(env.detect().num_devices or 1, 1)
+    return 1
 
 
 def _load_checkpoint(path: str | os.PathLike) -> dict:

@@ -1,0 +1,139 @@
+"""Every command and code block in README.md runs.
+
+Blocks run as written, except for an explicit table of substitutions (Kaggle
+paths -> generated image folders, 224 px -> 32 px, a shorter run) that must each
+apply, so a README edit cannot silently escape the test. The two fresh-machine
+set-up commands are checked against what runs them: `.ci/run` (CI itself) and
+`tests/test_demo.py` (`python -m xla_utils.demo`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+BLOCKS = [(m.group(1), m.group(2)) for m in re.finditer(r"```(\w*)\n(.*?)```", README, re.S)]
+
+
+def _block(lang: str, marker: str) -> str:
+    found = [code for lg, code in BLOCKS if lg == lang and marker in code]
+    assert len(found) == 1, f"expected one {lang} block containing {marker!r}"
+    return found[0]
+
+
+def _substitute(code: str, subs: dict[str, str]) -> str:
+    for old, new in subs.items():
+        assert old in code, f"README block no longer contains {old!r}: update tests/test_readme.py"
+        code = code.replace(old, new)
+    return code
+
+
+def _image_folders(root: Path, n: int = 6) -> None:
+    """train_images/ and val_images/ (3 classes) plus training_labels.csv (multi-label)."""
+    rng = np.random.default_rng(0)
+    rows = ["path,label"]
+    for split, count in (("train_images", n), ("val_images", 2)):
+        for c, name in enumerate(("healthy", "rust", "scab")):
+            d = root / split / name
+            d.mkdir(parents=True)
+            for i in range(count):
+                arr = rng.integers(0, 255, (48, 40, 3), dtype=np.uint8)
+                arr[..., c] = 255  # a class-dependent colour
+                Image.fromarray(arr).save(d / f"{i}.png")
+                if split == "train_images":
+                    rows.append(f"{name}/{i}.png,{name}{' rust' if i % 2 and name == 'scab' else ''}")
+    (root / "training_labels.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_every_block_is_covered():
+    langs = sorted({lang for lang, _ in BLOCKS})
+    assert langs == ["", "bash", "python"], langs  # "" = sample output, not code
+    bash = [code for lang, code in BLOCKS if lang == "bash"]
+    python = [code for lang, code in BLOCKS if lang == "python"]
+    assert len(bash) == 2 and len(python) == 3, "a README block was added: run it in this file"
+
+
+def test_setup_commands_are_what_ci_and_the_demo_test_run():
+    setup = _block("bash", "bash .ci/run")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "PJRT_DEVICE=CPU python -m pytest -q tests" in ci
+    assert "torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0" in ci
+    assert "torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0" in setup
+    assert "python -m xla_utils.demo" in setup
+    assert "-m\", \"xla_utils.demo\"" in (ROOT / "tests" / "test_demo.py").read_text()
+    assert '"demo": ["scikit-learn"]' in (ROOT / "setup.py").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_tpu_cache_ds_commands(tmp_path):
+    _image_folders(tmp_path)
+    code = _substitute(_block("bash", "tpu_cache_ds build"), {
+        "--size 224": "--size 32",
+        "[--json]": "--json",
+        "[--full]": "--full",
+    })
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    ran = 0
+    for line in code.splitlines():
+        cmd = line.split("#")[0].strip()
+        if not cmd:
+            continue
+        p = subprocess.run(shlex.split(cmd), cwd=tmp_path, capture_output=True, text=True,
+                           env=env, timeout=240)
+        assert p.returncode == 0, (cmd, p.stdout[-2000:], p.stderr[-2000:])
+        ran += 1
+    assert ran == 9
+    assert (tmp_path / "grid.png").stat().st_size > 0
+    assert not (tmp_path / "cache" / "big").exists()  # --dry-run writes nothing
+    import json
+
+    manifest = json.loads((tmp_path / "cache" / "train_csv" / "manifest.json").read_text())
+    assert manifest["complete"]
+
+
+@pytest.mark.timeout(600)
+def test_python_blocks(tmp_path, monkeypatch, capsys):
+    """The 15-line example, the loading loop and the debug call, in one namespace."""
+    _image_folders(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    quick = _substitute(_block("python", "trainer.fit(max_lr=\"find\")"), {
+        "/kaggle/input/plants/train": str(tmp_path / "train_images"),
+        "/kaggle/input/plants/val": str(tmp_path / "val_images"),
+        "size=224": "size=32",
+        "batch_size=64": "batch_size=4",
+        "epochs=5": "epochs=1",
+    })
+    ns: dict = {}
+    exec(compile(quick, "README:fifteen-lines", "exec"), ns)
+    h = ns["history"]
+    assert len(h) == 1 and 0.0 <= h[-1]["accuracy"] <= 1.0
+    out = capsys.readouterr().out
+    assert "lr_find suggests max_lr" in out and "global batch" in out
+    assert (tmp_path / "ckpt" / "final.pt").exists()
+
+    loading = _substitute(_block("python", "def train_epoch"), {"iterate_batches(ds, 64": "iterate_batches(ds, 4"})
+    exec(compile(loading, "README:loading", "exec"), ns)
+    import torch
+
+    from xla_utils import runtime as rt
+
+    def job():
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 3)).to(rt.device())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ns["train_epoch"](model, opt, torch.nn.CrossEntropyLoss(), 0)
+        return rt.world_size()
+
+    assert rt.launch(job, simulate=2) == 2
+
+    debug = _block("python", "fit(debug=True)")
+    exec(compile(debug, "README:debug", "exec"), ns)
+    assert ns["report"].steps >= 1 and "compilations" in ns["report"].report
