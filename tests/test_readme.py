@@ -59,7 +59,7 @@ def test_every_block_is_covered():
     assert langs == ["", "bash", "python"], langs  # "" = sample output, not code
     bash = [code for lang, code in BLOCKS if lang == "bash"]
     python = [code for lang, code in BLOCKS if lang == "python"]
-    assert len(bash) == 2 and len(python) == 3, "a README block was added: run it in this file"
+    assert len(bash) == 2 and len(python) == 4, "a README block was added: run it in this file"
 
 
 def test_setup_commands_are_what_ci_and_the_demo_test_run():
@@ -119,6 +119,11 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "lr_find suggests max_lr" in out and "global batch" in out
     assert (tmp_path / "ckpt" / "final.pt").exists()
+
+    finder = _substitute(_block("python", "res = lr_find("), {"batch_size=64": "batch_size=4"})
+    exec(compile(finder, "README:lr_find", "exec"), ns)
+    assert ns["res"].batch_size == 4 and ns["res"].suggestion > 0
+    assert (tmp_path / "lr_find.png").stat().st_size > 0
 
     loading = _substitute(_block("python", "def train_epoch"), {"iterate_batches(ds, 64": "iterate_batches(ds, 4"})
     exec(compile(loading, "README:loading", "exec"), ns)

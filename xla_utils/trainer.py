@@ -133,6 +133,7 @@ class History:
     base_lr: float
     max_lr: float
     lr_scaling: str
+    lr_note: str
     backend: str
     state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
 
@@ -155,10 +156,10 @@ class History:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return (f"{self.world_size} cores x {self.global_batch // self.world_size} = "
-                f"{self.global_batch} global batch, max_lr {self.max_lr:.3g} "
-                f"({self.lr_scaling} scaling of {self.base_lr:.3g}), backend {self.backend}\n"
-                + self.table())
+        cores = f"{self.world_size} core{'s' if self.world_size > 1 else ''}"
+        return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "
+                f"batch, max_lr {self.max_lr:.3g} (from {self.base_lr:.3g}: {self.lr_note}), "
+                f"backend {self.backend}\n" + self.table())
 
 
 def _fmt(v: Any) -> str:
@@ -386,7 +387,7 @@ class OneCycleTrainer:
         if cfg.checkpoint_dir is not None:
             runtime.save(state, Path(cfg.checkpoint_dir) / "final.pt")
         return History(epochs=history, world_size=ws, global_batch=ws * cfg.batch_size,
-                       base_lr=base_lr, max_lr=max_lr, lr_scaling=rule,
+                       base_lr=base_lr, max_lr=max_lr, lr_scaling=rule, lr_note=how,
                        backend=runtime.backend(), state_dict=state)
 
     def _prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
