@@ -62,6 +62,7 @@ def test_torch_backend_fit_learns_and_reports(capsys):
     assert h[-1]["lr_last"] == pytest.approx(sched.lr(steps - 1), rel=1e-12)
 
 
+@pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_simulated_8_cores_equal_one_core_with_8x_batch():
     """Gradient averaging over 8 replicas of batch b == one replica with batch 8b."""
@@ -88,6 +89,7 @@ def _copy(m):
     return copy.deepcopy(m)
 
 
+@pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_compiles_constant_after_first_epoch_and_resume_exact(tmp_path):
     train, val = _digits_tensors()
@@ -125,6 +127,7 @@ def test_resume_refuses_other_world_size(tmp_path):
         t.fit(resume=tmp_path / "final.pt")
 
 
+@pytest.mark.multicore
 @pytest.mark.timeout(120)
 def test_exception_in_step_reaches_caller():
     train, _ = _digits_tensors()

@@ -266,7 +266,8 @@ class OneCycleTrainer:
         if debug:
             return debug_run(self.model, self.loss, self.train_data,
                              batch_size=self.config.batch_size, optimizer=self.config.optimizer,
-                             train_step=self.train_step)
+                             train_step=self.train_step,
+                             prepare=lambda x: self._prepare(x, train=False))
         cfg = self.config
         base_lr = cfg.max_lr if max_lr is None else max_lr
         lr_world = 1  # the world size base_lr is meant for
@@ -487,7 +488,8 @@ class DebugReport:
 
 def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable, data,
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
-              train_step: Callable | None = None, print_report: bool = True) -> DebugReport:
+              train_step: Callable | None = None, prepare: Callable | None = None,
+              print_report: bool = True) -> DebugReport:
     """Run a few plain training steps on ONE core and explain what XLA did.
 
     A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
@@ -496,7 +498,9 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
     executions, host transfers and CPU-fallback ops per step. It runs in a
     forked child (on a TPU, or on one XLA:CPU device when there is none), so the
     notebook can still launch all cores afterwards. ``steps`` default 5, ``lr``
-    constant (default 1e-3), ``batch_size`` default 8.
+    constant (default 1e-3), ``batch_size`` default 8. ``prepare(x)`` turns an
+    input batch on the device into model input (default: uint8 NHWC images are
+    normalised with ImageNet mean/std; ``fit(debug=True)`` passes the trainer's).
     """
     if isinstance(model, torch.nn.Module):
         module = model
@@ -520,7 +524,9 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             if n == steps:
                 break
             x, y = runtime.to_device((x, y), dev)
-            if x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] in (1, 3):
+            if prepare is not None:
+                x = prepare(x)
+            elif x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] in (1, 3):
                 x = images_to_float(x)
             opt.zero_grad(set_to_none=True)
             loss_t = step_fn(net, (x, y), loss)
@@ -541,7 +547,10 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         text.append(runtime.metrics_report(first, prev, steps=n))
         if n > 2 and any(s["compiles"] for s in per_step[2:]):
             bad = [i + 1 for i, s in enumerate(per_step) if i >= 2 and s["compiles"]]
-            text.append(f"Steps {bad} compiled again after warm-up: the graph changes between steps.")
+            text.append(
+                f"Steps {bad} compiled again after warm-up: the graph changes between steps "
+                "(a ragged last batch, a varying input shape, a Python scalar of exactly 0 or 1, "
+                ".item() or a Python condition on a tensor inside the step).")
         elif n > 2:
             text.append("Steps 3.. reused the compiled graph: no recompilation.")
         return DebugReport(backend=runtime.backend(), steps=n, losses=losses, per_step=per_step,
