@@ -287,3 +287,13 @@ def test_images_to_float_on_an_xla_device_compiles_once():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     # flip=True and flip=False are two graphs; later batches reuse them
     assert res["compiles"] <= 2 and res["fallbacks"] == [] and res["max_err"] < 0.02, res
+
+
+def test_is_image_batch():
+    from xla_utils.data import is_image_batch
+
+    assert is_image_batch(torch.zeros(2, 8, 8, 3, dtype=torch.uint8))
+    assert is_image_batch(torch.zeros(2, 8, 8, 1, dtype=torch.uint8))
+    assert not is_image_batch(torch.zeros(2, 8, 8, 3))  # float: already model input
+    assert not is_image_batch(torch.zeros(2, 3, 8, 8, dtype=torch.uint8))  # NCHW
+    assert not is_image_batch(torch.zeros(8, 8, 3, dtype=torch.uint8))  # one image

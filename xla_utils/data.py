@@ -417,6 +417,12 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
     return BatchIterable(dataset, sampler, epoch, num_workers)
 
 
+def is_image_batch(x: torch.Tensor) -> bool:
+    """True for a uint8 ``[B, H, W, C]`` image batch (C = 1 or 3), the form
+    :func:`images_to_float` turns into model input on the device."""
+    return x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] in (1, 3)
+
+
 def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                     flip: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 ``[B, H, W, C]`` -> ``(x / 255 - mean) / std`` as a contiguous ``[B, C, H, W]`` tensor.

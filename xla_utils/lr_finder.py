@@ -464,11 +464,9 @@ class _CallerState:
 
 
 def _default_tfm(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] == 3:
-        from .data import images_to_float
+    from .data import images_to_float, is_image_batch
 
-        return images_to_float(x)
-    return x
+    return images_to_float(x) if is_image_batch(x) else x
 
 
 def _micro_batches(cfg: _Config) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -492,12 +490,7 @@ def _progress(total: int, show: bool):
     """A fastprogress bar over range(total), or a plain range."""
     if not show:
         return range(total)
-    from fastprogress.fastprogress import ConsoleProgressBar, progress_bar
-
-    # A forked child cannot draw notebook widgets; a console bar prints to
-    # stdout, which Jupyter forwards from subprocesses.
-    if runtime.backend() == "xla":
-        return ConsoleProgressBar(range(total), leave=False)
+    _, progress_bar = runtime.progress_bars()
     return progress_bar(range(total), leave=False)
 
 

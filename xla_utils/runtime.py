@@ -67,6 +67,7 @@ __all__ = [
     "device_prefetch",
     "metrics",
     "metrics_report",
+    "progress_bars",
     "set_seed",
     "launch",
 ]
@@ -476,6 +477,19 @@ def device_prefetch(batches: Iterable, depth: int = 2) -> Iterator:
 @dataclass
 class _Raise:
     exc: BaseException
+
+
+def progress_bars():
+    """``(master_bar, progress_bar)`` from fastprogress that can draw here.
+
+    A forked XLA replica cannot draw notebook widgets, so there the console
+    bars are used (their text reaches the notebook through stdout).
+    """
+    from fastprogress import fastprogress as fp
+
+    if backend() == "xla":
+        return fp.force_console_behavior()
+    return fp.master_bar, fp.progress_bar
 
 
 def set_seed(seed: int) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import runtime
-from .data import IMAGENET_MEAN, IMAGENET_STD, images_to_float, iterate_batches
+from .data import IMAGENET_MEAN, IMAGENET_STD, images_to_float, is_image_batch, iterate_batches
 from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer
 from .schedule import OneCycleSchedule
@@ -176,15 +176,6 @@ def _default_train_step(model: torch.nn.Module, batch: tuple, loss_fn: Callable)
 def _default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     x, _ = batch
     return model(x)
-
-
-def _bars():
-    """fastprogress bars; console bars inside forked replicas (no notebook widgets there)."""
-    from fastprogress import fastprogress as fp
-
-    if runtime.backend() == "xla":
-        return fp.force_console_behavior()
-    return fp.master_bar, fp.progress_bar
 
 
 class OneCycleTrainer:
@@ -338,7 +329,7 @@ class OneCycleTrainer:
             opt.load_state_dict(ckpt["optimizer"])
             start_epoch, history = ckpt["epoch"], list(ckpt["history"])
         autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
-        master_bar, progress_bar = _bars()
+        master_bar, progress_bar = runtime.progress_bars()
         mb = master_bar(range(start_epoch, cfg.epochs)) if runtime.is_master() else None
         step = start_epoch * steps_per_epoch
         for epoch in (mb if mb is not None else range(start_epoch, cfg.epochs)):
@@ -392,7 +383,7 @@ class OneCycleTrainer:
                        backend=runtime.backend(), state_dict=state)
 
     def _prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
-        if x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] in (1, 3):
+        if is_image_batch(x):
             cfg = self.config
             return images_to_float(x, cfg.mean, cfg.std, flip=train and cfg.flip)
         return x
@@ -526,7 +517,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             x, y = runtime.to_device((x, y), dev)
             if prepare is not None:
                 x = prepare(x)
-            elif x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] in (1, 3):
+            elif is_image_batch(x):
                 x = images_to_float(x)
             opt.zero_grad(set_to_none=True)
             loss_t = step_fn(net, (x, y), loss)
