@@ -44,7 +44,7 @@ ON_NAN = ("stop", "continue")
 # Samples read to check the targets of a dataset that keeps no label array.
 LABEL_SCAN_SAMPLES = 512
 LABEL_SCAN_SECONDS = 5.0
-# A validation loss this many times the first epoch's is reported as exploding.
+# An epoch loss this many times the untrained model's is reported as exploding.
 VAL_LOSS_EXPLODES = 10.0
 
 
@@ -308,10 +308,11 @@ class OneCycleTrainer:
         (``on_nan="stop"``) those of the last epoch that ended finite.
         """
         cfg = self.config
-        if debug:
-            if self.val_data is not None:
-                _check_targets(self.model, self.loss, self.val_data, "val_data",
+        for data, name in ((self.train_data, "train_data"), (self.val_data, "val_data")):
+            if data is not None:
+                _check_targets(self.model, self.loss, data, name,
                                lambda x: self._prepare(x, train=False), self.eval_step)
+        if debug:
             return debug_run(self.model, self.loss, self.train_data,
                              batch_size=cfg.batch_size, optimizer=cfg.optimizer,
                              train_step=self.train_step,
@@ -319,10 +320,6 @@ class OneCycleTrainer:
                              eval_step=self.eval_step)
         world = _planned_world_size(cores, simulate)
         _check_batches(self.train_data, cfg.batch_size, world)
-        for data, name in ((self.train_data, "train_data"), (self.val_data, "val_data")):
-            if data is not None:
-                _check_targets(self.model, self.loss, data, name,
-                               lambda x: self._prepare(x, train=False), self.eval_step)
         base_lr = cfg.max_lr if max_lr is None else max_lr
         lr_world = 1  # the world size base_lr is meant for
         ckpt = None
@@ -423,7 +420,9 @@ class OneCycleTrainer:
         stop_reason: str | None = None
         warns: list[str] = []
         diverged = False
-        first_val = next((e["val_loss"] for e in history if "val_loss" in e), None)
+        # The loss of the untrained model (read once, at this run's first step):
+        # the yardstick for "the loss exploded" warnings.
+        initial_loss: float | None = None if ckpt is None else ckpt.get("initial_loss")
         for epoch in (mb if mb is not None else range(start_epoch, cfg.epochs)):
             runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + rk)
             model.train()
@@ -447,6 +446,8 @@ class OneCycleTrainer:
                 loss_sum = loss_sum + loss.detach().float()
                 runtime.sync()
                 step += 1
+                if step == 1:
+                    initial_loss = runtime.all_reduce(float(loss.detach().float().cpu()), op="mean")
                 if (i + 1) % cfg.log_every == 0 or i + 1 == steps_per_epoch:
                     # Every rank reads and the mean is exchanged on the host, so all
                     # ranks see the same value and stop at the same step.
@@ -473,9 +474,9 @@ class OneCycleTrainer:
             if self.val_data is not None:
                 val = self._evaluate(model, dev, batches(self.val_data, epoch, False), autocast)
                 record.update({"val_loss": val.pop("loss")}, **val)
-                msg = _val_loss_warning(record["val_loss"], first_val, epoch + 1)
-                first_val = record["val_loss"] if first_val is None else first_val
-                if msg and not any(w.startswith("val_loss") for w in warns):
+            for key in ("train_loss", "val_loss"):
+                msg = _exploded(key, record.get(key), initial_loss, epoch + 1)
+                if msg and not diverged and not any(w.startswith(key) for w in warns):
                     runtime.master_print(msg)
                     warns.append(msg)
             record.update(lr_max=max_lr, lr_last=lr_last,
@@ -491,7 +492,7 @@ class OneCycleTrainer:
             if cfg.checkpoint_dir is not None:
                 if finite:
                     self._checkpoint(model, opt, epoch + 1, history, base_lr, lr_world, ws,
-                                     steps_per_epoch, run_id, finite_state)
+                                     steps_per_epoch, run_id, finite_state, initial_loss)
                 else:
                     runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                                          "(non-finite loss); older checkpoints are kept")
@@ -554,14 +555,15 @@ class OneCycleTrainer:
         return acc.compute()
 
     def _checkpoint(self, model, opt, epoch: int, history, base_lr, lr_world, ws,
-                    steps_per_epoch, run_id: str, host_state: dict | None) -> None:
+                    steps_per_epoch, run_id: str, host_state: dict | None,
+                    initial_loss: float | None) -> None:
         cfg = self.config
         directory = Path(cfg.checkpoint_dir)
         state = {
             "model": host_state if host_state is not None else model.state_dict(),
             "optimizer": opt.state_dict(), "epoch": epoch,
             "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": ws,
-            "steps_per_epoch": steps_per_epoch, "run_id": run_id,
+            "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
             "optimizer_name": _optimizer_name(cfg.optimizer),
             "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
         }
@@ -592,17 +594,24 @@ def _host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-def _val_loss_warning(val_loss: float, first: float | None, epoch: int) -> str | None:
-    if not math.isfinite(val_loss):
-        why = f"is {val_loss}"
-    elif first is not None and math.isfinite(first) and first > 0 \
-            and val_loss > VAL_LOSS_EXPLODES * first:
-        why = f"is {val_loss / first:.3g}x the first epoch's ({first:.4g})"
+def _exploded(key: str, value: float | None, initial: float | None, epoch: int) -> str | None:
+    """A warning when an epoch's loss is non-finite (validation) or more than
+    ``VAL_LOSS_EXPLODES`` times the untrained model's loss at the first step."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        if key == "train_loss":
+            return None  # the divergence message covers it
+        why = f"is {value}"
+    elif initial is not None and math.isfinite(initial) and initial > 0 \
+            and value > VAL_LOSS_EXPLODES * initial:
+        why = (f"is {value / initial:.3g}x the untrained model's loss at the first step "
+               f"({initial:.4g})")
     else:
         return None
-    return (f"val_loss {val_loss:.4g} at epoch {epoch} {why}: the model is diverging on "
-            "validation data. Lower max_lr (or use fit(max_lr='find')), add weight_decay, "
-            "or check the validation data and labels.")
+    return (f"{key} {value:.4g} at epoch {epoch} {why}: training is diverging. Lower max_lr "
+            "(or use fit(max_lr='find')), check the data and labels"
+            + (", add weight_decay" if key == "val_loss" else "") + ".")
 
 
 def _check_batches(data, batch_size: int, world: int) -> None:
