@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from xla_utils import OneCycleSchedule, OneCycleTrainer, debug_run, runtime
-from xla_utils.trainer import TrainerConfig, scale_lr
+from xla_utils.trainer import ResumeError, TrainerConfig, scale_lr
 
 
 def _digits_tensors(n_val: int = 360):
@@ -102,11 +102,11 @@ def test_compiles_constant_after_first_epoch_and_resume_exact(tmp_path):
     assert compiles[0] > 0 and compiles[1] == compiles[0] and compiles[2] == compiles[0], compiles
     assert (tmp_path / "full" / "final.pt").exists()
     assert sorted(p.name for p in (tmp_path / "full").glob("epoch_*.pt")) == [
-        "epoch_001.pt", "epoch_002.pt", "epoch_003.pt"]
+        f"epoch_{e:03d}-{full.run_id}.pt" for e in (1, 2, 3)]
 
     kw["checkpoint_dir"] = str(tmp_path / "resumed")
     resumed_t = OneCycleTrainer(_copy(init), nn.CrossEntropyLoss(), train, val, **kw)
-    resumed = resumed_t.fit(simulate=4, resume=tmp_path / "full" / "epoch_002.pt")
+    resumed = resumed_t.fit(simulate=4, resume=tmp_path / "full" / f"epoch_002-{full.run_id}.pt")
     assert [e["epoch"] for e in resumed.epochs] == [1, 2, 3]
     assert resumed.epochs[:2] == full.epochs[:2]  # history carried over
     for k, v in full.state_dict.items():
@@ -119,10 +119,10 @@ def test_resume_refuses_other_world_size(tmp_path):
     train, _ = _digits_tensors()
     t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=64, epochs=2,
                         checkpoint_dir=str(tmp_path))
-    t.fit()
-    with pytest.raises(runtime.ReplicaError, match="1 cores"):
+    h = t.fit()
+    with pytest.raises(ResumeError, match="cores: 1 in the checkpoint, 2 now"):
         OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=64, epochs=2).fit(
-            simulate=2, resume=tmp_path / "epoch_001.pt")
+            simulate=2, resume=tmp_path / f"epoch_001-{h.run_id}.pt")
     with pytest.raises(ValueError, match="final.pt holds weights only"):
         t.fit(resume=tmp_path / "final.pt")
 

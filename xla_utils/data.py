@@ -215,7 +215,7 @@ class DistributedBatchSampler:
             raise ValueError(f"seed={seed} must be >= 0")
         if drop_last and num_samples < batch_size * world_size:
             raise ValueError(f"batch_size {batch_size} x world_size {world_size} > {num_samples} samples: no full "
-                             "batch; lower batch_size or use drop_last=False")
+                             "batch; lower batch_size (or, using this sampler directly, pass drop_last=False)")
         self.num_samples, self.batch_size = int(num_samples), int(batch_size)
         self.world_size, self.rank = int(world_size), int(rank)
         self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 __all__ = ["OPTIMIZERS", "Adam", "avoid_special", "avoid_special_momentum", "make_optimizer",
-           "set_hparams", "get_hparams"]
+           "resolve_optimizer", "set_hparams", "get_hparams"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SGD_MOMENTUM = 0.9
@@ -73,6 +73,33 @@ def _params_of(params: Any) -> Any:
     return params.parameters() if isinstance(params, torch.nn.Module) else params
 
 
+def resolve_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
+    """The canonical form of an optimizer spec: a lower-case name from
+    :data:`OPTIMIZERS` (names are case-insensitive and may carry surrounding
+    spaces: ``"SGD"``, ``" AdamW"``), or the callable unchanged.
+
+    Raises:
+        ValueError: an unknown name; the message lists the valid ones.
+        TypeError: neither a string nor a callable (e.g. an optimizer instance).
+    """
+    if isinstance(spec, str):
+        name = spec.strip().lower()
+        if name in OPTIMIZERS:
+            return name
+        import difflib
+
+        close = difflib.get_close_matches(name, OPTIMIZERS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown optimizer {spec!r}{hint}; valid names (any case): "
+                         f"{', '.join(repr(o) for o in OPTIMIZERS)}, or a callable "
+                         "spec(params, lr=..., weight_decay=...) such as torch.optim.RMSprop")
+    if isinstance(spec, torch.optim.Optimizer) or not callable(spec):
+        raise TypeError(f"optimizer must be a name {OPTIMIZERS} or a callable "
+                        f"spec(params, lr=..., weight_decay=...), got {type(spec).__name__}; "
+                        "pass the class (e.g. torch.optim.SGD), not an optimizer instance")
+    return spec
+
+
 def make_optimizer(spec: OptimizerSpec, params: Iterable[Any] | torch.nn.Module, lr: float,
                    weight_decay: float = 0.0) -> torch.optim.Optimizer:
     """Build an optimizer that the one-cycle schedule and the LR finder can drive.
@@ -83,7 +110,7 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[Any] | torch.nn.Module,
         ``"sgd"``: ``torch.optim.SGD`` with momentum 0.9, ``nesterov=False`` (the
         schedule then cycles the momentum). ``"adam"`` / ``"adamw"``:
         ``torch.optim.Adam`` / ``AdamW`` with betas (0.9, 0.999) (the schedule
-        cycles ``betas[0]``). Case-insensitive.
+        cycles ``betas[0]``). Case-insensitive (see :func:`resolve_optimizer`).
         A callable is called as ``spec(params, lr=lr, weight_decay=weight_decay)``
         when its signature accepts those keywords (``torch.optim.SGD``,
         ``functools.partial(torch.optim.RMSprop, alpha=0.9)``, ...), as
@@ -99,20 +126,15 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[Any] | torch.nn.Module,
         L2 penalty (SGD, Adam) or decoupled decay (AdamW). Default 0.0 for all
         three, including AdamW (whose torch default is 0.01).
     """
+    spec = resolve_optimizer(spec)
     params = _params_of(params)
     lr = avoid_special(lr)
-    if isinstance(spec, str):
-        name = spec.lower()
-        if name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, nesterov=False,
-                                   weight_decay=weight_decay)
-        if name in ("adam", "adamw"):
-            return Adam(params, lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay,
-                        decoupled=name == "adamw")
-        raise ValueError(f"unknown optimizer {spec!r}; use one of {OPTIMIZERS} or a callable "
-                         "spec(params, lr=..., weight_decay=...)")
-    if not callable(spec):
-        raise TypeError(f"optimizer spec must be a name {OPTIMIZERS} or a callable, got {type(spec).__name__}")
+    if spec == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, nesterov=False,
+                               weight_decay=weight_decay)
+    if spec in ("adam", "adamw"):
+        return Adam(params, lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay,
+                    decoupled=spec == "adamw")
 
     accepted = _keywords(spec)
     kwargs: dict[str, float] = {}

@@ -20,23 +20,40 @@ import copy
 import dataclasses
 import math
 import os
+import secrets
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from . import runtime
 from .data import IMAGENET_MEAN, IMAGENET_STD, images_to_float, is_image_batch, iterate_batches
 from .metrics import MetricAccumulator, resolve_metrics
-from .optim import make_optimizer
+from .optim import make_optimizer, resolve_optimizer
 from .schedule import OneCycleSchedule
 
 __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
-           "scale_lr"]
+           "scale_lr", "CheckpointError", "ResumeError"]
 
 LR_SCALING = ("linear", "sqrt", "none")
+ON_NAN = ("stop", "continue")
+# Samples read to check the targets of a dataset that keeps no label array.
+LABEL_SCAN_SAMPLES = 512
+LABEL_SCAN_SECONDS = 5.0
+# An epoch loss this many times the untrained model's is reported as exploding.
+VAL_LOSS_EXPLODES = 10.0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is corrupt, truncated or not an epoch checkpoint."""
+
+
+class ResumeError(ValueError):
+    """A checkpoint cannot be continued exactly with this trainer's configuration."""
 
 
 @dataclass
@@ -47,8 +64,9 @@ class TrainerConfig:
     epochs: passes over the training data. Default 1.
     max_lr: peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``), or
         ``"find"`` to run the LR finder first. Default 1e-3.
-    optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` or a callable
-        ``f(params, lr=..., weight_decay=...)``. Default ``"adamw"``.
+    optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` (any case; stored
+        lower-case) or a callable ``f(params, lr=..., weight_decay=...)``.
+        Default ``"adamw"``. An unknown name raises ``ValueError`` here.
     weight_decay: default 0.0 (AdamW: decoupled).
     pct_start, div_factor, final_div_factor, moms: one-cycle shape (torch
         ``OneCycleLR`` defaults 0.3, 25, 1e4; momentum/beta1 0.95 -> 0.85 -> 0.95).
@@ -58,8 +76,16 @@ class TrainerConfig:
     bf16: run forward/backward under ``torch.autocast(dtype=bfloat16)``. Default False.
     metrics: validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``, ``"f1"``);
         None = accuracy (+top5 above 10 classes), F1 for multi-label data.
-    checkpoint_dir: write ``epoch_<n>.pt`` after every epoch and ``final.pt`` at the
-        end; None = no files. keep_checkpoints: epoch files kept (default 2).
+    checkpoint_dir: write ``epoch_<nnn>-<run id>.pt`` after every epoch whose loss
+        is finite and ``final.pt`` (weights only) at the end; None = no files.
+        keep_checkpoints: this run's newest epoch files kept (default 2, >= 1);
+        files of other runs in the same folder are never deleted.
+    on_nan: what to do when the training loss read (every ``log_every`` steps
+        and at each epoch end) is NaN or infinite: ``"stop"`` (default) stops
+        there; the model keeps the weights of the last epoch that ended finite
+        (a host copy made at each epoch end) and ``History.stop_reason`` says
+        why. ``"continue"`` warns and trains on (no checkpoint is written for a
+        non-finite epoch).
     seed: seeds data order and device RNG (flips, dropout). Default 0.
     flip: random horizontal flip of uint8 image batches on the device. Default True.
     mean, std: per-channel normalisation of uint8 images, in 0..1 units (ImageNet).
@@ -88,8 +114,10 @@ class TrainerConfig:
     std: tuple[float, float, float] = IMAGENET_STD
     log_every: int = 20
     num_workers: int | None = None
+    on_nan: str = "stop"
 
     def __post_init__(self) -> None:
+        self.optimizer = resolve_optimizer(self.optimizer)
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (per core), got {self.batch_size!r}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
@@ -100,6 +128,11 @@ class TrainerConfig:
             raise ValueError(f"lr_scaling must be one of {LR_SCALING} or None, got {self.lr_scaling!r}")
         if self.log_every < 1:
             raise ValueError("log_every must be >= 1")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be an int >= 1 (this run's newest epoch files "
+                             f"kept), got {self.keep_checkpoints!r}")
+        if self.on_nan not in ON_NAN:
+            raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
 
     @property
     def scaling_rule(self) -> str:
@@ -124,7 +157,11 @@ class History:
     epoch including any compilation), ``compiles`` (XLA compilations so far in
     the run, cumulative), ``host_reads_per_step`` (device->host transfers per
     training step in this process, all its replicas together: the progress-bar
-    loss reads), ``seconds``. ``state_dict`` is the final model state on the CPU.
+    loss reads), ``seconds``. ``state_dict`` is the final model state on the CPU
+    (after a stop: the last finite epoch's; empty when no epoch ended finite).
+    ``stop_reason`` is None for a complete run, else why it stopped early;
+    ``warnings`` lists what the run warned about (divergence, exploding
+    validation loss); ``run_id`` names this run's checkpoint files.
     """
 
     epochs: list[dict[str, Any]]
@@ -136,6 +173,9 @@ class History:
     lr_note: str
     backend: str
     state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    stop_reason: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    run_id: str | None = None
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.epochs[i]
@@ -159,7 +199,8 @@ class History:
         cores = f"{self.world_size} core{'s' if self.world_size > 1 else ''}"
         return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "
                 f"batch, max_lr {self.max_lr:.3g} (from {self.base_lr:.3g}: {self.lr_note}), "
-                f"backend {self.backend}\n" + self.table())
+                f"backend {self.backend}\n" + self.table()
+                + (f"\nSTOPPED: {self.stop_reason}" if self.stop_reason else ""))
 
 
 def _fmt(v: Any) -> str:
@@ -226,6 +267,8 @@ class OneCycleTrainer:
         self.train_step = train_step or _default_train_step
         self.eval_step = eval_step or _default_eval_step
         self.lr_finder_result = None
+        self._from_factory = not isinstance(model, torch.nn.Module)
+        self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
 
     # ------------------------------------------------------------------ API
     def find_lr(self, simulate: int | None = None, **kwargs: Any):
@@ -249,46 +292,82 @@ class OneCycleTrainer:
 
         ``simulate=N`` runs N simulated XLA:CPU cores (no TPU needed). ``max_lr``
         overrides the configured one (``"find"`` runs the LR finder first).
-        ``resume`` is a checkpoint written by an earlier fit: training continues
-        at the next epoch with the same schedule. ``debug=True`` runs
-        :func:`debug_run` instead (one core, a few steps, XLA report).
-        After training ``self.model`` holds the final weights.
+        ``resume`` continues an earlier run exactly at its next epoch: an epoch
+        checkpoint file, a folder (its newest good ``epoch_*.pt``) or ``"last"``
+        (the newest in ``checkpoint_dir``). The checkpoint's configuration is
+        compared with this one first; anything the schedule or optimizer state
+        depends on (optimizer, batch size, epochs, max_lr, cores, steps per
+        epoch, ...) must match, else :class:`ResumeError` lists every
+        difference. A corrupt file raises :class:`CheckpointError` naming the
+        newest good checkpoint beside it. ``debug=True`` runs :func:`debug_run`
+        instead (one core, a few steps, XLA report).
+
+        Labels are checked against the model's output width and the dataset's
+        classes before anything runs. ``self.model`` receives the weights only
+        after the run: the final ones, or after a stop on a non-finite loss
+        (``on_nan="stop"``) those of the last epoch that ended finite.
         """
+        cfg = self.config
+        for data, name in ((self.train_data, "train_data"), (self.val_data, "val_data")):
+            if data is not None:
+                _check_targets(self.model, self.loss, data, name,
+                               lambda x: self._prepare(x, train=False), self.eval_step)
         if debug:
             return debug_run(self.model, self.loss, self.train_data,
-                             batch_size=self.config.batch_size, optimizer=self.config.optimizer,
+                             batch_size=cfg.batch_size, optimizer=cfg.optimizer,
                              train_step=self.train_step,
-                             prepare=lambda x: self._prepare(x, train=False))
-        cfg = self.config
+                             prepare=lambda x: self._prepare(x, train=False),
+                             eval_step=self.eval_step)
+        world = _planned_world_size(cores, simulate)
+        _check_batches(self.train_data, cfg.batch_size, world)
         base_lr = cfg.max_lr if max_lr is None else max_lr
         lr_world = 1  # the world size base_lr is meant for
         ckpt = None
         if resume is not None:
-            ckpt = _load_checkpoint(resume)
-            self.model.load_state_dict(ckpt["model"])
+            path, ckpt = _resolve_resume(resume, cfg.checkpoint_dir)
+            _check_resume(path, ckpt, cfg, self.model, max_lr, world,
+                          len(self.train_data) // (cfg.batch_size * world))
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
-        elif base_lr == "find":
-            # Measure at the run's own global batch: k accumulated micro-batches
-            # of the per-core batch are exactly one k-core step's gradient, so
-            # the answer needs no scaling rule on top of the finder's rule.
-            lr_world = _planned_world_size(cores, simulate)
-            res = self.find_lr(simulate=1 if simulate is not None else None, accum_steps=lr_world)
-            base_lr = res.suggestion
-            if not math.isfinite(base_lr):
-                raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
-                                   "pass max_lr=<number> or look at trainer.lr_finder_result.plot()")
-            print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch {res.batch_size} "
-                  f"({cfg.batch_size} x {lr_world} micro-batches on one core, rule {res.rule}).",
-                  flush=True)
+        else:
+            if self._epochs_trained:
+                warnings.warn(
+                    f"this trainer's model was already trained by an earlier fit() "
+                    f"({self._epochs_trained} epoch(s)); this fit starts a new one-cycle schedule "
+                    "from those trained weights"
+                    + (" (the model factory is called once, in OneCycleTrainer(...), not per fit)"
+                       if self._from_factory else "")
+                    + ". For a fresh start create a new OneCycleTrainer; to continue a run "
+                    "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=2)
+            if base_lr == "find":
+                # Measure at the run's own global batch: k accumulated micro-batches
+                # of the per-core batch are exactly one k-core step's gradient, so
+                # the answer needs no scaling rule on top of the finder's rule.
+                lr_world = world
+                res = self.find_lr(simulate=1 if simulate is not None else None,
+                                   accum_steps=lr_world)
+                base_lr = res.suggestion
+                if not math.isfinite(base_lr):
+                    raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
+                                       "pass max_lr=<number> or look at "
+                                       "trainer.lr_finder_result.plot()")
+                print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
+                      f"{res.batch_size} ({cfg.batch_size} x {lr_world} micro-batches on one "
+                      f"core, rule {res.rule}).", flush=True)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
-        out = runtime.launch(self._replica, float(base_lr), lr_world, ckpt, cores=cores,
+        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        out = runtime.launch(self._replica, float(base_lr), lr_world, ckpt, run_id, cores=cores,
                              simulate=simulate, timeout=timeout)
-        self.model.load_state_dict(out.state_dict)
+        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
+            self.model.load_state_dict(out.state_dict)
+            self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
+                                                      else self._epochs_trained)
+        for w in out.warnings:
+            warnings.warn(w, RuntimeWarning, stacklevel=2)
         return out
 
     # ------------------------------------------------------------- replica
-    def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None) -> History:
+    def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str) -> History:
         cfg = self.config
         ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
         model = self.model
@@ -296,6 +375,8 @@ class OneCycleTrainer:
             # Threads share one Python object (and in-process we keep the
             # caller's model untouched until success): give each replica its own.
             model = copy.deepcopy(model)
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
         model = model.to(dev)
         rule = cfg.scaling_rule
         # base_lr is for lr_world cores (1, or the world lr_find measured for)
@@ -321,8 +402,9 @@ class OneCycleTrainer:
         history: list[dict[str, Any]] = []
         start_epoch = 0
         if ckpt is not None:
+            # fit() compared against the planned world; this is the actual one.
             if (ckpt["world_size"], ckpt["steps_per_epoch"]) != (ws, steps_per_epoch):
-                raise ValueError(
+                raise ResumeError(
                     f"checkpoint was written with {ckpt['world_size']} cores and "
                     f"{ckpt['steps_per_epoch']} steps/epoch; this run has {ws} and "
                     f"{steps_per_epoch}: the one-cycle schedule would not continue exactly")
@@ -332,6 +414,15 @@ class OneCycleTrainer:
         master_bar, progress_bar = runtime.progress_bars()
         mb = master_bar(range(start_epoch, cfg.epochs)) if runtime.is_master() else None
         step = start_epoch * steps_per_epoch
+        # Host copy of the weights of the last epoch that ended finite (master only;
+        # what the caller gets if a later epoch diverges).
+        finite_state: dict[str, torch.Tensor] | None = None
+        stop_reason: str | None = None
+        warns: list[str] = []
+        diverged = False
+        # The loss of the untrained model (read once, at this run's first step):
+        # the yardstick for "the loss exploded" warnings.
+        initial_loss: float | None = None if ckpt is None else ckpt.get("initial_loss")
         for epoch in (mb if mb is not None else range(start_epoch, cfg.epochs)):
             runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + rk)
             model.train()
@@ -341,6 +432,7 @@ class OneCycleTrainer:
             # each epoch's first step a different graph (one recompile).
             loss_sum = runtime.to_device(torch.zeros(()), dev)
             lr_last = sched.lr(step)
+            train_loss = math.nan
             it = runtime.device_prefetch(batches(self.train_data, epoch, True))
             pb = progress_bar(range(steps_per_epoch), parent=mb) if mb is not None else None
             for i, (x, y, _valid) in zip(pb if pb is not None else range(steps_per_epoch), it):
@@ -354,17 +446,39 @@ class OneCycleTrainer:
                 loss_sum = loss_sum + loss.detach().float()
                 runtime.sync()
                 step += 1
-                if pb is not None and ((i + 1) % cfg.log_every == 0 or i + 1 == steps_per_epoch):
-                    seen = (i + 1) * cfg.batch_size * ws
-                    pb.comment = (f"loss {float(loss_sum.cpu()) / (i + 1):.4f}  "
-                                  f"{seen / (time.perf_counter() - t0):.0f} img/s")
+                if step == 1:
+                    initial_loss = runtime.all_reduce(float(loss.detach().float().cpu()), op="mean")
+                if (i + 1) % cfg.log_every == 0 or i + 1 == steps_per_epoch:
+                    # Every rank reads and the mean is exchanged on the host, so all
+                    # ranks see the same value and stop at the same step.
+                    train_loss = runtime.all_reduce(float(loss_sum.cpu()) / (i + 1), op="mean")
+                    if pb is not None:
+                        seen = (i + 1) * cfg.batch_size * ws
+                        pb.comment = (f"loss {train_loss:.4f}  "
+                                      f"{seen / (time.perf_counter() - t0):.0f} img/s")
+                    if not math.isfinite(train_loss) and not diverged:
+                        diverged = True
+                        msg = self._divergence_message(train_loss, epoch, i + 1, steps_per_epoch,
+                                                       lr_last, base_lr, max_lr, finite_state,
+                                                       start_epoch)
+                        runtime.master_print(msg)
+                        warns.append(msg)
+                        if cfg.on_nan == "stop":
+                            stop_reason = msg
+                            break
+            if stop_reason is not None:
+                break
             to_host = runtime.metrics()["to_host"] - to_host0
-            train_loss = runtime.all_reduce(float(loss_sum.cpu()) / steps_per_epoch, op="mean")
             seconds = time.perf_counter() - t0
             record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": train_loss}
             if self.val_data is not None:
                 val = self._evaluate(model, dev, batches(self.val_data, epoch, False), autocast)
                 record.update({"val_loss": val.pop("loss")}, **val)
+            for key in ("train_loss", "val_loss"):
+                msg = _exploded(key, record.get(key), initial_loss, epoch + 1)
+                if msg and not diverged and not any(w.startswith(key) for w in warns):
+                    runtime.master_print(msg)
+                    warns.append(msg)
             record.update(lr_max=max_lr, lr_last=lr_last,
                           images_per_s=steps_per_epoch * cfg.batch_size * ws / seconds,
                           compiles=runtime.metrics()["compiles"],
@@ -372,15 +486,49 @@ class OneCycleTrainer:
             history.append(record)
             if mb is not None:
                 mb.write(_epoch_line(record))
+            finite = math.isfinite(train_loss)
+            if finite and cfg.on_nan == "stop" and runtime.is_master():
+                finite_state = _host_copy(model.state_dict())
             if cfg.checkpoint_dir is not None:
-                self._checkpoint(model, opt, epoch + 1, history, base_lr, lr_world, ws,
-                                 steps_per_epoch)
-        state = model.state_dict()
-        if cfg.checkpoint_dir is not None:
-            runtime.save(state, Path(cfg.checkpoint_dir) / "final.pt")
+                if finite:
+                    self._checkpoint(model, opt, epoch + 1, history, base_lr, lr_world, ws,
+                                     steps_per_epoch, run_id, finite_state, initial_loss)
+                else:
+                    runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
+                                         "(non-finite loss); older checkpoints are kept")
+        if stop_reason is not None:
+            state = finite_state or {}
+        else:
+            state = finite_state if finite_state is not None else model.state_dict()
+            if cfg.checkpoint_dir is not None:
+                runtime.save(state, Path(cfg.checkpoint_dir) / "final.pt")
         return History(epochs=history, world_size=ws, global_batch=ws * cfg.batch_size,
                        base_lr=base_lr, max_lr=max_lr, lr_scaling=rule, lr_note=how,
-                       backend=runtime.backend(), state_dict=state)
+                       backend=runtime.backend(), state_dict=state, stop_reason=stop_reason,
+                       warnings=warns, run_id=run_id)
+
+    def _divergence_message(self, value: float, epoch: int, step: int, steps_per_epoch: int,
+                            lr: float, base_lr: float, max_lr: float,
+                            finite_state: dict | None, start_epoch: int) -> str:
+        cfg = self.config
+        msg = (f"train_loss became {value} in epoch {epoch + 1} by step {step}/{steps_per_epoch} "
+               f"(LR then {lr:.3g}; peak max_lr {max_lr:.3g} from max_lr {base_lr:.3g}). ")
+        if cfg.on_nan == "stop":
+            if finite_state is not None:
+                kept = f"keeps the weights of epoch {epoch} (the last finite ones, a host copy)"
+            elif start_epoch:
+                kept = ("is unchanged (no epoch of this fit ended finite; the resumed "
+                        "checkpoint holds the last finite weights)")
+            else:
+                kept = "is unchanged (no epoch ended finite)"
+            msg += (f"Training stopped (on_nan='stop'); trainer.model {kept}; no checkpoint "
+                    "was written for it. ")
+        else:
+            msg += "Training goes on (on_nan='continue'); no checkpoint is written for non-finite epochs. "
+        return msg + (f"Fix: lower max_lr (e.g. {base_lr / 10:.3g}) or let trainer.find_lr() / "
+                      "fit(max_lr='find') pick it; check inputs, targets and the loss for "
+                      "inf/NaN (log of 0, division by 0)"
+                      + ("; with bf16=True try bf16=False" if cfg.bf16 else "") + ".")
 
     def _prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
         if is_image_batch(x):
@@ -407,20 +555,196 @@ class OneCycleTrainer:
         return acc.compute()
 
     def _checkpoint(self, model, opt, epoch: int, history, base_lr, lr_world, ws,
-                    steps_per_epoch) -> None:
+                    steps_per_epoch, run_id: str, host_state: dict | None,
+                    initial_loss: float | None) -> None:
         cfg = self.config
         directory = Path(cfg.checkpoint_dir)
         state = {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+            "model": host_state if host_state is not None else model.state_dict(),
+            "optimizer": opt.state_dict(), "epoch": epoch,
             "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": ws,
-            "steps_per_epoch": steps_per_epoch,
+            "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
+            "optimizer_name": _optimizer_name(cfg.optimizer),
             "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
         }
-        runtime.save(state, directory / f"epoch_{epoch:03d}.pt")
+        runtime.save(state, directory / f"epoch_{epoch:03d}-{run_id}.pt")
         if runtime.is_master():
-            old = sorted(directory.glob("epoch_*.pt"))[:-cfg.keep_checkpoints]
-            for p in old:
+            # Only this run's files, ranked by epoch number: a rerun into the same
+            # folder never deletes another run's checkpoints, nor its own newest.
+            mine = sorted((_epoch_of(p), p) for p in directory.glob(f"epoch_*-{run_id}.pt")
+                          if _epoch_of(p) is not None)
+            for _, p in mine[:-cfg.keep_checkpoints]:
                 p.unlink(missing_ok=True)
+
+
+def _epoch_of(path: Path) -> int | None:
+    """Epoch number in an ``epoch_<nnn>[-<run id>].pt`` file name."""
+    head = path.name[len("epoch_"):].split("-", 1)[0].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _optimizer_name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    return f"callable {getattr(spec, '__module__', '?')}.{getattr(spec, '__qualname__', repr(spec))}"
+
+
+def _host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy that later in-place updates of ``state`` cannot reach."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def _exploded(key: str, value: float | None, initial: float | None, epoch: int) -> str | None:
+    """A warning when an epoch's loss is non-finite (validation) or more than
+    ``VAL_LOSS_EXPLODES`` times the untrained model's loss at the first step."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        if key == "train_loss":
+            return None  # the divergence message covers it
+        why = f"is {value}"
+    elif initial is not None and math.isfinite(initial) and initial > 0 \
+            and value > VAL_LOSS_EXPLODES * initial:
+        why = (f"is {value / initial:.3g}x the untrained model's loss at the first step "
+               f"({initial:.4g})")
+    else:
+        return None
+    return (f"{key} {value:.4g} at epoch {epoch} {why}: training is diverging. Lower max_lr "
+            "(or use fit(max_lr='find')), check the data and labels"
+            + (", add weight_decay" if key == "val_loss" else "") + ".")
+
+
+def _check_batches(data, batch_size: int, world: int) -> None:
+    """Refuse a training set smaller than one global batch, naming the trainer's fix."""
+    n = len(data)
+    if n < batch_size * world:
+        fit = n // world
+        raise ValueError(
+            f"train_data has {n} samples, fewer than one global batch ({batch_size} per core x "
+            f"{world} core{'s' if world > 1 else ''} = {batch_size * world}); the trainer drops "
+            "the ragged last batch so every core gets equal full batches (no recompiles). Fix: "
+            + (f"batch_size={fit} or lower, or more training samples." if fit >= 1 else
+               f"at least {world} training samples (one per core), or fit(cores=1)."))
+
+
+def _targets_of(data) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(targets, sample index of each)`` without decoding inputs where possible:
+    a label array for cached data, ``TensorDataset`` and torchvision datasets;
+    otherwise a bounded, evenly spread scan (index array given)."""
+    from .data import CachedImageDataset
+
+    if isinstance(data, CachedImageDataset):
+        return np.asarray(data.labels), None
+    if isinstance(data, torch.utils.data.Subset):
+        inner, where = _targets_of(data.dataset)
+        if inner is not None and where is None:
+            return inner[np.asarray(data.indices)], None
+    if isinstance(data, torch.utils.data.TensorDataset) and len(data.tensors) >= 2:
+        return data.tensors[1].detach().cpu().numpy(), None
+    targets = getattr(data, "targets", None)
+    if targets is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = np.asarray(targets.cpu() if isinstance(targets, torch.Tensor) else targets)
+        if t.dtype != object and len(t) == len(data):
+            return t, None
+    n = len(data)
+    where = np.unique(np.linspace(0, n - 1, min(n, LABEL_SCAN_SAMPLES)).astype(np.int64))
+    found, idx = [], []
+    t0 = time.perf_counter()
+    for i in where:
+        sample = data[int(i)]
+        if not isinstance(sample, (tuple, list)) or len(sample) < 2:
+            return None, None
+        y = sample[1]
+        y = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+        if y.dtype == object:
+            return None, None
+        found.append(y)
+        idx.append(int(i))
+        if time.perf_counter() - t0 > LABEL_SCAN_SECONDS:
+            break
+    if not found or len({f.shape for f in found}) != 1:
+        return None, None
+    return np.stack(found), np.asarray(idx)
+
+
+def _output_width(model: torch.nn.Module, data, prepare: Callable, eval_step: Callable) -> int | None:
+    """Width of the model's 2-D output for two samples, from one CPU forward in
+    eval mode (None when that is not possible: the forward is then left to fit)."""
+    params = list(model.parameters())
+    if params and params[0].device.type not in ("cpu", "cuda"):
+        return None
+    modes = [m.training for m in model.modules()]
+    try:
+        batch = torch.utils.data.default_collate([data[i] for i in range(min(2, len(data)))])
+        x, y = batch[0], batch[1]
+        if params:
+            x = x.to(params[0].device) if isinstance(x, torch.Tensor) else x
+        model.eval()
+        with torch.no_grad():
+            out = eval_step(model, (prepare(x), y))
+    except Exception:
+        return None
+    finally:
+        for m, mode in zip(model.modules(), modes):
+            m.training = mode
+    if isinstance(out, torch.Tensor) and out.dim() == 2:
+        return int(out.shape[1])
+    return None
+
+
+def _check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
+                   prepare: Callable, eval_step: Callable) -> None:
+    """Check class-index targets (or multi-hot widths) of ``data`` against the
+    model's output width and the dataset's classes, before any training."""
+    targets, where = _targets_of(data)
+    if targets is None or targets.size == 0:
+        return
+    int_labels = targets.dtype.kind in "iu" and targets.ndim == 1
+    multi_hot = targets.dtype.kind == "f" and targets.ndim == 2
+    if not (int_labels or multi_hot):
+        return  # regression or something else: nothing to check
+    classes = getattr(data, "num_classes", None)
+    if classes is None and isinstance(getattr(data, "classes", None), (list, tuple)):
+        classes = len(data.classes)
+    width = _output_width(model, data, prepare, eval_step)
+    scope = "" if where is None else f" (checked {len(where)} evenly spread samples)"
+    if multi_hot:
+        if width is not None and targets.shape[1] != width:
+            raise ValueError(f"{name} has multi-label targets of width {targets.shape[1]} but the "
+                             f"model outputs {width} values per sample: build the model with "
+                             f"{targets.shape[1]} outputs (num_classes={targets.shape[1]})")
+        return
+    limits = [v for v in (width, classes) if v is not None]
+    if not limits:
+        return
+    limit = min(limits)
+    bad = (targets < 0) | (targets >= limit)
+    ignore = getattr(loss, "ignore_index", None)
+    if isinstance(ignore, int):
+        bad &= targets != ignore
+    if bad.any():
+        j = int(np.argmax(bad))
+        label, sample = int(targets[j]), int(j if where is None else where[j])
+        what = (f"the model's {width} outputs (class indices 0..{width - 1})"
+                if limit == width else f"the dataset's {classes} classes (0..{classes - 1})")
+        if label == -1 and classes is not None:
+            fix = ("-1 marks an unlabelled image: build the cache with labels= (a CSV "
+                   "path,label or a dict), or one sub-folder per class")
+        elif classes is not None and width is not None and label < classes:
+            fix = f"build the model with {classes} outputs (num_classes={classes})"
+        else:
+            fix = ("fix the labels, or build the model with "
+                   f"num_classes={int(targets.max()) + 1}")
+        raise ValueError(
+            f"{name}: label {label} at sample {sample} is outside {what}"
+            + (f"; {name} has {classes} classes" if classes is not None else "")
+            + f" ({int(bad.sum())} such sample(s){scope}). On XLA an out-of-range label "
+            f"trains silently on garbage. Fix: {fix}.")
+    if width is not None and classes is not None and width != classes:
+        warnings.warn(f"the model outputs {width} classes but {name} has {classes}: build "
+                      f"it with num_classes={classes}", UserWarning, stacklevel=3)
 
 
 def _epoch_line(r: dict[str, Any]) -> str:
@@ -445,17 +769,150 @@ def _planned_world_size(cores: int | str, simulate: int | None) -> int:
     return 1
 
 
+_CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size", "steps_per_epoch"}
+# Config fields the optimizer state and the one-cycle schedule depend on: a
+# resumed run with any of them changed would not continue the same run.
+_RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_factor",
+                 "final_div_factor", "moms", "lr_scaling", "mean", "std")
+
+
+def _read_checkpoint(path: Path, mmap: bool = False) -> dict:
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not an xla_utils epoch "
+                              "checkpoint")
+    return ckpt
+
+
+def _newest_good_checkpoint(directory: Path, exclude: Path | None = None) -> tuple[Path, dict] | None:
+    """The most recently written epoch checkpoint in ``directory`` that loads
+    (memory-mapped, so tensors are not read), with its contents."""
+    files = [p for p in directory.glob("epoch_*.pt") if p.is_file()
+             and (exclude is None or p.resolve() != exclude.resolve())]
+    files.sort(key=lambda p: (p.stat().st_mtime, _epoch_of(p) or 0, p.name), reverse=True)
+    for p in files:
+        try:
+            ckpt = _read_checkpoint(p, mmap=True)
+        except Exception:
+            try:  # e.g. the legacy non-zip format cannot be memory-mapped
+                ckpt = _read_checkpoint(p)
+            except Exception:
+                continue
+        if not _CKPT_KEYS - set(ckpt):
+            return p, ckpt
+    return None
+
+
 def _load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    missing = {"model", "optimizer", "epoch", "history", "base_lr", "world_size",
-               "steps_per_epoch"} - set(ckpt)
+    try:
+        ckpt = _read_checkpoint(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        size = path.stat().st_size
+        good = _newest_good_checkpoint(path.parent, exclude=path)
+        beside = (f"The newest good checkpoint beside it is {good[0]} (epoch {good[1]['epoch']}): "
+                  f"fit(resume={str(good[0])!r})" if good is not None else
+                  f"No good epoch checkpoint is beside it in {path.parent}.")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({size} bytes; {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'}), e.g. a copy or "
+            f"upload that did not finish. {beside}") from None
+    missing = _CKPT_KEYS - set(ckpt)
     if missing:
-        raise ValueError(f"{path} is not an xla_utils epoch checkpoint (missing {sorted(missing)}); "
-                         "final.pt holds weights only: load it with model.load_state_dict")
+        raise CheckpointError(f"{path} is not an xla_utils epoch checkpoint (missing "
+                              f"{sorted(missing)}); final.pt holds weights only: load it with "
+                              "model.load_state_dict(torch.load(path))")
     return ckpt
+
+
+def _resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, dict]:
+    """``resume`` is a file, a folder, or ``"last"`` (the configured
+    ``checkpoint_dir``); a folder means its newest good epoch checkpoint."""
+    if isinstance(resume, str) and resume == "last":
+        if checkpoint_dir is None:
+            raise ValueError("resume='last' needs checkpoint_dir=...; or pass a checkpoint file")
+        resume = checkpoint_dir
+    path = Path(resume)
+    if path.is_dir():
+        good = _newest_good_checkpoint(path)
+        if good is None:
+            raise FileNotFoundError(f"no readable epoch checkpoint (epoch_*.pt) in {path}")
+        path = good[0]
+        print(f"resuming from {path}, the newest good checkpoint in {path.parent}", flush=True)
+    return path, _load_checkpoint(path)
+
+
+def _ckpt_optimizer(ckpt: dict) -> str | None:
+    """The optimizer name a checkpoint was written with (inferred for old ones)."""
+    if "optimizer_name" in ckpt:
+        return ckpt["optimizer_name"]
+    groups = ckpt["optimizer"].get("param_groups") or [{}]
+    if "decoupled" in groups[0]:
+        return "adamw" if groups[0]["decoupled"] else "adam"
+    if "momentum" in groups[0] and "betas" not in groups[0]:
+        return "sgd"
+    return None
+
+
+def _check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Module,
+                  max_lr: float | str | None, world: int, steps_per_epoch: int) -> None:
+    """Compare a checkpoint with the new run before anything is loaded; refuse
+    (one error listing every difference) what would not continue exactly, and
+    say what was kept and what changed."""
+    old = dict(ckpt.get("config", {}))
+    new = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"}
+    fixed: list[str] = []
+
+    def differs(a: Any, b: Any) -> bool:
+        norm = (lambda v: tuple(v) if isinstance(v, (list, tuple)) else v)
+        return norm(a) != norm(b)
+
+    for k in _RESUME_FIXED:
+        if k in old and differs(old[k], new[k]):
+            fixed.append(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now")
+    was_opt, now_opt = _ckpt_optimizer(ckpt), _optimizer_name(cfg.optimizer)
+    if was_opt is not None and was_opt != now_opt:
+        fixed.append(f"optimizer: {was_opt!r} in the checkpoint, {now_opt!r} now")
+    if ckpt["world_size"] != world:
+        fixed.append(f"cores: {ckpt['world_size']} in the checkpoint, {world} now")
+    elif ckpt["steps_per_epoch"] != steps_per_epoch:
+        fixed.append(f"steps per epoch: {ckpt['steps_per_epoch']} in the checkpoint, "
+                     f"{steps_per_epoch} now (the training set has changed size)")
+    want = cfg.max_lr if max_lr is None else max_lr
+    if want != "find" and not math.isclose(float(want), ckpt["base_lr"], rel_tol=1e-9):
+        fixed.append(f"max_lr: {ckpt['base_lr']:.6g} in the checkpoint, {want!r} now")
+    mine = model.state_dict()
+    theirs = ckpt["model"]
+    missing = [k for k in mine if k not in theirs]
+    extra = [k for k in theirs if k not in mine]
+    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(mine[k].shape)}" for k in mine
+              if k in theirs and hasattr(theirs[k], "shape") and theirs[k].shape != mine[k].shape]
+    if missing or extra or shapes:
+        fixed.append("model: the checkpoint's weights do not fit this model ("
+                     + "; ".join(filter(None, [
+                         f"missing {missing[:5]}" if missing else "",
+                         f"unexpected {extra[:5]}" if extra else "",
+                         f"shapes {shapes[:5]}" if shapes else ""])) + ")")
+    if fixed:
+        raise ResumeError(
+            f"cannot resume from {path} (epoch {ckpt['epoch']}): the optimizer state and the "
+            "one-cycle schedule would not continue exactly, because\n  " + "\n  ".join(fixed)
+            + "\nEither change these back to continue that run, or start a new schedule from "
+            "its weights: trainer.model.load_state_dict(torch.load(path)['model']), then "
+            "fit() without resume.")
+    changed = [f"{k} {old[k]!r} -> {new[k]!r}" for k in new
+               if k in old and k not in _RESUME_FIXED and k != "max_lr" and differs(old[k], new[k])]
+    total = old.get("epochs", cfg.epochs)
+    print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
+          f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
+          + (" (found by lr_find)" if want == "find" else "")
+          + f", optimizer {now_opt}, batch {cfg.batch_size} x {world} cores, its schedule, "
+          "optimizer state and history"
+          + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -480,7 +937,7 @@ class DebugReport:
 def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable, data,
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
               train_step: Callable | None = None, prepare: Callable | None = None,
-              print_report: bool = True) -> DebugReport:
+              print_report: bool = True, eval_step: Callable | None = None) -> DebugReport:
     """Run a few plain training steps on ONE core and explain what XLA did.
 
     A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
@@ -492,11 +949,22 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
     constant (default 1e-3), ``batch_size`` default 8. ``prepare(x)`` turns an
     input batch on the device into model input (default: uint8 NHWC images are
     normalised with ImageNet mean/std; ``fit(debug=True)`` passes the trainer's).
+    ``optimizer`` is a name (any case) or a callable, as for the trainer. Class
+    labels are checked against the model's output width first (``eval_step(model,
+    (x, y)) -> outputs`` computes it; default ``model(x)``).
     """
+    optimizer = resolve_optimizer(optimizer)
     if isinstance(model, torch.nn.Module):
         module = model
     else:
         module = model()
+
+    def to_input(x: torch.Tensor) -> torch.Tensor:
+        if prepare is not None:
+            return prepare(x)
+        return images_to_float(x) if is_image_batch(x) else x
+
+    _check_targets(module, loss, data, "data", to_input, eval_step or _default_eval_step)
     step_fn = train_step or _default_train_step
     simulate = None if runtime._tpu_present() else 1
     if simulate is not None and not runtime.xla_available():
@@ -515,10 +983,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             if n == steps:
                 break
             x, y = runtime.to_device((x, y), dev)
-            if prepare is not None:
-                x = prepare(x)
-            elif is_image_batch(x):
-                x = images_to_float(x)
+            x = to_input(x)
             opt.zero_grad(set_to_none=True)
             loss_t = step_fn(net, (x, y), loss)
             loss_t.backward()
