@@ -894,8 +894,8 @@ def _write_error(out: Path, e: OSError, src: _Source, cfg: CacheConfig) -> Build
     if e.errno not in _READ_ONLY_ERRNOS:
         return None
     there = ""
-    if out.is_dir():
-        state, old = _existing_state(out, src, cfg)
+    with contextlib.suppress(OSError):  # the folder may not even be listable
+        state, old = _existing_state(out, src, cfg) if out.is_dir() else ("empty", None)
         if state == "compatible":
             there = " It holds an unfinished (or damaged) build of this cache, which cannot be finished here."
         elif state == "different" and old is not None:
