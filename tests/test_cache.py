@@ -1,9 +1,12 @@
 """Builder, format, resume, verify and bad-input handling of xla_utils.cache."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -306,18 +309,48 @@ def test_small_images_can_be_skipped(bad_folder, tmp_path):
     assert not r.upscaled
 
 
-def test_strict_stops_at_first_bad_file_and_keeps_finished_shards(bad_folder, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_strict_stops_at_first_bad_file_and_keeps_finished_shards(bad_folder, tmp_path, workers):
     out = tmp_path / "c"
     with pytest.raises(BadImageError, match="cls/b_corrupt.jpg") as err:
-        build_cache(bad_folder, out, size=32, strict=True, workers=1, verbose=False)
-    assert err.value.path == "cls/b_corrupt.jpg"
+        build_cache(bad_folder, out, size=32, strict=True, workers=workers, verbose=False)
+    assert err.value.path == "cls/b_corrupt.jpg" and err.value.index == 1  # not c_truncated.jpg (index 2)
     m = read_manifest(out)
-    assert not m["complete"] and [s["index"] for s in m["shards"]] == [0]  # a_good.jpg, before the bad file
-    assert verify_cache(out).problems[0].startswith("incomplete build")  # ... but no corrupted shard
+    kept = [s["index"] for s in m["shards"]]
+    # a_good.jpg (shard 0, before the bad file) is kept; shard 1 holds the bad file. A worker
+    # may also have finished a later shard before the stop: kept too, never corrupted.
+    assert not m["complete"] and kept[0] == 0 and 1 not in kept
+    problems = verify_cache(out).problems
+    assert len(problems) == 1 and problems[0].startswith("incomplete build"), problems
     before = (out / "shard-00000.npy").read_bytes()
     r = build_cache(bad_folder, out, size=32, verbose=False)  # rerun without strict resumes
-    assert r.shards_reused == 1 and (out / "shard-00000.npy").read_bytes() == before
+    assert r.shards_reused == len(kept) and (out / "shard-00000.npy").read_bytes() == before
     assert verify_cache(out).ok
+
+
+class _SlowFirstBad:
+    """32 items; item 0 is bad but slow to fail, item 5 is bad at once."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        if i == 0:
+            time.sleep(1.5)
+            raise OSError("slow bad item")
+        if i == 5:
+            raise OSError("fast bad item")
+        return textured(i, 20, 20), i % 2
+
+
+def test_strict_names_the_first_bad_item_in_source_order_not_the_first_to_fail(tmp_path):
+    # Two shards of 2 items run at once: shard 2 meets item 5 long before shard 0 fails on item 0.
+    with pytest.raises(BadImageError) as err:
+        build_cache(_SlowFirstBad(), tmp_path / "c", size=16, strict=True, workers=2, verbose=False)
+    assert (err.value.path, err.value.index) == ("dataset[0]", 0) and "slow bad item" in err.value.reason
+    m = read_manifest(tmp_path / "c")
+    assert not m["complete"] and 0 not in [s["index"] for s in m["shards"]]
+    assert verify_cache(tmp_path / "c").problems[0].startswith("incomplete build")
 
 
 def test_modes_and_orientation(bad_folder, tmp_path):
@@ -462,6 +495,136 @@ def test_rerun_reuses_and_other_config_is_refused(folder, tmp_path):
     (tmp_path / "foreign" / "thesis.tex").write_text("precious")
     with pytest.raises(BuildError, match="not empty"):
         build_cache(folder, tmp_path / "foreign", size=32, verbose=False)
+
+
+def _read_only_command(kind: str, folder: Path) -> list[str] | None:
+    """A command prefix that runs a program with ``folder`` really read-only, or None.
+
+    ``erofs``: a read-only bind mount in a private user + mount namespace (like
+    Kaggle's /kaggle/input; works as root and as a normal user where user namespaces
+    are allowed). ``eacces``: ``chmod -R a-w``; root ignores permission bits, so as root
+    the program runs without the capabilities that bypass them.
+    """
+    if kind == "erofs":
+        if not shutil.which("unshare"):
+            return None
+        prefix = ["unshare", "-Urm", "sh", "-c",
+                  'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"', str(folder)]
+    else:
+        subprocess.run(["chmod", "-R", "a-w", str(folder)], check=True)
+        prefix = []
+        if os.geteuid() == 0:
+            if not shutil.which("setpriv"):
+                return None
+            caps = "-dac_override,-dac_read_search,-fowner"
+            prefix = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    probe = folder / "probe"
+    p = subprocess.run(prefix + [sys.executable, "-c", f"open({str(probe)!r}, 'w')"], capture_output=True,
+                       text=True, timeout=60)
+    if p.returncode == 0 or ("Read-only file system" if kind == "erofs" else "Permission denied") not in p.stderr:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        return None
+    return prefix
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+READ_ONLY_SESSION = textwrap.dedent("""
+    import json, sys
+    from xla_utils.cache import BuildError, build_cache
+    from xla_utils.cli import main
+    from xla_utils.data import CachedImageDataset
+
+    src, ro = sys.argv[1], sys.argv[2]
+    res = {}
+    r = build_cache(src, ro + "/complete", size=32, verbose=True)  # the same build again: nothing to do
+    res["rerun"] = [r.shards_built, r.shards_reused, r.num_images, len(CachedImageDataset(ro + "/complete"))]
+    for name, folder, size in (("other_config", "complete", 48), ("partial", "partial", 32), ("new", "new/c", 32)):
+        try:
+            build_cache(src, f"{ro}/{folder}", size=size, verbose=False)
+            res[name] = "built?!"
+        except BuildError as e:
+            res[name] = str(e)
+    res["cli"] = main(["build", src, ro + "/new/c", "--size", "32", "--quiet"])
+    print(json.dumps(res))
+""")
+
+
+@pytest.mark.parametrize("kind", ["erofs", "eacces"])
+def test_read_only_folder_reruns_a_complete_cache_and_refuses_clearly(folder, tmp_path, kind):
+    ro = tmp_path / "ro"
+    first = build_cache(folder, ro / "complete", size=32, verbose=False)
+    build_cache(folder, ro / "partial", size=32, verbose=False)
+    (ro / "partial" / "shard-00002.npy").unlink()  # an unfinished copy: needs writing to finish
+    before = _snapshot(ro)
+    try:
+        prefix = _read_only_command(kind, ro)
+        if prefix is None:
+            pytest.skip(f"cannot make a {kind} read-only folder on this machine")
+        p = subprocess.run(prefix + [sys.executable, "-c", READ_ONLY_SESSION, str(folder), str(ro)], env=ENV,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(ro)], check=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["rerun"] == [0, first.num_shards, 18, 18]
+    assert "cached 18 of 18 images" in p.stdout  # the usual summary
+    for name, folder_name in (("other_config", "complete"), ("partial", "partial"), ("new", "new/c")):
+        msg = res[name]
+        assert f"cannot write to {ro / folder_name}" in msg and "read-only" in msg, msg
+        assert "/kaggle/working/" in msg and "Nothing was written" in msg, msg
+    assert "size: [32, 32] -> [48, 48]" in res["other_config"] and "unfinished" in res["partial"]
+    assert res["cli"] == 1 and f"cannot write to {ro / 'new' / 'c'}" in p.stderr
+    assert _snapshot(ro) == before  # no .lock, no temp file, nothing changed or lost
+
+
+def test_missing_shard_of_a_complete_cache_is_rebuilt_by_a_rerun(folder, tmp_path):
+    out = tmp_path / "c"
+    build_cache(folder, out, size=32, verbose=False)
+    before = files(out)
+    (out / "shard-00004.npy").unlink()
+    r = build_cache(folder, out, size=32, verbose=False)
+    assert r.shards_built == 1 and r.shards_reused == r.num_shards - 1
+    assert files(out) == before and verify_cache(out).ok
+
+
+def test_broken_manifest_names_the_file_and_the_fix(folder, tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    out = tmp_path / "c"
+    build_cache(folder, out, size=32, verbose=False)
+    text = (out / "manifest.json").read_text()
+    (out / "manifest.json").write_text(text[: len(text) // 2])  # cut short, as by a full disk
+    for call in (read_manifest, cache_info, verify_cache, CachedImageDataset):
+        with pytest.raises(ValueError) as err:
+            call(out)
+        assert not isinstance(err.value, json.JSONDecodeError)
+        msg = str(err.value)
+        assert str(out / "manifest.json") in msg and "is not valid JSON" in msg, msg
+        assert "--overwrite" in msg and "tpu_cache_ds verify" in msg, msg
+    (out / "manifest.json").write_text(json.dumps({**json.loads(text), "shards": None} | {"shards": 1})
+                                       .replace('"shards": 1', '"shard": 1'))
+    with pytest.raises(ValueError, match=r"manifest.json lacks shards: .*--overwrite"):
+        read_manifest(out)
+    with pytest.raises(BuildError, match=r"manifest.json is unreadable.*overwrite=True"):
+        build_cache(folder, out, size=32, verbose=False)
+    r = build_cache(folder, out, size=32, overwrite=True, verbose=False)
+    assert r.shards_built == r.num_shards and verify_cache(out).ok
+
+
+def test_build_report_repr_is_short(bad_folder, tmp_path):
+    r = build_cache(bad_folder, tmp_path / "c", size=32, verbose=False)
+    text = repr(r)
+    assert str(tmp_path / "c") in text and "8 of 13 images" in text and "skipped 5" in text
+    assert len(text.splitlines()) <= 6
+    many = dataclasses.replace(r, skipped=r.skipped * 1000, upscaled=r.upscaled * 1000)
+    assert len(many.skipped) == 5000  # the full lists stay available
+    text = repr(many)
+    assert len(text.splitlines()) <= 6 and len(text) < 1000 and "skipped 5,000" in text
 
 
 def test_dry_run_estimates_without_writing(folder, tmp_path):

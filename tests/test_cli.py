@@ -143,3 +143,17 @@ def test_entry_points_show_help():
     exe = shutil.which("tpu_cache_ds")
     if exe:  # only when the package is installed
         assert subprocess.run([exe, "--help"], capture_output=True).returncode == 0
+
+
+def test_missing_or_broken_cache_is_a_clear_error(built, tmp_path, capsys):
+    missing = tmp_path / "nothing"
+    for cmd in ("info", "verify"):
+        assert main([cmd, str(missing)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"tpu_cache_ds {cmd}: error: {missing} does not exist") and "Traceback" not in err
+    broken = tmp_path / "broken"
+    shutil.copytree(built, broken)
+    (broken / "manifest.json").write_text('{"format": "xla_utils-image-cache", "shards": [')
+    assert main(["verify", str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert f"{broken / 'manifest.json'} is not valid JSON" in err and "--overwrite" in err

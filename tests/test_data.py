@@ -133,6 +133,37 @@ def test_dataset_pickles_and_refuses_incomplete_cache(ds, cache_dir, tmp_path):
         CachedImageDataset(bad)
 
 
+def test_missing_cache_path_is_named_with_the_fix(cache_dir, tmp_path):
+    missing = tmp_path / "x" / "nothing"
+    with pytest.raises(FileNotFoundError) as err:
+        CachedImageDataset(missing)
+    msg = str(err.value)
+    assert msg.startswith(f"{missing} does not exist") and f"nearest existing folder is {tmp_path}" in msg
+    assert "build_cache(SRC" in msg and "tpu_cache_ds build SRC" in msg and "/kaggle/input/" in msg
+    # the folder above a cache (e.g. an attached Kaggle data set): point at the cache inside it
+    with pytest.raises(FileNotFoundError) as err:
+        CachedImageDataset(cache_dir.parent)
+    msg = str(err.value)
+    assert f"{cache_dir.parent} is not an xla_utils image cache" in msg and f"caches inside it: {cache_dir}" in msg
+
+
+def test_missing_or_cut_short_shard_names_the_fix(cache_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "c"
+    shutil.copytree(cache_dir, broken)
+    shard = broken / "shard-00001.npy"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"cache in .*/c is damaged .*tpu_cache_ds verify .*--overwrite"):
+        CachedImageDataset(broken)
+    shard.unlink()
+    with pytest.raises(ValueError, match=r"damaged \(FileNotFoundError.*shard-00001.npy"):
+        CachedImageDataset(broken)
+    (broken / "labels.npy").unlink()
+    with pytest.raises(ValueError, match=r"damaged \(FileNotFoundError.*labels.npy"):
+        CachedImageDataset(broken)
+
+
 # ----------------------------------------------------------------------------- batches
 
 

@@ -2,10 +2,13 @@
 setup()/prepare_spawn() environment edits, and the `python -m xla_utils.env` CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -527,8 +530,9 @@ def _clean_env(**extra):
 
 
 def _cli(*args, env):
+    # up to IMPORT_PROBE_TIMEOUT for the `import torch_xla` check on a loaded machine
     proc = subprocess.run([PY, "-m", "xla_utils.env", *args], capture_output=True, text=True,
-                          env=env, cwd=str(REPO), timeout=60)
+                          env=env, cwd=str(REPO), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -539,7 +543,9 @@ def test_cli_json_on_this_machine():
                 "paired", "python", "cpus", "ram_gb"):
         assert key in data
     assert data["platform"] == "local" and data["accelerator"] == "cpu"
-    assert data["torch_xla"] == "2.9.0" and data["paired"] is True
+    # whatever stack runs the tests (2.9 here, Kaggle's 2.8 in CI's second run), as long as it pairs
+    assert data["torch_xla"] == metadata.version("torch_xla") and data["paired"] is True
+    assert data["import_error"] is None  # the import was really checked, and works
     assert data["python"] == ".".join(map(str, sys.version_info[:3]))
     assert data["cpus"] >= 1 and data["ram_gb"] > 0
     assert data["ready"] is True
@@ -548,7 +554,7 @@ def test_cli_json_on_this_machine():
 def test_cli_json_on_faked_kaggle(tmp_path):
     root, environ, _ = make_machine(tmp_path, "kaggle-v5e-8")
     env = _clean_env(**{k: v for k, v in environ.items() if k != "PATH"})
-    data = json.loads(_cli("--json", "--root", root, env=env))
+    data = json.loads(_cli("--json", "--root", root, "--no-import-check", env=env))
     assert (data["platform"], data["accelerator"], data["tpu_generation"], data["num_devices"]) == \
         ("kaggle", "tpu", "v5e", 8)
     assert data["tpu_chips"] == 8 and data["cpus"] == 224
@@ -556,7 +562,7 @@ def test_cli_json_on_faked_kaggle(tmp_path):
 
 def test_cli_human_report(tmp_path):
     root, environ, _ = make_machine(tmp_path, "tpu-vm-v4-8")
-    out = _cli("--root", root, env=_clean_env(TPU_ACCELERATOR_TYPE="v4-8"))
+    out = _cli("--root", root, "--no-import-check", env=_clean_env(TPU_ACCELERATOR_TYPE="v4-8"))
     assert "TPU v4-8: 4 chip(s), 4 XLA device(s)" in out
     assert out.strip().splitlines()[-1].startswith("next step: ")
 
@@ -564,3 +570,62 @@ def test_cli_human_report(tmp_path):
 def test_pjrt_cpu_on_tpu_warns(tmp_path):
     info, *_ = detect_on(tmp_path, "tpu-vm-v4-8", extra_env={"PJRT_DEVICE": "CPU"})
     assert any("host CPU, not the TPU" in w for w in info.warnings)
+
+
+# --------------------------------------------------------------------------
+# metadata says paired, but the import fails
+# --------------------------------------------------------------------------
+def _broken_torch_xla(tmp_path: Path) -> tuple[Path, str]:
+    """A torch_xla that fails like a mismatched _XLAC.so, with metadata that pairs with torch."""
+    version = re.match(r"\d+\.\d+\.\d+", metadata.version("torch")).group(0)
+    site = tmp_path / "fake_site"
+    (site / "torch_xla").mkdir(parents=True)
+    (site / "torch_xla" / "__init__.py").write_text(
+        'raise ImportError("/usr/local/lib/python3.12/site-packages/_XLAC.cpython-312-x86_64-linux-gnu.so: '
+        'undefined symbol: _ZN5torch4lazy13MetricFnValueB5cxx11Ed")\n')
+    dist = site / f"torch_xla-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch_xla\nVersion: {version}\n")
+    return site, version
+
+
+SETUP_PROBE = r"""
+import sys
+import xla_utils
+calls = []
+info = xla_utils.setup(install=True, runner=lambda cmd: calls.append(cmd) or 0)
+print("RESULT", info.ready, len(calls), sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torch_xla")))
+"""
+
+
+def test_torch_xla_that_fails_to_import_is_not_ready(tmp_path):
+    site, version = _broken_torch_xla(tmp_path)
+    env = _clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")])
+    out = _cli(env=env)
+    assert f"torch_xla {version} paired by version, but `import torch_xla` FAILS" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("next step: not ready: ") and "undefined symbol" in last
+    assert last.endswith(f": pip install --force-reinstall --no-deps torch_xla=={version}")
+    data = json.loads(_cli("--json", env=env))
+    assert data["torch_xla"] == version and data["ready"] is False and "undefined symbol" in data["import_error"]
+    assert data["next_command"] == f"pip install --force-reinstall --no-deps torch_xla=={version}"
+
+    proc = subprocess.run([PY, "-c", SETUP_PROBE], capture_output=True, text=True, env=env, cwd=str(tmp_path),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to install" not in proc.stdout and "not ready: " in proc.stdout
+    assert f"Run yourself: pip install --force-reinstall --no-deps torch_xla=={version}" in proc.stdout
+    # not ready, nothing run for the user, and this process imported neither torch nor torch_xla
+    assert proc.stdout.strip().splitlines()[-1] == "RESULT False 0 []"
+
+
+def test_broken_import_advice_and_fix_message(tmp_path):
+    info, *_ = detect_on(tmp_path, "kaggle-v5e-8", vers=PAIRED_28)
+    assert info.ready and info.import_error is None  # faked versions: no import check
+    broken = dataclasses.replace(info, import_error="ImportError: _XLAC.so: undefined symbol: x")
+    adv = xenv.advise(broken)
+    assert adv.kind == "broken-import" and adv.blocking and adv.pip_args is None
+    assert adv.command == 'pip install --force-reinstall --no-deps "torch_xla[tpu]==2.8.0"'
+    assert "undefined symbol" in xenv.xla_fix_message(broken)
+    assert "FAILS" in xenv.report(dataclasses.replace(broken, next_step=adv.message))

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,14 +41,15 @@ def test_import_and_detect_do_not_import_torch():
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     assert data["after_import"] == []
     assert data["after_detect"] == []
-    # detect() did run and saw the installed torch_xla through metadata only
-    assert data["torch_xla"] == "2.9.0"
+    # detect() did run and saw the installed torch_xla (whichever stack runs the tests) through metadata only
+    assert data["torch_xla"] == metadata.version("torch_xla")
 
 
 def test_cli_does_not_import_torch():
-    # -X importtime lists every module the interpreter imports (on stderr).
+    # -X importtime lists every module the interpreter imports (on stderr); the CLI's
+    # `import torch_xla` check runs in a child process, whose imports are not listed.
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "xla_utils.env", "--json"],
-                          capture_output=True, text=True, env=_env(), cwd=str(REPO), timeout=60)
+                          capture_output=True, text=True, env=_env(), cwd=str(REPO), timeout=300)
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "xla_utils" in imported and "importlib.metadata" in imported  # the probe works

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -104,14 +105,15 @@ class BuildError(RuntimeError):
 
 
 class BadImageError(ValueError):
-    """One source image cannot be cached; ``path`` names it, ``reason`` says why."""
+    """One source image cannot be cached; ``path`` names it, ``reason`` says why and
+    ``index`` is its position in the source order (``None`` when unknown)."""
 
-    def __init__(self, path: str, reason: str):
+    def __init__(self, path: str, reason: str, index: int | None = None):
         super().__init__(f"{path}: {reason}")
-        self.path, self.reason = path, reason
+        self.path, self.reason, self.index = path, reason, index
 
-    def __reduce__(self):  # keep both fields across the process-pool boundary
-        return (type(self), (self.path, self.reason))
+    def __reduce__(self):  # keep every field across the process-pool boundary
+        return (type(self), (self.path, self.reason, self.index))
 
 
 class _Cancelled(Exception):
@@ -625,14 +627,14 @@ def _dataset_label(label: Any, multilabel: bool) -> int | list[int]:
 _W: dict[str, Any] = {}
 
 
-def _init_worker(src: _Source, cfg: CacheConfig, out: str, strict: bool, counter, stop) -> None:
+def _init_worker(src: _Source, cfg: CacheConfig, out: str, strict: bool, counter, stop_at) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
     if sys.platform == "linux":
         with contextlib.suppress(Exception):  # die with the coordinator (SIGKILL included)
             import ctypes
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     Image.MAX_IMAGE_PIXELS = max(cfg.max_pixels, Image.MAX_IMAGE_PIXELS or 0)
-    _W.update(src=src, cfg=cfg, out=Path(out), strict=strict, counter=counter, stop=stop)
+    _W.update(src=src, cfg=cfg, out=Path(out), strict=strict, counter=counter, stop_at=stop_at)
 
 
 def _load_item(src: _Source, cfg: CacheConfig, i: int):
@@ -682,20 +684,22 @@ def _npy_header(shape: tuple[int, ...]) -> bytes:
 def _build_shard(k: int, start: int, stop: int) -> dict[str, Any]:
     """Worker task: build shard ``k`` from source items [start, stop) and write it atomically."""
     src, cfg, out, strict = _W["src"], _W["cfg"], _W["out"], _W["strict"]
-    counter, stop_event = _W["counter"], _W["stop"]
+    counter, stop_at = _W["counter"], _W["stop_at"]
     h, w = cfg.size
     V = cfg.variants
     pixels = np.empty((V, stop - start, h, w, 3), np.uint8) if cfg.codec == "raw" else None
     jpegs: list[list[bytes]] = [[] for _ in range(V)]
     labels, skipped, upscaled = [], [], []
     for i in range(start, stop):
-        if stop_event.is_set():
+        if i >= stop_at.value:  # a bad item at or before i is known (strict), or the build stops
             raise _Cancelled()
         try:
             variants, label, note = _process_item(src, cfg, i)
         except Exception as e:  # any failure of one item (decoder, user dataset) skips it
             if strict:
-                raise BadImageError(src.name(i), _describe(e)) from None
+                with stop_at.get_lock():  # items after this one are no longer needed
+                    stop_at.value = min(stop_at.value, i)
+                raise BadImageError(src.name(i), _describe(e), i) from None
             skipped.append({"source_index": i, "path": src.name(i), "reason": _describe(e)})
         else:
             for v, arr in enumerate(variants):
@@ -779,6 +783,18 @@ class BuildReport:
         """Source images processed per second by this run (reused shards excluded)."""
         return self.sources_built / self.seconds if self.seconds > 0 else 0.0
 
+    def __repr__(self) -> str:
+        # Short on purpose: a notebook cell ending in build_cache(...) prints this, and
+        # the skipped/upscaled lists can hold thousands of entries (see .skipped).
+        lines = [
+            f"BuildReport({self.path!r}: {self.num_images:,} of {self.num_sources:,} images, "
+            f"{self.num_shards} shards ({self.shards_built} built, {self.shards_reused} reused), "
+            f"{self.files} files, {_fmt_bytes(self.bytes)}, {self.seconds:.1f} s",
+            f"  skipped {len(self.skipped):,}, upscaled {len(self.upscaled):,} (full lists: .skipped, .upscaled)",
+        ]
+        lines += [f"  e.g. {e['path']}: {e['reason']}"[:160] for e in self.skipped[:3]]
+        return "\n".join(lines) + ")"
+
 
 @dataclass
 class DryRunEstimate:
@@ -836,6 +852,10 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         strict: stop at the first bad image with :class:`BadImageError` naming it
             (finished shards are kept); default skips and lists bad images.
         overwrite: replace an existing cache in ``out`` (only cache files are removed).
+            Without it, a complete cache of the same config and source is recognised
+            before anything is written, so a rerun also works on a read-only copy
+            (``/kaggle/input/...``); building into a read-only folder raises
+            :class:`BuildError` naming the folder.
         dry_run: write nothing; estimate size, time and shard count from a pilot.
         verbose: show a progress bar (images/s, ETA) and a summary.
     """
@@ -849,15 +869,56 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
     out = Path(out).expanduser().resolve()
     if dry_run:
         return _dry_run(src, cfg, out, workers, verbose)
-    out.mkdir(parents=True, exist_ok=True)
-    with _locked(out):
+    if not overwrite and out.is_dir():
+        # A finished identical build needs no lock and no write (read-only mounts).
+        t0 = time.perf_counter()
+        state, old = _existing_state(out, src, cfg)
+        if state == "complete":
+            return _complete_report(out, old, t0, verbose)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        err = _write_error(out, e, src, cfg)
+        if err is None:
+            raise
+        raise err from e
+    with _locked(out, src, cfg):
         return _build(src, cfg, out, workers, strict, overwrite, verbose)
 
 
+_READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _write_error(out: Path, e: OSError, src: _Source, cfg: CacheConfig) -> BuildError | None:
+    """A clear :class:`BuildError` for an output folder we may not write to (None for other errors)."""
+    if e.errno not in _READ_ONLY_ERRNOS:
+        return None
+    there = ""
+    with contextlib.suppress(OSError):  # the folder may not even be listable
+        state, old = _existing_state(out, src, cfg) if out.is_dir() else ("empty", None)
+        if state == "compatible":
+            there = " It holds an unfinished (or damaged) build of this cache, which cannot be finished here."
+        elif state == "different" and old is not None:
+            there = f" It holds a cache built with another config or source ({_difference(old, src, cfg)})."
+        elif state == "broken":
+            there = f" Its {MANIFEST} is unreadable."
+    return BuildError(
+        f"cannot write to {out} ({e.strerror or e}): the folder is read-only (Kaggle mounts /kaggle/input "
+        f"read-only).{there} Build into a writable folder instead, e.g. /kaggle/working/{out.name} on "
+        f"Kaggle or /content/{out.name} on Colab (a complete cache can be read from anywhere). "
+        "Nothing was written.")
+
+
 @contextlib.contextmanager
-def _locked(out: Path):
+def _locked(out: Path, src: _Source, cfg: CacheConfig):
     lock_path = out / ".lock"
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as e:
+        err = _write_error(out, e, src, cfg)
+        if err is None:
+            raise
+        raise err from e
     try:
         try:
             import fcntl
@@ -908,7 +969,12 @@ def _cache_files(out: Path) -> list[Path]:
 
 
 def _existing_state(out: Path, src: _Source, cfg: CacheConfig) -> tuple[str, dict[str, Any] | None]:
-    """('empty'|'compatible'|'complete'|'foreign'|'different', manifest or None)."""
+    """('empty'|'compatible'|'complete'|'foreign'|'broken'|'different', manifest or None).
+
+    'complete' also needs every shard and the labels file present at their recorded
+    sizes; a complete manifest with a lost file is 'compatible' (a rerun rebuilds it).
+    Reads only.
+    """
     mpath = out / MANIFEST
     if not mpath.exists():
         others = [p for p in out.iterdir() if not p.name.startswith(".")] if out.is_dir() else []
@@ -916,10 +982,14 @@ def _existing_state(out: Path, src: _Source, cfg: CacheConfig) -> tuple[str, dic
     try:
         m = read_manifest(out)
     except (ValueError, OSError):
-        return "foreign", None
+        return "broken", None
     if m["config_fingerprint"] != cfg.fingerprint() or m["source"]["fingerprint"] != src.fingerprint:
         return "different", m
-    return ("complete" if m["complete"] else "compatible"), m
+    if not m["complete"]:
+        return "compatible", m
+    intact = (out / LABELS).is_file() and all(
+        (out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["bytes"] for s in m["shards"])
+    return ("complete" if intact else "compatible"), m
 
 
 def _difference(m: dict[str, Any], src: _Source, cfg: CacheConfig) -> str:
@@ -936,10 +1006,13 @@ def _build(src: _Source, cfg: CacheConfig, out: Path, workers: int, strict: bool
            verbose: bool) -> BuildReport:
     t0 = time.perf_counter()
     state, old = _existing_state(out, src, cfg)
-    if state in ("foreign", "different") and not overwrite:
+    if state in ("foreign", "broken", "different") and not overwrite:
         if state == "foreign":
             raise BuildError(f"{out} is not empty and holds no cache manifest: choose an empty "
                              "directory or pass overwrite=True (--overwrite)")
+        if state == "broken":
+            raise BuildError(f"{out / MANIFEST} is unreadable (damaged or cut short): pass overwrite=True "
+                             "(--overwrite) to rebuild the cache from scratch")
         raise BuildError(f"{out} holds a cache built with a different config or source "
                          f"({_difference(old, src, cfg)}); pass overwrite=True (--overwrite) to "
                          "replace it or choose another output directory")
@@ -947,11 +1020,8 @@ def _build(src: _Source, cfg: CacheConfig, out: Path, workers: int, strict: bool
         for p in _cache_files(out):
             p.unlink()
         old = None
-    elif state == "complete":
-        report = _report(out, old, old["num_shards"], 0, time.perf_counter() - t0)
-        if verbose:
-            print(_summary(report, old))
-        return report
+    elif state == "complete":  # finished by another process since build_cache looked
+        return _complete_report(out, old, t0, verbose)
     for p in out.glob("*.tmp-*"):  # leftovers of a killed run (we hold the lock)
         p.unlink()
 
@@ -996,26 +1066,50 @@ def _build(src: _Source, cfg: CacheConfig, out: Path, workers: int, strict: bool
     return report
 
 
+def _complete_report(out: Path, manifest: dict[str, Any], t0: float, verbose: bool) -> BuildReport:
+    """Report of a rerun that found the identical cache complete (writes nothing)."""
+    report = _report(out, manifest, manifest["num_shards"], 0, time.perf_counter() - t0)
+    if verbose:
+        print(_summary(report, manifest))
+    return report
+
+
 def _run_pool(src, cfg, out, todo, per_shard, total, workers, strict, verbose, record, save) -> None:
+    """Build shards ``todo`` on ``workers`` processes, recording each one as it finishes.
+
+    ``stop_at`` (shared) is the first source index that no longer needs building: a
+    strict worker that meets a bad item lowers it to that item's index, so the others
+    stop after the items before it (one of which may be an earlier bad file) and
+    unstarted shards, later in source order, are cancelled. Once every task has
+    ended, the bad item with the smallest index is raised: the same file whatever
+    the worker count and timing. Any other stop sets ``stop_at`` to -1.
+    """
     ctx = _mp_context()
-    counter, stop = ctx.Value("q", 0), ctx.Event()
+    counter, stop_at = ctx.Value("q", 0), ctx.Value("q", src.num_items)
     bar = _progress(total) if verbose else None
     t_start = time.perf_counter()
     ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(src, cfg, str(out), strict, counter, stop))
+                             initargs=(src, cfg, str(out), strict, counter, stop_at))
     shard_of = {ex.submit(_build_shard, k, k * per_shard, min(src.num_items, (k + 1) * per_shard)): k
                 for k in todo}
     pending = set(shard_of)
     recorded: set[Any] = set()
+    bad: list[BadImageError] = []
     try:
         while pending:
             finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-            for f in finished:
+            for f in sorted(finished, key=shard_of.__getitem__):
+                if f.cancelled():
+                    continue
                 try:
                     record(f.result())
                     recorded.add(f)
-                except BadImageError:
-                    raise
+                except _Cancelled:
+                    pass
+                except BadImageError as e:
+                    bad.append(e)
+                    for p in pending:
+                        p.cancel()
                 except BrokenProcessPool as e:
                     raise BuildError("a worker process died (out of memory? each worker holds about one "
                                      "shard: try fewer workers or a smaller shard size); finished shards "
@@ -1031,7 +1125,8 @@ def _run_pool(src, cfg, out, todo, per_shard, total, workers, strict, verbose, r
                 bar.comment = f"{rate:,.1f} images/s"
                 bar.update(min(n, total))
     except BaseException:
-        stop.set()
+        with stop_at.get_lock():
+            stop_at.value = -1
         for f in pending:
             f.cancel()
         ex.shutdown(wait=True)
@@ -1041,6 +1136,8 @@ def _run_pool(src, cfg, out, todo, per_shard, total, workers, strict, verbose, r
         save()
         raise
     ex.shutdown(wait=True)
+    if bad:
+        raise min(bad, key=lambda e: e.index)
 
 
 def _progress(total: int):
@@ -1146,7 +1243,8 @@ def _dry_run(src: _Source, cfg: CacheConfig, out: Path, workers: int, verbose: b
     idx = sorted({int(round(x)) for x in np.linspace(0, src.num_items - 1, n_pilot)})
     ctx = _mp_context()
     with ProcessPoolExecutor(min(workers, len(idx)), mp_context=ctx, initializer=_init_worker,
-                             initargs=(src, cfg, str(out), False, ctx.Value("q", 0), ctx.Event())) as ex:
+                             initargs=(src, cfg, str(out), False, ctx.Value("q", 0),
+                                       ctx.Value("q", src.num_items))) as ex:
         results = list(ex.map(_pilot_item, idx))
     ok = [sizes for _, sizes in results if not isinstance(sizes, str)]
     sec = float(np.mean([t for t, _ in results]))
@@ -1164,6 +1262,7 @@ def _dry_run(src: _Source, cfg: CacheConfig, out: Path, workers: int, verbose: b
         existing={"empty": "empty (a fresh build)", "compatible": "a compatible partial build (would resume)",
                   "complete": "a complete identical build (nothing to do)",
                   "different": "a cache with another config (needs --overwrite)",
+                  "broken": "a cache with an unreadable manifest.json (needs --overwrite)",
                   "foreign": "other files (needs --overwrite)"}[state])
     if verbose:
         h, w = cfg.size
@@ -1178,21 +1277,66 @@ def _dry_run(src: _Source, cfg: CacheConfig, out: Path, workers: int, verbose: b
 # --------------------------------------------------------------------------- read side
 
 
+_MANIFEST_KEYS = ("complete", "num_images", "image_size", "num_variants", "codec", "multilabel", "classes",
+                  "num_shards", "config", "config_fingerprint", "source", "skipped", "upscaled", "shards")
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Load and check ``path/manifest.json`` (``path`` may also be the file itself)."""
-    p = Path(path)
+    """Load and check ``path/manifest.json`` (``path`` may also be the file itself).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or is a folder without a
+            manifest; the message names ``path`` and any caches one level below it.
+        ValueError: the manifest is unreadable (not JSON, cut short, missing fields)
+            or from a newer xla_utils; the message names the file and the fix.
+    """
+    p = Path(path).expanduser()
     if p.is_dir():
-        p = p / MANIFEST
-    if not p.exists():
-        raise FileNotFoundError(f"{p} not found: {p.parent} is not an xla_utils image cache")
-    with open(p, encoding="utf-8") as f:
-        m = json.load(f)
-    if m.get("format") != FORMAT:
-        raise ValueError(f"{p} is not an xla_utils image cache manifest")
+        mpath = p / MANIFEST
+        if not mpath.is_file():
+            raise FileNotFoundError(f"{p} is not an xla_utils image cache (it has no {MANIFEST})"
+                                    + _caches_below(p) + _how_to_build(p))
+    elif p.is_file():
+        mpath = p
+    else:
+        raise FileNotFoundError(f"{p} does not exist" + _nearest_parent(p) + _how_to_build(p))
+    fix = (f"the cache in {mpath.parent} is damaged or was copied incompletely: rebuild it with the same "
+           "build command plus overwrite=True (--overwrite), or copy it again; `tpu_cache_ds verify "
+           f"{mpath.parent}` checks the other files")
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            m = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{mpath} is not valid JSON ({e}): {fix}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{mpath} is not an xla_utils image cache manifest (no \"format\": \"{FORMAT}\")")
     if m.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{p} has format version {m['format_version']}; this xla_utils reads up to "
+        raise ValueError(f"{mpath} has format version {m['format_version']}; this xla_utils reads up to "
                          f"{FORMAT_VERSION}: upgrade xla_utils")
+    missing = [k for k in _MANIFEST_KEYS if k not in m]
+    if missing:
+        raise ValueError(f"{mpath} lacks {', '.join(missing)}: {fix}")
     return m
+
+
+def _caches_below(p: Path) -> str:
+    found = sorted(str(m.parent) for m in p.glob(f"*/{MANIFEST}"))
+    if not found:
+        return ""
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    return "; caches inside it: " + ", ".join(found[:3]) + more
+
+
+def _nearest_parent(p: Path) -> str:
+    parent = p.absolute().parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    return f" (the nearest existing folder is {parent}{_caches_below(parent)})"
+
+
+def _how_to_build(p: Path) -> str:
+    return (f". Check the path (Kaggle mounts attached data sets under /kaggle/input/<name>) or build the "
+            f"cache first: build_cache(SRC, {str(p)!r}) or `tpu_cache_ds build SRC {p}`")
 
 
 def cache_info(path: str | os.PathLike) -> dict[str, Any]:

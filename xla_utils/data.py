@@ -60,15 +60,33 @@ class CachedImageDataset:
     """
 
     def __init__(self, path: str | os.PathLike, epoch: int = 0):
+        """Open the cache in folder ``path`` (memory maps; nothing is read into RAM).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist or holds no cache (the message
+                names ``path`` and how to build one).
+            ValueError: the cache is incomplete or damaged (unreadable ``manifest.json``,
+                missing or cut-short shard / ``labels.npy``); the message names the file
+                and the fix.
+        """
         self.path = Path(path).expanduser().resolve()
         self.epoch = epoch
         self._open()
 
     def _open(self) -> None:
-        m = read_manifest(self.path)
+        m = read_manifest(self.path)  # its errors name the path and the fix
         if not m["complete"]:
             raise ValueError(f"the cache in {self.path} is incomplete ({len(m['shards'])}/{m['num_shards']} "
                              "shards): rerun the same build command to finish it")
+        try:
+            self._open_files(m)
+        except (OSError, ValueError, EOFError) as e:
+            raise ValueError(f"the cache in {self.path} is damaged ({type(e).__name__}: {e}): run "
+                             f"`tpu_cache_ds verify {self.path}` to find the bad files, then rerun the same "
+                             "build command (it rebuilds missing shards) or rebuild with overwrite=True "
+                             "(--overwrite)") from e
+
+    def _open_files(self, m: dict[str, Any]) -> None:
         self.manifest = m
         self.classes: list[str] = list(m["classes"])
         self.num_classes = len(self.classes)

@@ -5,6 +5,10 @@ environment variables, ``sys.modules`` (only to see whether ``google.colab`` is
 loaded), package metadata (``importlib.metadata``: torch and torch_xla are never
 imported) and a sysfs/dev tree. It never initialises the XLA runtime and makes
 no network call, so it is safe to call in a notebook before ``xmp.spawn``.
+Metadata can lie (a half-finished upgrade, a torch build torch_xla was not
+built against): ``detect(check_import=True)``, which ``setup()`` and the CLI use,
+also imports torch_xla in a subprocess (``PJRT_DEVICE=CPU``, so nothing touches a
+TPU or this process) and reports "not ready" when that fails.
 
 ``python -m xla_utils.env`` prints a short report and the one next step (an
 exact, pinned ``pip install`` line, or "ready"); ``--json`` prints the
@@ -132,6 +136,7 @@ class EnvInfo:
     root: str  # the file-system root that was scanned ("/" normally)
     evidence: list[str] = field(default_factory=list)  # why platform/accelerator were chosen
     warnings: list[str] = field(default_factory=list)
+    import_error: str | None = None  # why `import torch_xla` failed (only checked with check_import=True)
     ready: bool = False  # nothing to install or fix before training
     next_step: str = ""  # one line: "ready ..." or what to do, with the exact command
     next_command: str | None = None  # just the shell command of next_step, if any
@@ -149,7 +154,7 @@ class Advice:
     """One recommendation from :func:`advise`.
 
     ``kind`` is one of: ``ready``, ``install-torch``, ``install-torch-xla``,
-    ``mismatch``, ``install-libtpu``, ``torch-too-new``, ``torch-too-old``,
+    ``mismatch``, ``broken-import``, ``install-libtpu``, ``torch-too-new``, ``torch-too-old``,
     ``python-unsupported``, ``no-xla-wheels``, ``pjrt-without-tpu``.
     ``pip_args`` are the arguments after ``pip install`` when :func:`setup` may run
     them (only for torch_xla/libtpu fixes that keep the installed torch).
@@ -186,6 +191,41 @@ def _metadata_version(name: str) -> str | None:
         return None
     except Exception:  # a broken dist-info must not break detection
         return None
+
+
+# seconds `import torch_xla` may take in the probe (about 20 s on a loaded 2-core machine)
+IMPORT_PROBE_TIMEOUT = 180.0
+_import_probes: dict[tuple, tuple[bool | None, str]] = {}
+
+
+def _probe_torch_xla_import(timeout: float = IMPORT_PROBE_TIMEOUT) -> tuple[bool | None, str]:
+    """Does ``import torch_xla`` work for this interpreter? ``(True, "")``, ``(False, why)``
+    or ``(None, why)`` when the check itself could not finish.
+
+    Runs ``python -c "import torch_xla"`` in a subprocess with this process's
+    ``sys.path`` and ``PJRT_DEVICE=CPU`` (no libtpu probing, and this process never
+    imports torch). The answer is cached per process for the installed versions.
+    """
+    key = (sys.executable, tuple(sys.path), _metadata_version("torch"), _metadata_version("torch_xla"))
+    if key in _import_probes:
+        return _import_probes[key]
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import torch_xla"], env=env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None, f"`import torch_xla` took longer than {timeout:.0f} s, so it was not checked"
+    except OSError as e:
+        return None, f"could not run {sys.executable} to check `import torch_xla` ({e})"
+    if proc.returncode == 0:
+        result: tuple[bool | None, str] = (True, "")
+    else:
+        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+        why = lines[-1] if lines else (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+                                       else f"exit code {proc.returncode}")
+        result = (False, why[:400])
+    _import_probes[key] = result
+    return result
 
 
 def _major_minor(version: str | None) -> tuple[int, int] | None:
@@ -393,6 +433,7 @@ def detect(
     system: str | None = None,
     machine: str | None = None,
     cwd: str | None = None,
+    check_import: bool = False,
 ) -> EnvInfo:
     """Describe this machine without importing torch/torch_xla or touching the runtime.
 
@@ -407,6 +448,11 @@ def detect(
         system, machine: OS and CPU architecture (default: ``platform.system()`` /
             ``platform.machine()``); torch_xla has wheels for Linux x86_64 only.
         cwd: directory whose free disk space is reported (default: ``os.getcwd()``).
+        check_import: also import torch_xla in a subprocess when the metadata says it
+            is installed (a few seconds, up to 20 s on a loaded 2-core machine; cached
+            per process), so that a pair that fails to load (``undefined symbol``) is
+            reported as not ready. Only with this interpreter's own metadata
+            (``version_of`` None). Default False.
 
     Returns:
         An :class:`EnvInfo` whose ``next_step`` says what to do (see :func:`advise`).
@@ -475,6 +521,14 @@ def detect(
             "host will starve the accelerator; build a uint8 cache (xla_utils.build_cache)."
         )
 
+    import_error = None
+    if check_import and version_of is None and xla_v:
+        ok, why = _probe_torch_xla_import()
+        if ok is False:
+            import_error = why
+        elif ok is None:
+            warnings.append(why + ".")
+
     work = cwd or os.getcwd()
     info = EnvInfo(
         platform=plat,
@@ -501,6 +555,7 @@ def detect(
         root=root,
         evidence=evidence,
         warnings=warnings,
+        import_error=import_error,
     )
     adv = advise(info)
     info.ready = adv.kind == "ready"
@@ -621,6 +676,16 @@ def _install_advice(info: EnvInfo) -> Advice | None:
             f"pip install {_quote(spec)}",
             [spec],
         )
+    if info.import_error:
+        spec = f"torch_xla[tpu]=={info.torch_xla}" if tpu else f"torch_xla=={info.torch_xla}"
+        return Advice(
+            "broken-import",
+            f"not ready: torch {info.torch} and torch_xla {info.torch_xla} pair by version, but "
+            f"`import torch_xla` fails ({info.import_error}); reinstall torch_xla over the installed "
+            f"torch (if it still fails, this torch is not the PyPI build torch_xla was built against: "
+            f"use the {last} pair in a fresh venv)",
+            f"pip install --force-reinstall --no-deps {_quote(spec)}",
+        )
     if tpu and not info.libtpu:
         return Advice(
             "install-libtpu",
@@ -715,6 +780,8 @@ def report(info: EnvInfo) -> str:
         return x or "-"
 
     pair = "paired" if info.paired else ("NOT paired" if info.torch and info.torch_xla else "")
+    if info.import_error:
+        pair += " by version, but `import torch_xla` FAILS"
     host = []
     host.append(f"{info.cpus} vCPUs" if info.cpus else "? vCPUs")
     host.append(f"{info.ram_gb:g} GiB RAM" if info.ram_gb is not None else "? GiB RAM")
@@ -763,6 +830,10 @@ def setup(
             ``"/"``, ``os.environ``, ``sys.modules``, ``importlib.metadata``).
         out: where lines are printed (default ``print``).
 
+    The report also imports torch_xla in a subprocess (when this interpreter's own
+    metadata is read, ``version_of`` None) so that a pair that fails to load is "not
+    ready"; ``install=True`` does not reinstall such a pair itself (it prints the command).
+
     Environment: with a TPU, applies :func:`prepare_spawn`'s edits (``PJRT_DEVICE=TPU``
     if unset; Kaggle drops ``TPU_PROCESS_ADDRESSES``/``CLOUD_TPU_TASK_ID``). Without a
     TPU, sets ``PJRT_DEVICE=CPU`` if unset (warning if torch_xla is already imported,
@@ -773,7 +844,7 @@ def setup(
     """
     env = os.environ if environ is None else environ
     mods = sys.modules if modules is None else modules
-    info = detect(root, env, mods, version_of=version_of)
+    info = detect(root, env, mods, version_of=version_of, check_import=True)
     out(report(info))
 
     if install:
@@ -781,8 +852,10 @@ def setup(
         if adv is None:
             out("setup(install=True): nothing to install.")
         elif not adv.pip_args:
+            what = ("will not reinstall packages that are already installed" if adv.kind == "broken-import"
+                    else "will not install or change torch")
             out(
-                "setup(install=True) will not install or change torch; "
+                f"setup(install=True) {what}; "
                 f"{adv.message}" + (f".\nRun yourself: {adv.command}" if adv.command else ".")
             )
         else:
@@ -794,7 +867,8 @@ def setup(
                 out(f"pip failed (exit code {rc}); the command was: {' '.join(cmd)}")
             else:
                 importlib.invalidate_caches()
-                info = detect(root, env, mods, version_of=version_of)
+                _import_probes.clear()  # the files changed: probe the import again
+                info = detect(root, env, mods, version_of=version_of, check_import=True)
                 out(f"installed; next step now: {info.next_step}")
                 if "torch" in mods or "torch_xla" in mods:
                     out(
@@ -820,15 +894,18 @@ def setup(
 # CLI
 # --------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m xla_utils.env [--json] [--root DIR]``; returns the exit code (0)."""
+    """``python -m xla_utils.env [--json] [--root DIR] [--no-import-check]``; returns the exit code (0)."""
     parser = argparse.ArgumentParser(
         prog="python -m xla_utils.env",
         description="Report platform, accelerator and torch/torch_xla versions, and the one next step.",
     )
     parser.add_argument("--json", action="store_true", help="print the EnvInfo fields as JSON")
     parser.add_argument("--root", default="/", help="file-system root to scan (default /; for faked trees)")
+    parser.add_argument("--no-import-check", action="store_true",
+                        help="trust the package metadata instead of importing torch_xla in a subprocess "
+                        "(faster; misses a pair that fails to load)")
     args = parser.parse_args(argv)
-    info = detect(root=args.root)
+    info = detect(root=args.root, check_import=not args.no_import_check)
     print(info.to_json() if args.json else report(info))
     return 0
 
