@@ -77,7 +77,8 @@ class TrainerConfig:
     metrics: validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``, ``"f1"``);
         None = accuracy (+top5 above 10 classes), F1 for multi-label data.
     checkpoint_dir: write ``epoch_<nnn>-<run id>.pt`` after every epoch whose loss
-        is finite and ``final.pt`` (weights only) at the end; None = no files.
+        is finite and ``final.pt`` (weights only) at the end of a run that was not
+        stopped; None = no files.
         keep_checkpoints: this run's newest epoch files kept (default 2, >= 1);
         files of other runs in the same folder are never deleted.
     on_nan: what to do when the training loss read (every ``log_every`` steps
@@ -837,6 +838,13 @@ def _resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, di
             raise ValueError("resume='last' needs checkpoint_dir=...; or pass a checkpoint file")
         resume = checkpoint_dir
     path = Path(resume)
+    if not path.exists() and _epoch_of(path) is not None and "-" not in path.name:
+        # epoch_003.pt of a folder of per-run files: the newest run's epoch 3
+        runs = sorted(path.parent.glob(f"{path.stem}-*.pt"), key=lambda p: p.stat().st_mtime)
+        if runs:
+            print(f"{path.name} does not exist; resuming from {runs[-1].name}, the newest "
+                  f"epoch {_epoch_of(path)} checkpoint in {path.parent}", flush=True)
+            path = runs[-1]
     if path.is_dir():
         good = _newest_good_checkpoint(path)
         if good is None:
