@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import re
-import time
 import warnings
 
 import numpy as np
