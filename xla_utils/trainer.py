@@ -250,6 +250,8 @@ class OneCycleTrainer:
         try:
             self.config = TrainerConfig(**config)
         except TypeError as exc:
+            if "unexpected keyword" not in str(exc):
+                raise
             names = [f.name for f in dataclasses.fields(TrainerConfig)]
             raise TypeError(f"{exc}; OneCycleTrainer options are {names}") from None
         if isinstance(model, torch.nn.Module):
@@ -326,7 +328,10 @@ class OneCycleTrainer:
         ckpt = None
         if resume is not None:
             path, ckpt = _resolve_resume(resume, cfg.checkpoint_dir)
-            _check_resume(path, ckpt, cfg, self.model, max_lr, world,
+            # On a TPU the world is detected, not known (pod slices span hosts):
+            # the replica compares cores and steps per epoch there.
+            exact = cores == 1 or simulate is not None or runtime.backend() != "xla"
+            _check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
                           len(self.train_data) // (cfg.batch_size * world))
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
         else:
@@ -867,7 +872,7 @@ def _ckpt_optimizer(ckpt: dict) -> str | None:
 
 
 def _check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Module,
-                  max_lr: float | str | None, world: int, steps_per_epoch: int) -> None:
+                  max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> None:
     """Compare a checkpoint with the new run before anything is loaded; refuse
     (one error listing every difference) what would not continue exactly, and
     say what was kept and what changed."""
@@ -885,7 +890,9 @@ def _check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mo
     was_opt, now_opt = _ckpt_optimizer(ckpt), _optimizer_name(cfg.optimizer)
     if was_opt is not None and was_opt != now_opt:
         fixed.append(f"optimizer: {was_opt!r} in the checkpoint, {now_opt!r} now")
-    if ckpt["world_size"] != world:
+    if world is None:
+        pass  # checked in the replica, where the world size is known
+    elif ckpt["world_size"] != world:
         fixed.append(f"cores: {ckpt['world_size']} in the checkpoint, {world} now")
     elif ckpt["steps_per_epoch"] != steps_per_epoch:
         fixed.append(f"steps per epoch: {ckpt['steps_per_epoch']} in the checkpoint, "
@@ -918,7 +925,8 @@ def _check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mo
     print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
           f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
           + (" (found by lr_find)" if want == "find" else "")
-          + f", optimizer {now_opt}, batch {cfg.batch_size} x {world} cores, its schedule, "
+          + f", optimizer {now_opt}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
+          "its schedule, "
           "optimizer state and history"
           + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
 
