@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import re
-import time
 import warnings
 
 import numpy as np
@@ -285,6 +283,9 @@ def test_resume_last_and_directory_pick_newest_good_checkpoint(tmp_path, capsys)
     r = t.fit(resume="last")
     assert f"resuming from {ck / f'epoch_002-{h.run_id}.pt'}" in capsys.readouterr().out
     assert [e["epoch"] for e in r.epochs] == [1, 2, 3]
+    # the plain epoch name still finds this run's file
+    r2 = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(resume=ck / "epoch_001.pt")
+    assert [e["epoch"] for e in r2.epochs] == [1, 2, 3] and r2.epochs[:1] == h.epochs[:1]
     with pytest.raises(ValueError, match="resume='last' needs checkpoint_dir"):
         OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64).fit(resume="last")
 

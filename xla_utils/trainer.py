@@ -77,7 +77,8 @@ class TrainerConfig:
     metrics: validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``, ``"f1"``);
         None = accuracy (+top5 above 10 classes), F1 for multi-label data.
     checkpoint_dir: write ``epoch_<nnn>-<run id>.pt`` after every epoch whose loss
-        is finite and ``final.pt`` (weights only) at the end; None = no files.
+        is finite and ``final.pt`` (weights only) at the end of a run that was not
+        stopped; None = no files.
         keep_checkpoints: this run's newest epoch files kept (default 2, >= 1);
         files of other runs in the same folder are never deleted.
     on_nan: what to do when the training loss read (every ``log_every`` steps
@@ -249,6 +250,8 @@ class OneCycleTrainer:
         try:
             self.config = TrainerConfig(**config)
         except TypeError as exc:
+            if "unexpected keyword" not in str(exc):
+                raise
             names = [f.name for f in dataclasses.fields(TrainerConfig)]
             raise TypeError(f"{exc}; OneCycleTrainer options are {names}") from None
         if isinstance(model, torch.nn.Module):
@@ -325,7 +328,10 @@ class OneCycleTrainer:
         ckpt = None
         if resume is not None:
             path, ckpt = _resolve_resume(resume, cfg.checkpoint_dir)
-            _check_resume(path, ckpt, cfg, self.model, max_lr, world,
+            # On a TPU the world is detected, not known (pod slices span hosts):
+            # the replica compares cores and steps per epoch there.
+            exact = cores == 1 or simulate is not None or runtime.backend() != "xla"
+            _check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
                           len(self.train_data) // (cfg.batch_size * world))
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
         else:
@@ -837,6 +843,13 @@ def _resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, di
             raise ValueError("resume='last' needs checkpoint_dir=...; or pass a checkpoint file")
         resume = checkpoint_dir
     path = Path(resume)
+    if not path.exists() and _epoch_of(path) is not None and "-" not in path.name:
+        # epoch_003.pt of a folder of per-run files: the newest run's epoch 3
+        runs = sorted(path.parent.glob(f"{path.stem}-*.pt"), key=lambda p: p.stat().st_mtime)
+        if runs:
+            print(f"{path.name} does not exist; resuming from {runs[-1].name}, the newest "
+                  f"epoch {_epoch_of(path)} checkpoint in {path.parent}", flush=True)
+            path = runs[-1]
     if path.is_dir():
         good = _newest_good_checkpoint(path)
         if good is None:
@@ -859,7 +872,7 @@ def _ckpt_optimizer(ckpt: dict) -> str | None:
 
 
 def _check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Module,
-                  max_lr: float | str | None, world: int, steps_per_epoch: int) -> None:
+                  max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> None:
     """Compare a checkpoint with the new run before anything is loaded; refuse
     (one error listing every difference) what would not continue exactly, and
     say what was kept and what changed."""
@@ -877,7 +890,9 @@ def _check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mo
     was_opt, now_opt = _ckpt_optimizer(ckpt), _optimizer_name(cfg.optimizer)
     if was_opt is not None and was_opt != now_opt:
         fixed.append(f"optimizer: {was_opt!r} in the checkpoint, {now_opt!r} now")
-    if ckpt["world_size"] != world:
+    if world is None:
+        pass  # checked in the replica, where the world size is known
+    elif ckpt["world_size"] != world:
         fixed.append(f"cores: {ckpt['world_size']} in the checkpoint, {world} now")
     elif ckpt["steps_per_epoch"] != steps_per_epoch:
         fixed.append(f"steps per epoch: {ckpt['steps_per_epoch']} in the checkpoint, "
@@ -910,7 +925,8 @@ def _check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mo
     print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
           f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
           + (" (found by lr_find)" if want == "find" else "")
-          + f", optimizer {now_opt}, batch {cfg.batch_size} x {world} cores, its schedule, "
+          + f", optimizer {now_opt}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
+          "its schedule, "
           "optimizer state and history"
           + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
 
