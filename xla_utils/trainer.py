@@ -348,8 +348,8 @@ class OneCycleTrainer:
         averaged prediction.
         """
         _require_labels(data, "data", action="evaluate")
-        plan = self._inference_plan(data, tta, batch_size, "auto" if tta > 1 else None, None,
-                                    labelled=True)
+        activation = "auto" if isinstance(tta, int) and tta > 1 else None
+        plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
         return runtime.launch(self._inference_replica, plan, cores=cores, simulate=simulate)
 
     # ------------------------------------------------------------- inference
@@ -373,15 +373,7 @@ class OneCycleTrainer:
         shape = _input_shape(data, first)
         train_shape = _input_shape(self.train_data, None) if self.train_data is not None else None
         if shape is not None and train_shape is not None and shape != train_shape:
-            where = f" ({data.path})" if isinstance(data, CachedImageDataset) else ""
-            train_where = f" ({self.train_data.path})" if isinstance(self.train_data, CachedImageDataset) else ""
-            fix = ""
-            if isinstance(data, CachedImageDataset):
-                fix = (f"; rebuild it at the training size: build_cache(SOURCE, {str(data.path)!r}, "
-                       f"size={tuple(self.train_data.image_size) if isinstance(self.train_data, CachedImageDataset) else train_shape}, "
-                       "unlabeled=True, overwrite=True)")
-            raise ValueError(f"the inputs of data{where} have shape {shape} but the training data{train_where} "
-                             f"has {train_shape}: the model was trained at another size{fix}")
+            raise ValueError(_shape_mismatch(data, shape, self.train_data, train_shape))
         if not isinstance(data, CachedImageDataset):
             if labelled and not (isinstance(first, (tuple, list)) and len(first) >= 2):
                 raise TypeError("evaluate needs a dataset of (input, target) pairs; item 0 is a "
@@ -686,6 +678,17 @@ def _input_shape(data, first) -> tuple[int, ...] | None:
     x = first[0] if isinstance(first, (tuple, list)) else first
     shape = getattr(x, "shape", None)
     return tuple(int(d) for d in shape) if shape is not None else None
+
+
+def _shape_mismatch(data, shape, train_data, train_shape) -> str:
+    where = f" ({data.path})" if isinstance(data, CachedImageDataset) else ""
+    train_where = f" ({train_data.path})" if isinstance(train_data, CachedImageDataset) else ""
+    msg = (f"the inputs of data{where} have shape {shape} but the training data{train_where} has "
+           f"{train_shape}: the model was trained at another size")
+    if isinstance(data, CachedImageDataset):
+        msg += (f"; rebuild it at the training size: build_cache(SOURCE, {str(data.path)!r}, "
+                f"size={tuple(train_shape[:2])}, unlabeled=True, overwrite=True)")
+    return msg
 
 
 def _require_labels(data, name: str, action: str = "train") -> None:
