@@ -63,6 +63,7 @@ def _trainer(train, **kw):
                            mean=(0.5,) * 3, std=(0.25,) * 3, **kw)
 
 
+@pytest.mark.multicore
 def test_predict_on_8_simulated_cores_equals_cpu_in_order_with_tta(caches):
     """Every image exactly once, in order, for 64 (= 2 x 8 cores x 4) and 37 images;
     TTA over 4 views (2 stored variants, each also mirrored) is the mean of the views."""

@@ -88,6 +88,7 @@ def _render(folder, n, seed):
     return truth
 
 
+@pytest.mark.multicore
 @pytest.mark.timeout(900)
 def test_competition_in_miniature(tmp_path, capsys):
     """train_images/ + train.csv and a flat test_images/, like a Kaggle competition:
