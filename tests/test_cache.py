@@ -652,3 +652,106 @@ def test_building_imports_neither_torch_nor_torch_xla(folder, tmp_path):
         assert not bad, bad
     """)
     subprocess.run([sys.executable, "-c", code], env=ENV, check=True, timeout=120, capture_output=True)
+
+
+# ----------------------------------------------------------------------------- ids, unlabelled caches
+
+
+def test_every_cache_records_image_ids_in_dataset_order(folder, tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    build_cache(folder, tmp_path / "f", size=16, verbose=False)
+    ds = CachedImageDataset(tmp_path / "f")
+    expected = [f"{c}/{p.name}" for c in ("apple", "banana", "cherry") for p in sorted((folder / c).iterdir())
+                if p.suffix != ".txt"]
+    assert ds.ids == expected and len(ds.ids) == len(ds) == 18
+
+    img_dir = tmp_path / "imgs"
+    img_dir.mkdir()
+    for name in ("x1.jpg", "x2.jpg", "x3.png"):
+        Image.fromarray(textured(len(name), 30, 30)).save(img_dir / name)
+    # ids are the CSV's values as written (x2 without extension), skipped rows left out
+    (tmp_path / "l.csv").write_text("image_id,label\nx3.png,b\nx2,a\nmissing.jpg,a\nx1.jpg,b\n")
+    build_cache(img_dir, tmp_path / "c", labels=tmp_path / "l.csv", size=16, verbose=False)
+    ds = CachedImageDataset(tmp_path / "c")
+    assert ds.ids == ["x3.png", "x2", "x1.jpg"] and list(ds.labels) == [1, 0, 1]
+
+    items = [(textured(i, 20, 20), i % 2) for i in range(5)]
+    items[2] = (None, 0)  # skipped: its index is not an id
+    build_cache(items, tmp_path / "d", size=16, verbose=False)
+    ds = CachedImageDataset(tmp_path / "d")
+    assert ds.ids == ["0", "1", "3", "4"]
+
+
+def test_unlabeled_test_sets_folder_csv_and_dataset(tmp_path, capsys):
+    from xla_utils.data import CachedImageDataset
+
+    test = tmp_path / "test_images"
+    (test / "sub").mkdir(parents=True)
+    for name in ("b.png", "a.png", "sub/c.png"):
+        Image.fromarray(textured(len(name) + ord(name[0]), 24, 24)).save(test / name)
+    (test / "readme.txt").write_text("ignored")
+    r = build_cache(test, tmp_path / "u", size=16, unlabeled=True)
+    out = capsys.readouterr().out
+    assert r.unlabeled and "unlabelled cache (unlabeled=True)" in out and "WARNING" not in out
+    ds = CachedImageDataset(tmp_path / "u")
+    assert ds.unlabeled and ds.ids == ["a.png", "b.png", "sub/c.png"] and ds.classes == []
+    assert (ds.labels == -1).all() and "unlabelled" in repr(ds)
+    assert cache_info(tmp_path / "u")["unlabeled"] is True
+
+    # Kaggle's sample_submission.csv as the source: first column = ids without extension
+    (test / "sample_submission.csv").write_text("image_id,healthy,rust\nb,0.5,0.5\na,0.5,0.5\n")
+    build_cache(test / "sample_submission.csv", tmp_path / "s", size=16, unlabeled=True, verbose=False,
+                classes=["healthy", "rust"])
+    ds = CachedImageDataset(tmp_path / "s")
+    assert ds.ids == ["b", "a"] and ds.unlabeled and ds.classes == ["healthy", "rust"]
+    np.testing.assert_array_equal(ds.image(0), CachedImageDataset(tmp_path / "u").image(1))
+
+    # a dataset of bare images (or (image, anything) tuples)
+    build_cache([textured(i, 20, 20) for i in range(3)], tmp_path / "d", size=16, unlabeled=True, verbose=False)
+    ds = CachedImageDataset(tmp_path / "d")
+    assert ds.unlabeled and ds.ids == ["0", "1", "2"] and len(ds) == 3
+
+    with pytest.raises(BuildError, match="contradict"):
+        build_cache(test, tmp_path / "x", labels=test / "sample_submission.csv", unlabeled=True)
+
+
+def test_flat_folder_without_labels_warns_and_says_how_to_label(tmp_path, capsys):
+    """Kaggle's train_images/ + train.csv with the CSV forgotten: not silently -1 labels."""
+    from xla_utils.data import CachedImageDataset
+
+    flat = tmp_path / "train_images"
+    flat.mkdir()
+    for i in range(4):
+        Image.fromarray(textured(i, 20, 20)).save(flat / f"{i}.png")
+    r = build_cache(flat, tmp_path / "t", size=16)
+    out = capsys.readouterr().out
+    assert r.unlabeled and "UNLABELLED" in out
+    assert 'labels="train.csv"' in out and "--labels" in out and "unlabeled=True" in out
+    assert CachedImageDataset(tmp_path / "t").unlabeled
+    # saying it was meant (a test set) reuses the finished cache and drops the warning
+    r = build_cache(flat, tmp_path / "t", size=16, unlabeled=True)
+    out = capsys.readouterr().out
+    assert r.shards_built == 0 and "WARNING" not in out
+
+
+def test_old_caches_without_ids(tmp_path):
+    from xla_utils.data import CachedImageDataset
+
+    flat = tmp_path / "imgs"
+    flat.mkdir()
+    for i in range(3):
+        Image.fromarray(textured(i, 20, 20)).save(flat / f"{i}.png")
+    build_cache(flat, tmp_path / "f", size=16, verbose=False)
+    build_cache([(textured(i, 20, 20), 0) for i in range(3)], tmp_path / "d", size=16, verbose=False)
+    for name in ("f", "d"):  # as an older xla_utils wrote them
+        m = json.loads((tmp_path / name / "manifest.json").read_text())
+        m.pop("unlabeled")
+        for s in m["shards"]:
+            s.pop("ids")
+        (tmp_path / name / "manifest.json").write_text(json.dumps(m))
+    assert CachedImageDataset(tmp_path / "d").ids == ["0", "1", "2"]
+    old = CachedImageDataset(tmp_path / "f")
+    assert old.unlabeled  # every label -1
+    with pytest.raises(ValueError, match="did not record image ids.*overwrite=True"):
+        old.ids

@@ -157,3 +157,17 @@ def test_missing_or_broken_cache_is_a_clear_error(built, tmp_path, capsys):
     assert main(["verify", str(broken)]) == 1
     err = capsys.readouterr().err
     assert f"{broken / 'manifest.json'} is not valid JSON" in err and "--overwrite" in err
+
+
+def test_unlabeled_test_set(tmp_path, capsys):
+    test = tmp_path / "test_images"
+    test.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((30, 30, 3), 40 * i, np.uint8)).save(test / f"t{i}.png")
+    assert main(["build", str(test), str(tmp_path / "c"), "--size", "16", "--unlabeled"]) == 0
+    assert "unlabelled cache (unlabeled=True)" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "c")]) == 0
+    assert "labels:   none (unlabelled: a test set)" in capsys.readouterr().out
+    from xla_utils.data import CachedImageDataset
+
+    assert CachedImageDataset(tmp_path / "c").ids == ["t0.png", "t1.png", "t2.png"]

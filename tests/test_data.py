@@ -328,3 +328,10 @@ def test_is_image_batch():
     assert not is_image_batch(torch.zeros(2, 8, 8, 3))  # float: already model input
     assert not is_image_batch(torch.zeros(2, 3, 8, 8, dtype=torch.uint8))  # NCHW
     assert not is_image_batch(torch.zeros(8, 8, 3, dtype=torch.uint8))  # one image
+
+
+def test_ids_and_unlabeled_attributes(ds):
+    assert ds.ids == [str(i) for i in range(N_IMAGES)] and not ds.unlabeled
+    ids = ds.ids
+    ids.append("x")  # a copy: the dataset's ids cannot be changed by accident
+    assert len(ds.ids) == N_IMAGES

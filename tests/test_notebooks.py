@@ -43,6 +43,11 @@ assert len({e["compiles"] for e in history.epochs}) == 1, "recompiled after the 
 assert lr.batch_size == BATCH_SIZE and lr.suggestion > 0, lr
 assert MODEL_PATH.is_file() and (OUT / "checkpoints" / "final.pt").is_file()
 assert str(OUT).startswith(os.environ["XLA_UTILS_NOTEBOOK_WORKDIR"]), OUT
+assert preds.shape == (len(test), 10) and test.unlabeled and test.num_variants == TTA == 2, preds.shape
+_rows = SUBMISSION.read_text().splitlines()
+assert _rows[0] == "image_id,label" and len(_rows) == len(test) + 1
+assert [r.split(",")[0] for r in _rows[1:]] == sorted(p.name for p in TEST_SOURCE.iterdir())
+assert score > 0.3, score
 """,
     "colab_quickstart.ipynb": """
 assert TINY and SIMULATE == 1 and DRIVE is None, (TINY, SIMULATE, DRIVE)
@@ -51,6 +56,11 @@ assert len(history) == EPOCHS and history[-1]["accuracy"] > 0.3, history
 assert len({e["compiles"] for e in history.epochs}) == 1, "recompiled after the first epoch"
 assert MODEL_PATH.is_file() and (OUT / "checkpoints" / "final.pt").is_file()
 assert str(OUT).startswith(os.environ["XLA_UTILS_NOTEBOOK_WORKDIR"]), OUT
+assert preds.shape == (len(test), 10) and test.unlabeled and test.num_variants == TTA == 2, preds.shape
+_rows = SUBMISSION.read_text().splitlines()
+assert _rows[0] == "image_id,label" and len(_rows) == len(test) + 1
+assert [r.split(",")[0] for r in _rows[1:]] == sorted(p.name for p in TEST_SOURCE.iterdir())
+assert score > 0.3, score
 """,
     "build_cache.ipynb": """
 assert TINY and str(OUT_ROOT).startswith(os.environ["XLA_UTILS_NOTEBOOK_WORKDIR"]), OUT_ROOT
@@ -76,9 +86,11 @@ assert "More than one device->host transfer" in bad_item.report
 # proves that their output reaches the notebook.
 EXPECTED_OUTPUT = {
     "kaggle_quickstart.ipynb": [r"8 cores x 16 per core = 128 global batch; max_lr \S+ x 2\.83",
-                                r"epoch 3  train_loss"],
+                                r"epoch 3  train_loss", r"wrote .*submission\.csv: \d+ rows",
+                                r"submission accuracy against the hidden labels"],
     "colab_quickstart.ipynb": [r"1 core x 32 per core = 32 global batch; max_lr \S+ x 1 ",
-                               r"epoch 3  train_loss"],
+                               r"epoch 3  train_loss", r"wrote .*submission\.csv: \d+ rows",
+                               r"submission accuracy against the hidden labels"],
     "build_cache.ipynb": [r"OK: \d+ shards", r"wrote .*train_preview\.png", r"samples/s"],
     "debug_single_core.ipynb": [r"Steps \[3, 4, 5\] compiled again after warm-up",
                                 r"Steps 3\.\. reused the compiled graph"],

@@ -38,7 +38,8 @@ def _substitute(code: str, subs: dict[str, str]) -> str:
 
 
 def _image_folders(root: Path, n: int = 6) -> None:
-    """train_images/ and val_images/ (3 classes) plus training_labels.csv (multi-label)."""
+    """train_images/ and val_images/ (3 classes) plus training_labels.csv (multi-label), and a
+    flat test_images/ (5 images, unlabelled)."""
     rng = np.random.default_rng(0)
     rows = ["path,label"]
     for split, count in (("train_images", n), ("val_images", 2)):
@@ -52,6 +53,11 @@ def _image_folders(root: Path, n: int = 6) -> None:
                 if split == "train_images":
                     rows.append(f"{name}/{i}.png,{name}{' rust' if i % 2 and name == 'scab' else ''}")
     (root / "training_labels.csv").write_text("\n".join(rows) + "\n")
+    (root / "test_images").mkdir()
+    for i in range(5):
+        arr = rng.integers(0, 255, (48, 40, 3), dtype=np.uint8)
+        arr[..., i % 3] = 255
+        Image.fromarray(arr).save(root / "test_images" / f"test_{i}.png")
 
 
 def test_every_block_is_covered():
@@ -91,7 +97,7 @@ def test_tpu_cache_ds_commands(tmp_path):
                            env=env, timeout=240)
         assert p.returncode == 0, (cmd, p.stdout[-2000:], p.stderr[-2000:])
         ran += 1
-    assert ran == 9
+    assert ran == 10
     assert (tmp_path / "grid.png").stat().st_size > 0
     assert not (tmp_path / "cache" / "big").exists()  # --dry-run writes nothing
     import json
@@ -100,7 +106,7 @@ def test_tpu_cache_ds_commands(tmp_path):
     assert manifest["complete"]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # the whole competition loop on resnet18 (torch CPU backend)
 def test_python_blocks(tmp_path, monkeypatch, capsys):
     """The 15-line example, the loading loop and the debug call, in one namespace."""
     _image_folders(tmp_path)
@@ -108,6 +114,7 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     quick = _substitute(_block("python", "trainer.fit(max_lr=\"find\")"), {
         "/kaggle/input/plants/train": str(tmp_path / "train_images"),
         "/kaggle/input/plants/val": str(tmp_path / "val_images"),
+        "/kaggle/input/plants/test": str(tmp_path / "test_images"),
         "size=224": "size=32",
         "batch_size=64": "batch_size=4",
         "epochs=5": "epochs=1",
@@ -119,6 +126,10 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "lr_find suggests max_lr" in out and "global batch" in out
     assert (tmp_path / "ckpt" / "final.pt").exists()
+    assert ns["preds"].shape == (5, 3) and "accuracy" in out and "wrote submission.csv: 5 rows" in out
+    rows = (tmp_path / "submission.csv").read_text().splitlines()
+    assert rows[0] == "image_id,label" and [r.split(",")[0] for r in rows[1:]] == [f"test_{i}.png" for i in range(5)]
+    assert all(r.split(",")[1] in ("healthy", "rust", "scab") for r in rows[1:])
 
     finder = _substitute(_block("python", "res = lr_find("), {"batch_size=64": "batch_size=4"})
     exec(compile(finder, "README:lr_find", "exec"), ns)

@@ -24,6 +24,7 @@ _EXPORTS = {
     "lr_find": "lr_finder",
     "LRFinderResult": "lr_finder",
     "launch": "runtime",
+    "write_submission": "submission",
 }
 
 __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]

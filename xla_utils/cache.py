@@ -433,9 +433,15 @@ class _Source:
     fingerprint: str = ""
     ignored: list[str] = field(default_factory=list)
     dataset: Any = None
+    unlabeled: bool = False  # no labels at all (a test set, or a flat folder without labels=)
 
     def name(self, i: int) -> str:
         return self.names[i] if self.names is not None else f"dataset[{i}]"
+
+    def item_id(self, i: int) -> str:
+        """The id recorded for item ``i``: its path relative to the source folder,
+        the CSV's first-column value as written, or the dataset index."""
+        return self.names[i] if self.names is not None else str(i)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"kind": self.kind, "path": self.description, "num_items": self.num_items,
@@ -447,7 +453,10 @@ class _Source:
 
 
 def _resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: CacheConfig,
-                    classes: Sequence[str] | None) -> _Source:
+                    classes: Sequence[str] | None, unlabeled: bool = False) -> _Source:
+    if unlabeled and labels_csv is not None:
+        raise BuildError("unlabeled=True (--unlabeled) and labels= (--labels) contradict each other: "
+                         "pass the test set's CSV of file names as the source instead")
     if isinstance(source, (str, os.PathLike)):
         p = Path(source).expanduser().resolve()
         if labels_csv is not None:
@@ -455,14 +464,14 @@ def _resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: Cach
                 raise BuildError(f"source {p} must be the image folder the CSV {labels_csv} refers to")
             return _csv_source(Path(labels_csv).expanduser().resolve(), p, cfg, classes)
         if p.is_file() and p.suffix.lower() in (".csv", ".tsv", ".txt"):
-            return _csv_source(p, p.parent, cfg, classes)
+            return _csv_source(p, p.parent, cfg, classes, unlabeled)
         if p.is_dir():
-            return _folder_source(p, classes)
+            return _folder_source(p, classes, unlabeled)
         raise BuildError(f"source {p} is neither a folder nor a CSV file (does it exist?)")
     if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
         if labels_csv is not None:
             raise BuildError("labels=FILE.csv only applies to folder sources")
-        return _dataset_source(source, classes)
+        return _dataset_source(source, classes, unlabeled)
     raise TypeError(f"source must be a folder, a CSV file or a map-style dataset, got {type(source).__name__}")
 
 
@@ -478,11 +487,21 @@ def _walk_files(root: Path) -> list[Path]:
     return out
 
 
-def _folder_source(root: Path, classes: Sequence[str] | None) -> _Source:
+def _folder_source(root: Path, classes: Sequence[str] | None, unlabeled: bool = False) -> _Source:
     subdirs = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     src = _Source(kind="folder", description=str(root), num_items=0, paths=[], names=[], labels=[])
     top_files = sorted(f for f in root.iterdir() if f.is_file() and not f.name.startswith("."))
-    if subdirs:  # one sub-folder per class (torchvision ImageFolder layout)
+    if unlabeled:  # every image below root, sub-folders included; ids are relative paths
+        src.classes, src.unlabeled = (list(classes) if classes is not None else []), True
+        for f in _walk_files(root):
+            rel = f.relative_to(root).as_posix()
+            if _is_image_name(f.name):
+                src.paths.append(str(f))
+                src.names.append(rel)
+                src.labels.append(-1)
+            else:
+                src.ignored.append(rel)
+    elif subdirs:  # one sub-folder per class (torchvision ImageFolder layout)
         src.classes = list(classes) if classes is not None else subdirs
         index = {c: i for i, c in enumerate(src.classes)}
         src.ignored = [f.name for f in top_files]
@@ -497,8 +516,8 @@ def _folder_source(root: Path, classes: Sequence[str] | None) -> _Source:
                 src.paths.append(str(f))
                 src.names.append(rel)
                 src.labels.append(index.get(d, -1))
-    else:  # flat folder: unlabelled images (e.g. a test set)
-        src.classes = list(classes) if classes is not None else []
+    else:  # flat folder without labels=: unlabelled images, said loudly in the build summary
+        src.classes, src.unlabeled = (list(classes) if classes is not None else []), True
         for f in top_files:
             if _is_image_name(f.name):
                 src.paths.append(str(f))
@@ -509,7 +528,8 @@ def _folder_source(root: Path, classes: Sequence[str] | None) -> _Source:
     return _finish_file_source(src)
 
 
-def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[str] | None) -> _Source:
+def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[str] | None,
+                unlabeled: bool = False) -> _Source:
     if not csv_path.is_file():
         raise BuildError(f"labels CSV {csv_path} does not exist")
     with open(csv_path, newline="", encoding="utf-8-sig") as f:
@@ -523,7 +543,15 @@ def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[
         rows = rows[1:]  # a header such as "image,labels"
     if not rows:
         raise BuildError(f"labels CSV {csv_path} has no rows")
-    cells = [(r[0].strip(), r[1].strip() if len(r) > 1 else "") for r in rows]
+    cells = [(r[0].strip(), r[1].strip() if len(r) > 1 and not unlabeled else "") for r in rows]
+    if unlabeled:  # a test set's CSV (e.g. sample_submission.csv): first column = file name / id
+        src = _Source(kind="csv", description=str(csv_path), num_items=0, paths=[], names=[], labels=[],
+                      classes=list(classes) if classes is not None else [], unlabeled=True)
+        for rel, _ in cells:
+            src.paths.append(str(_csv_path(root, rel)))
+            src.names.append(rel)
+            src.labels.append(-1)
+        return _finish_file_source(src)
     token_lists = [cell.split() for _, cell in cells]
     multi = cfg.multilabel
     if multi is None:
@@ -580,11 +608,19 @@ def _finish_file_source(src: _Source) -> _Source:
             size = -1
         h.update(f"{name}\0{size}\0{label}\n".encode())
     h.update(json.dumps([src.classes, src.multilabel, sorted(src.errors.items())]).encode())
+    # (src.unlabeled is not hashed: a flat folder built without unlabeled=True and
+    # rebuilt with it is the same cache, and the rerun finds it complete)
     src.fingerprint = h.hexdigest()[:16]
     return src
 
 
-def _dataset_source(ds: Any, classes: Sequence[str] | None) -> _Source:
+def _dataset_source(ds: Any, classes: Sequence[str] | None, unlabeled: bool = False) -> _Source:
+    desc = f"{type(ds).__module__}.{type(ds).__qualname__}"
+    if unlabeled:  # items are images, or tuples whose first element is the image
+        n = len(ds)
+        fp = hashlib.sha256(f"{desc}\0{n}\0unlabeled\0{list(classes or [])}".encode())
+        return _Source(kind="dataset", description=desc, num_items=n, dataset=ds, unlabeled=True,
+                       classes=list(classes or []), fingerprint=fp.hexdigest()[:16])
     if classes is None:
         found = getattr(ds, "classes", None)
         if isinstance(found, (list, tuple)) and all(isinstance(c, str) for c in found):
@@ -599,7 +635,6 @@ def _dataset_source(ds: Any, classes: Sequence[str] | None) -> _Source:
         multi = first.ndim == 1
         if multi and classes is None:
             classes = [str(i) for i in range(first.shape[0])]
-    desc = f"{type(ds).__module__}.{type(ds).__qualname__}"
     fp = hashlib.sha256(f"{desc}\0{n}\0{multi}\0{list(classes) if classes is not None else None}".encode())
     return _Source(kind="dataset", description=desc, num_items=n, dataset=ds, multilabel=multi,
                    classes=list(classes) if classes is not None else None, fingerprint=fp.hexdigest()[:16])
@@ -643,6 +678,9 @@ def _load_item(src: _Source, cfg: CacheConfig, i: int):
         raise ValueError(src.errors[i])
     if src.dataset is not None:
         item = src.dataset[i]
+        if src.unlabeled:
+            img, wh = decode_source(item[0] if isinstance(item, (tuple, list)) and item else item, cfg)
+            return img, -1, wh
         if not isinstance(item, (tuple, list)) or len(item) < 2:
             raise ValueError(f"dataset items must be (image, label) pairs, got {type(item).__name__}")
         img, wh = decode_source(item[0], cfg)
@@ -689,7 +727,7 @@ def _build_shard(k: int, start: int, stop: int) -> dict[str, Any]:
     V = cfg.variants
     pixels = np.empty((V, stop - start, h, w, 3), np.uint8) if cfg.codec == "raw" else None
     jpegs: list[list[bytes]] = [[] for _ in range(V)]
-    labels, skipped, upscaled = [], [], []
+    labels, ids, skipped, upscaled = [], [], [], []
     for i in range(start, stop):
         if i >= stop_at.value:  # a bad item at or before i is known (strict), or the build stops
             raise _Cancelled()
@@ -708,6 +746,7 @@ def _build_shard(k: int, start: int, stop: int) -> dict[str, Any]:
                 else:
                     jpegs[v].append(_encode_jpeg(arr, cfg.quality))
             labels.append(label)
+            ids.append(src.item_id(i))
             if note:
                 upscaled.append(note)
         with counter.get_lock():
@@ -723,7 +762,7 @@ def _build_shard(k: int, start: int, stop: int) -> dict[str, Any]:
     name = _shard_name(cfg, k)
     nbytes, crc = _atomic_write(out / name, chunks)
     return {"index": k, "file": name, "first_source": start, "num_sources": stop - start,
-            "num_images": n, "bytes": nbytes, "crc32": crc, "labels": labels,
+            "num_images": n, "bytes": nbytes, "crc32": crc, "labels": labels, "ids": ids,
             "skipped": skipped, "upscaled": upscaled}
 
 
@@ -777,6 +816,7 @@ class BuildReport:
     seconds: float
     skipped: list[dict[str, Any]]
     upscaled: list[dict[str, Any]]
+    unlabeled: bool = False  # the cache has no labels (a test set); see CachedImageDataset.unlabeled
 
     @property
     def images_per_s(self) -> float:
@@ -789,7 +829,8 @@ class BuildReport:
         lines = [
             f"BuildReport({self.path!r}: {self.num_images:,} of {self.num_sources:,} images, "
             f"{self.num_shards} shards ({self.shards_built} built, {self.shards_reused} reused), "
-            f"{self.files} files, {_fmt_bytes(self.bytes)}, {self.seconds:.1f} s",
+            f"{self.files} files, {_fmt_bytes(self.bytes)}, {self.seconds:.1f} s"
+            + (", UNLABELLED" if self.unlabeled else ""),
             f"  skipped {len(self.skipped):,}, upscaled {len(self.upscaled):,} (full lists: .skipped, .upscaled)",
         ]
         lines += [f"  e.g. {e['path']}: {e['reason']}"[:160] for e in self.skipped[:3]]
@@ -830,7 +871,7 @@ def _mp_context():
 def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None = None, *,
                 labels: str | os.PathLike | None = None, classes: Sequence[str] | None = None,
                 workers: int | None = None, strict: bool = False, overwrite: bool = False,
-                dry_run: bool = False, verbose: bool = True,
+                dry_run: bool = False, verbose: bool = True, unlabeled: bool = False,
                 **config_fields: Any) -> BuildReport | DryRunEstimate:
     """Build (or resume) a sharded uint8 image cache in ``out``.
 
@@ -858,12 +899,21 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             :class:`BuildError` naming the folder.
         dry_run: write nothing; estimate size, time and shard count from a pilot.
         verbose: show a progress bar (images/s, ETA) and a summary.
+        unlabeled: cache a test set on purpose: every image of a folder (sub-folders
+            included) or the file names in a CSV's first column (e.g. the competition's
+            ``sample_submission.csv``; other columns are ignored), with no labels. A
+            flat folder without ``labels=`` is also cached unlabelled, but the summary
+            then warns and says how to add labels; training refuses unlabelled caches.
+
+    Every cache records each image's id (``CachedImageDataset.ids``): its path
+    relative to ``source`` (folders), the CSV's first-column value as written, or
+    the index as a string (datasets).
     """
     cfg = dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
     workers = workers or _default_workers()
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
-    src = _resolve_source(source, labels, cfg, classes)
+    src = _resolve_source(source, labels, cfg, classes, unlabeled)
     if src.num_items == 0:
         raise BuildError(f"no images found in {src.description}")
     out = Path(out).expanduser().resolve()
@@ -874,7 +924,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         t0 = time.perf_counter()
         state, old = _existing_state(out, src, cfg)
         if state == "complete":
-            return _complete_report(out, old, t0, verbose)
+            return _labels_note(_complete_report(out, old, t0, verbose), src, unlabeled, verbose)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -883,7 +933,27 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             raise
         raise err from e
     with _locked(out, src, cfg):
-        return _build(src, cfg, out, workers, strict, overwrite, verbose)
+        report = _build(src, cfg, out, workers, strict, overwrite, verbose)
+    return _labels_note(report, src, unlabeled, verbose)
+
+
+def _labels_note(report: BuildReport, src: _Source, intended: bool, verbose: bool) -> BuildReport:
+    """Mark an unlabelled cache on its report and, when verbose, say so and how to add labels."""
+    report.unlabeled = src.unlabeled
+    if verbose and src.unlabeled:
+        print(_unlabeled_note(src, intended))
+    return report
+
+
+def _unlabeled_note(src: _Source, intended: bool) -> str:
+    if intended:
+        return ("unlabelled cache (unlabeled=True): image ids recorded for predict() and "
+                "write_submission(); it cannot be used as training data")
+    return (f"WARNING: this cache is UNLABELLED: {src.description} is a flat folder and no labels "
+            "were given, so it cannot be used as training data (OneCycleTrainer refuses it). "
+            "To train on it, rebuild with labels=\"train.csv\" (tpu_cache_ds build ... --labels "
+            "train.csv; rows of file,label) and overwrite=True (--overwrite), or put the images in one "
+            "sub-folder per class. For a test set pass unlabeled=True (--unlabeled) to say so.")
 
 
 _READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -949,6 +1019,7 @@ def _new_manifest(src: _Source, cfg: CacheConfig, per_shard: int) -> dict[str, A
         "num_variants": cfg.variants,
         "codec": cfg.codec,
         "multilabel": src.multilabel,
+        "unlabeled": src.unlabeled,
         "classes": src.classes,
         "images_per_shard": per_shard,
         "num_shards": math.ceil(src.num_items / per_shard),
@@ -1358,6 +1429,7 @@ def cache_info(path: str | os.PathLike) -> dict[str, Any]:
         "files": len(present),
         "bytes": sum(f.stat().st_size for f in present),
         "multilabel": m["multilabel"],
+        "unlabeled": bool(m.get("unlabeled", False)),
         "num_classes": len(m["classes"] or []),
         "classes": m["classes"],
         "skipped": m["skipped"],

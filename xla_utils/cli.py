@@ -1,7 +1,7 @@
 """``tpu_cache_ds``: build, inspect, verify, preview and benchmark image caches.
 
     tpu_cache_ds build SRC OUT --size 224 --variants 4 [--codec raw|jpeg] [--shard-size 256MB]
-                       [--workers N] [--labels FILE.csv] [--strict] [--overwrite] [--dry-run]
+                       [--workers N] [--labels FILE.csv | --unlabeled] [--strict] [--overwrite] [--dry-run]
     tpu_cache_ds info OUT [--json]
     tpu_cache_ds verify OUT [--full]
     tpu_cache_ds preview OUT --out grid.png
@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="target shard size, e.g. 256MiB, 1GB (MB/GB decimal, MiB/GiB binary; default 256MiB)")
     b.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     b.add_argument("--labels", metavar="FILE.csv", help="CSV of path,label rows with paths relative to SRC")
+    b.add_argument("--unlabeled", action="store_true", help="a test set: cache every image of SRC (or the "
+                   "file names in a CSV's first column, e.g. sample_submission.csv) without labels; "
+                   "image ids are recorded for predict() and write_submission()")
     b.add_argument("--classes-from", metavar="CACHE", help="reuse the class list of another cache "
                    "(e.g. the training cache when building the validation cache)")
     b.add_argument("--strict", action="store_true", help="stop at the first bad image instead of skipping it")
@@ -147,7 +150,7 @@ def _cmd_build(a: argparse.Namespace) -> int:
                       quality=a.quality, shard_size=a.shard_size, resample=a.resample, small=a.small,
                       max_pixels=a.max_pixels, multilabel=a.multilabel)
     build_cache(a.src, a.out, cfg, labels=a.labels, classes=classes, workers=a.workers, strict=a.strict,
-                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet)
+                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet, unlabeled=a.unlabeled)
     return 0
 
 
@@ -164,7 +167,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
         f"cache:    {info['path']} ({'complete' if info['complete'] else 'INCOMPLETE: rerun the build'})",
         f"images:   {info['num_images']:,} of {info['num_sources']:,} sources ({len(info['skipped'])} skipped, "
         f"{info['upscaled']} upscaled), {info['num_variants']} variant(s) at {w}x{h}, {info['codec']}",
-        f"labels:   {info['num_classes']} classes{' (multi-label)' if info['multilabel'] else ''}: {shown}",
+        ("labels:   none (unlabelled: a test set)" if info["unlabeled"] else
+         f"labels:   {info['num_classes']} classes{' (multi-label)' if info['multilabel'] else ''}: {shown}"),
         f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {_fmt_bytes(info['bytes'])}",
         f"augment:  {cfg['augment']} (scale {cfg['scale']}, ratio {[round(r, 3) for r in cfg['ratio']]}, "
         f"rotate {cfg['rotate']}, flip {cfg['flip']}, seed {cfg['seed']})",

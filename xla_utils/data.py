@@ -54,9 +54,10 @@ class CachedImageDataset:
     ``float32[num_classes]`` multi-hot array. Indices follow the source order with
     skipped images left out (``source_indices`` maps back to the source).
 
-    Attributes: ``classes``, ``num_classes``, ``multilabel``, ``image_size`` (H, W),
-    ``num_variants``, ``codec``, ``labels`` (``int64[N]`` or ``float32[N, C]``),
-    ``source_indices``, ``manifest``, ``path``, ``epoch``.
+    Attributes: ``classes``, ``num_classes``, ``multilabel``, ``unlabeled`` (a test
+    set: every label is -1), ``image_size`` (H, W), ``num_variants``, ``codec``,
+    ``labels`` (``int64[N]`` or ``float32[N, C]``), ``ids`` (each image's id, see
+    below), ``source_indices``, ``manifest``, ``path``, ``epoch``.
     """
 
     def __init__(self, path: str | os.PathLike, epoch: int = 0):
@@ -98,6 +99,10 @@ class CachedImageDataset:
         self.labels = labels.astype(np.float32) if self.multilabel else labels.astype(np.int64)
         counts = np.array([s["num_images"] for s in m["shards"]], dtype=np.int64)
         self._n = int(counts.sum())
+        # Caches written before the flag existed: unlabelled iff single-label and all -1.
+        self.unlabeled: bool = bool(m.get("unlabeled", not self.multilabel and self._n > 0
+                                          and bool((self.labels < 0).all())))
+        self._ids: list[str] | None = None
         if len(self.labels) != self._n:
             raise ValueError(f"{self.path / LABELS} has {len(self.labels)} labels for {self._n} images")
         self._shard_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
@@ -140,10 +145,39 @@ class CachedImageDataset:
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def ids(self) -> list[str]:
+        """Each image's id, in dataset order (``list[str]``, ``len(ds)`` long): its path
+        relative to the source folder (``"test/0a1b.jpg"`` style, ``/`` separators), the
+        first-column value of the source CSV as written, or the source index as a string
+        for caches built from a Python dataset. These are the ids
+        :func:`xla_utils.write_submission` writes.
+
+        Caches built before ids were recorded: from a Python dataset the source indices
+        are used; from files ``ValueError`` (rebuild with ``overwrite=True``), since
+        guessing file names could silently misalign a submission.
+        """
+        if self._ids is None:
+            shards = self.manifest["shards"]
+            if all("ids" in s for s in shards):
+                ids = [str(i) for s in shards for i in s["ids"]]
+            elif self.manifest["source"].get("kind") == "dataset":
+                ids = [str(int(i)) for i in self.source_indices]
+            else:
+                raise ValueError(
+                    f"the cache in {self.path} was built by an older xla_utils that did not record "
+                    "image ids: rebuild it (build_cache(..., overwrite=True) or tpu_cache_ds build "
+                    "... --overwrite) to get CachedImageDataset.ids")
+            if len(ids) != self._n:
+                raise ValueError(f"{self.path / 'manifest.json'} lists {len(ids)} ids for {self._n} images")
+            self._ids = ids
+        return list(self._ids)
+
     def __repr__(self) -> str:
         h, w = self.image_size
+        kind = "unlabelled" if self.unlabeled else f"{self.num_classes} classes"
         return (f"CachedImageDataset({str(self.path)!r}: {self._n} images, {w}x{h}, "
-                f"{self.num_variants} variant(s), {self.codec}, {self.num_classes} classes"
+                f"{self.num_variants} variant(s), {self.codec}, {kind}"
                 f"{', multi-label' if self.multilabel else ''})")
 
     def set_epoch(self, epoch: int) -> None:

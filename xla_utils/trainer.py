@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from . import runtime
-from .data import IMAGENET_MEAN, IMAGENET_STD, images_to_float, is_image_batch, iterate_batches
+from .data import (IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, images_to_float, is_image_batch,
+                   iterate_batches)
 from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer, resolve_optimizer
 from .schedule import OneCycleSchedule
@@ -282,6 +283,7 @@ class OneCycleTrainer:
         from .lr_finder import lr_find
 
         cfg = self.config
+        _require_labels(self.train_data, "train_data")
         kwargs.setdefault("batch_tfm", lambda x: self._prepare(x, train=False))
         self.lr_finder_result = lr_find(self.model, self.loss, self.train_data, cfg.batch_size,
                                         optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
@@ -311,6 +313,8 @@ class OneCycleTrainer:
         (``on_nan="stop"``) those of the last epoch that ended finite.
         """
         cfg = self.config
+        _require_labels(self.train_data, "train_data")
+        _require_labels(self.val_data, "val_data")
         for data, name in ((self.train_data, "train_data"), (self.val_data, "val_data")):
             if data is not None:
                 _check_targets(self.model, self.loss, data, name,
@@ -371,6 +375,206 @@ class OneCycleTrainer:
         for w in out.warnings:
             warnings.warn(w, RuntimeWarning, stacklevel=2)
         return out
+
+    def predict(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
+                batch_size: int | None = None, activation: str | None = "auto",
+                weights: str | os.PathLike | None = None) -> np.ndarray:
+        """Run the model over every item of ``data`` on all cores; return its outputs.
+
+        Args:
+            data: a :class:`~xla_utils.data.CachedImageDataset` (labelled or built with
+                ``unlabeled=True``) or any map-style dataset returning ``x`` or ``(x, y, ...)``.
+            tta: views averaged per image (default 1). The views are, in this order,
+                the cache's stored variants ``0 .. V-1`` as stored, then (only when the
+                trainer trains with ``flip=True``) the same variants mirrored
+                horizontally on the device: ``tta=1`` is variant 0, a plain test cache
+                (``V=1``) with ``tta=2`` is image + mirror image, a cache with
+                ``variants=4`` and ``tta=4`` its four crops. At most ``V`` (``2V`` with
+                flips) views; other datasets have ``V=1``. The result is the mean of
+                the k single-view predictions (after the activation).
+            cores, simulate: as in :meth:`fit` (``"all"`` or 1; ``simulate=N`` runs N
+                simulated XLA:CPU cores).
+            batch_size: per core; default the trainer's ``batch_size``. Every batch has
+                this shape (the tail is padded with repeated images and dropped again),
+                so nothing compiles after the first batch.
+            activation: ``"auto"`` (default): sigmoid when the training data is
+                multi-label (``train_data.multilabel``), the loss is
+                ``BCEWithLogitsLoss``, or the model has one output; softmax otherwise.
+                ``"softmax"``, ``"sigmoid"`` or ``None`` (raw model outputs).
+            weights: a checkpoint to use instead of the trainer's current weights:
+                ``final.pt`` (a state dict) or an ``epoch_<n>.pt`` of :meth:`fit`.
+                ``self.model`` is not changed.
+
+        Returns:
+            ``float32[N, num_outputs]`` in dataset order: every item exactly once,
+            gathered from all cores.
+
+        Raises:
+            ValueError: before any device time, when the images of ``data`` have
+                another shape than the training data's (a test cache built at another
+                size), ``tta`` exceeds the views ``data`` offers, or ``weights`` does
+                not fit the model.
+        """
+        plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
+        return runtime.launch(self._inference_replica, plan, cores=cores, simulate=simulate)
+
+    def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
+                 batch_size: int | None = None) -> dict[str, float]:
+        """Validation metrics of the current model on a labelled dataset, on all cores.
+
+        Returns the dict :meth:`fit` reports per epoch: ``loss``, the configured
+        metrics (accuracy, ``top<k>``, F1 for multi-label) and ``samples`` (every
+        item counted once). ``tta``, ``cores``, ``simulate`` and ``batch_size`` are as in
+        :meth:`predict`. With ``tta=k > 1`` the metrics are those of the averaged
+        probabilities (exactly what :meth:`predict` returns): the loss receives
+        ``log(mean softmax)`` (single-label) or ``logit(mean sigmoid)`` (multi-label),
+        which makes ``CrossEntropyLoss`` / ``BCEWithLogitsLoss`` the loss of the
+        averaged prediction.
+        """
+        _require_labels(data, "data", action="evaluate")
+        activation = "auto" if isinstance(tta, int) and tta > 1 else None
+        plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
+        return runtime.launch(self._inference_replica, plan, cores=cores, simulate=simulate)
+
+    # ------------------------------------------------------------- inference
+    def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
+                        ) -> "_InferencePlan":
+        """Every check that can fail, done here in the calling process (no device time)."""
+        if data is None or len(data) == 0:
+            raise ValueError("data is empty: nothing to predict")
+        bs = self.config.batch_size if batch_size is None else batch_size
+        if not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"batch_size must be a positive int (per core), got {batch_size!r}")
+        if activation not in ("auto", "softmax", "sigmoid", None):
+            raise ValueError(f"activation must be 'auto', 'softmax', 'sigmoid' or None, got {activation!r}")
+        if activation == "auto":
+            multilabel = getattr(self.train_data, "multilabel", None)
+            if multilabel is None:
+                multilabel = isinstance(self.loss, torch.nn.BCEWithLogitsLoss) or \
+                    self.loss is torch.nn.functional.binary_cross_entropy_with_logits
+            activation = "sigmoid" if multilabel else "softmax"
+        first = data[0] if not isinstance(data, CachedImageDataset) else None
+        shape = _input_shape(data, first)
+        train_shape = _input_shape(self.train_data, None) if self.train_data is not None else None
+        if shape is not None and train_shape is not None and shape != train_shape:
+            raise ValueError(_shape_mismatch(data, shape, self.train_data, train_shape))
+        if not isinstance(data, CachedImageDataset):
+            if labelled and not (isinstance(first, (tuple, list)) and len(first) >= 2):
+                raise TypeError("evaluate needs a dataset of (input, target) pairs; item 0 is a "
+                                f"{type(first).__name__}")
+        views = self._tta_views(data, tta, shape)
+        model = self.model if weights is None else _model_with_weights(self.model, weights)
+        return _InferencePlan(data=data if isinstance(data, CachedImageDataset) else _Inputs(data),
+                              n=len(data), views=views, batch_size=bs, activation=activation,
+                              model=model, labelled=labelled, tta=tta)
+
+    def _tta_views(self, data, tta: int, shape) -> list[tuple[int, bool]]:
+        """The (stored variant, mirrored) pair of each TTA view, in order (see :meth:`predict`)."""
+        if not isinstance(tta, int) or isinstance(tta, bool) or tta < 1:
+            raise ValueError(f"tta must be a positive int (views per image), got {tta!r}")
+        v = data.num_variants if isinstance(data, CachedImageDataset) else 1
+        can_flip = self.config.flip and shape is not None and len(shape) == 3
+        views = [(j, f) for f in ((False, True) if can_flip else (False,)) for j in range(v)]
+        if tta > len(views):
+            if can_flip:
+                why = f"{v} stored variant(s), each also mirrored"
+            elif not self.config.flip:
+                why = f"{v} stored variant(s); no mirrored views because the trainer has flip=False"
+            else:
+                why = f"{v} stored variant(s); inputs of shape {shape} cannot be mirrored"
+            raise ValueError(f"tta={tta} but data offers {len(views)} distinct view(s): {why}. Build the "
+                             f"test cache with more variants (build_cache(..., variants={tta}, "
+                             "unlabeled=True)) or lower tta")
+        return views[:tta]
+
+    def _inference_replica(self, plan: "_InferencePlan"):
+        """One replica of :meth:`predict` / :meth:`evaluate`: every view is one pass in
+        dataset order over this rank's share of the padded index list; per batch the
+        activation output is added to a device accumulator (one graph for every batch
+        and view: the mirror flag is device data); at the end one all_reduce of a
+        zero-filled ``[batches, world, batch, C]`` tensor, where each rank fills its own
+        slots, gathers the predictions exactly."""
+        cfg = self.config
+        ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
+        model = plan.model
+        if runtime.is_simulated() or runtime.backend() == "torch":
+            model = copy.deepcopy(model)  # threads share Python objects; keep the caller's intact
+        model = model.to(dev).eval()
+        bs = plan.batch_size
+        autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+        mirror = any(f for _, f in plan.views)
+        batches = iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
+                                  drop_last=False, num_workers=cfg.num_workers)
+        nb = len(batches)
+        acc: list[torch.Tensor | None] = [None] * nb
+        targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+        zeros = None
+        _, progress_bar = runtime.progress_bars()
+        total = nb * len(plan.views)
+        pb = progress_bar(range(total)) if runtime.is_master() else None
+
+        def steps():
+            for variant, flip in plan.views:
+                flag = runtime.to_device(torch.tensor(flip), dev) if mirror else None
+                for k, (x, y, valid) in enumerate(runtime.device_prefetch(
+                        iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
+                                        epoch=variant, drop_last=False, num_workers=cfg.num_workers))):
+                    yield k, flag, x, y, valid
+
+        t0 = time.perf_counter()
+        it = steps()
+        with torch.no_grad():
+            for done, (_, (k, flag, x, y, valid)) in enumerate(
+                    zip(pb if pb is not None else range(total), it), 1):
+                x = self._prepare(x, train=False)
+                if flag is not None:
+                    x = torch.where(flag, x.flip(3), x)
+                with autocast:
+                    out = self.eval_step(model, (x, y))
+                out = out.float()
+                if out.dim() == 1:
+                    out = out.unsqueeze(1)
+                p = _activate(out, plan.activation)
+                if zeros is None:  # device data, so the first view's steps use the same graph
+                    zeros = runtime.to_device(torch.zeros(tuple(p.shape)), dev)
+                acc[k] = (zeros if acc[k] is None else acc[k]) + p
+                if plan.labelled and len(targets) < nb:
+                    targets.append((y.clone(), valid.clone()))  # loader buffers are reused
+                runtime.sync()
+                if pb is not None and (done % cfg.log_every == 0 or done == total):
+                    pb.comment = f"{done * bs * ws / (time.perf_counter() - t0):.0f} img/s"
+        it.close()
+        if plan.labelled:
+            return self._inference_metrics(acc, targets, plan, dev)
+        local = torch.stack(acc)  # [nb, B, C]
+        if plan.tta > 1:
+            local = local / plan.tta
+        if ws > 1:
+            mine = runtime.to_device(torch.arange(ws) == rk, dev).view(1, ws, 1, 1)
+            local = runtime.all_reduce(torch.where(mine, local.unsqueeze(1), local.new_zeros(())))
+        runtime.sync()
+        if not runtime.is_master():
+            return None
+        c = local.shape[-1]
+        return local.cpu().numpy().reshape(-1, c)[:plan.n].astype(np.float32, copy=False)
+
+    def _inference_metrics(self, acc, targets, plan: "_InferencePlan", dev) -> dict[str, float]:
+        metrics = None
+        for out, (y, valid) in zip(acc, targets):
+            if plan.tta > 1:  # averaged probabilities -> the logits the loss expects
+                p = out / plan.tta
+                if plan.activation == "sigmoid":
+                    p = p.clamp(1e-7, 1 - 1e-7)
+                    out = torch.log(p) - torch.log1p(-p)
+                else:
+                    out = torch.log(p.clamp_min(1e-30))
+            if metrics is None:
+                multilabel = y.dtype.is_floating_point and y.dim() == 2
+                names = resolve_metrics(self.config.metrics, multilabel, out.shape[1])
+                metrics = MetricAccumulator(names, self.loss, dev)
+            metrics.update(out, y, valid)
+            runtime.sync()
+        return metrics.compute()
 
     # ------------------------------------------------------------- replica
     def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str) -> History:
@@ -751,6 +955,102 @@ def _check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
     if width is not None and classes is not None and width != classes:
         warnings.warn(f"the model outputs {width} classes but {name} has {classes}: build "
                       f"it with num_classes={classes}", UserWarning, stacklevel=3)
+
+
+@dataclass
+class _InferencePlan:
+    """What :meth:`OneCycleTrainer._inference_replica` runs (built and checked on the host)."""
+
+    data: Any
+    n: int
+    views: list[tuple[int, bool]]
+    batch_size: int
+    activation: str | None
+    model: torch.nn.Module
+    labelled: bool
+    tta: int
+
+
+class _Inputs:
+    """A map-style dataset of ``x`` or ``(x, y, ...)`` as ``(x, y)`` pairs (``y = 0`` when absent)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        item = self.data[i]
+        if isinstance(item, (tuple, list)):
+            return item[0], (item[1] if len(item) > 1 else 0)
+        return item, 0
+
+
+def _activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return out
+    if activation == "sigmoid" or out.shape[1] == 1:
+        return torch.sigmoid(out)
+    return torch.softmax(out, dim=1)
+
+
+def _input_shape(data, first) -> tuple[int, ...] | None:
+    """Shape of one input (HWC for caches), or None when it has none."""
+    if isinstance(data, CachedImageDataset):
+        return (*data.image_size, 3)
+    if first is None:
+        try:
+            first = data[0]
+        except Exception:
+            return None
+    x = first[0] if isinstance(first, (tuple, list)) else first
+    shape = getattr(x, "shape", None)
+    return tuple(int(d) for d in shape) if shape is not None else None
+
+
+def _shape_mismatch(data, shape, train_data, train_shape) -> str:
+    where = f" ({data.path})" if isinstance(data, CachedImageDataset) else ""
+    train_where = f" ({train_data.path})" if isinstance(train_data, CachedImageDataset) else ""
+    msg = (f"the inputs of data{where} have shape {shape} but the training data{train_where} has "
+           f"{train_shape}: the model was trained at another size")
+    if isinstance(data, CachedImageDataset):
+        msg += (f"; rebuild it at the training size: build_cache(SOURCE, {str(data.path)!r}, "
+                f"size={tuple(train_shape[:2])}, unlabeled=True, overwrite=True)")
+    return msg
+
+
+def _require_labels(data, name: str, action: str = "train") -> None:
+    """Refuse an unlabelled cache (every label -1) where labels are needed."""
+    if getattr(data, "unlabeled", False):
+        raise ValueError(
+            f"{name} {getattr(data, 'path', '')} is an unlabelled cache (built from a flat folder "
+            f"without labels, or with unlabeled=True), so it cannot be used to {action}. Rebuild it "
+            "with its labels: build_cache(SOURCE, OUT, labels=\"train.csv\", overwrite=True) "
+            "(tpu_cache_ds build SOURCE OUT --labels train.csv --overwrite; rows of file,label), or "
+            "one sub-folder per class. Unlabelled caches are for trainer.predict().")
+
+
+def _model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """A copy of ``model`` with the weights of ``final.pt`` or an epoch checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights={str(path)!r} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise ValueError(f"weights={str(path)!r} cannot be read ({type(exc).__name__}: {exc}); "
+                         "the file is corrupt or truncated, or not a torch checkpoint") from None
+    state = obj["model"] if isinstance(obj, dict) and isinstance(obj.get("model"), dict) else obj
+    if not isinstance(state, dict):
+        raise ValueError(f"weights={str(path)!r} holds a {type(state).__name__}, not a state dict "
+                         "or an xla_utils checkpoint")
+    net = copy.deepcopy(model)
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(f"weights={str(path)!r} do not fit this trainer's model: {exc}") from None
+    return net
 
 
 def _epoch_line(r: dict[str, Any]) -> str:
