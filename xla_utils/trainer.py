@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -32,6 +32,9 @@ from .data import IMAGENET_MEAN, IMAGENET_STD, images_to_float, is_image_batch, 
 from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer
 from .schedule import OneCycleSchedule
+
+if TYPE_CHECKING:
+    from .check import ReadinessReport
 
 __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
            "scale_lr"]
@@ -244,7 +247,8 @@ class OneCycleTrainer:
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
-            debug: bool = False, timeout: float | None = None) -> "History | DebugReport":
+            debug: bool = False, timeout: float | None = None,
+            check: bool = False) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
         ``simulate=N`` runs N simulated XLA:CPU cores (no TPU needed). ``max_lr``
@@ -253,7 +257,12 @@ class OneCycleTrainer:
         at the next epoch with the same schedule. ``debug=True`` runs
         :func:`debug_run` instead (one core, a few steps, XLA report).
         After training ``self.model`` holds the final weights.
+        ``check=True`` first runs :meth:`check` and prints its report; it raises
+        :class:`~xla_utils.check.ReadinessError` (before any training or TPU
+        time) when the report has errors, and goes on after warnings.
         """
+        if check:
+            self._check_before_fit()
         if debug:
             return debug_run(self.model, self.loss, self.train_data,
                              batch_size=self.config.batch_size, optimizer=self.config.optimizer,
@@ -286,6 +295,36 @@ class OneCycleTrainer:
                              simulate=simulate, timeout=timeout)
         self.model.load_state_dict(out.state_dict)
         return out
+
+    def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
+              timeout: float | None = None) -> "ReadinessReport":
+        """:func:`xla_utils.check` with this trainer's model, loss, optimizer,
+        ``train_step``, bf16 setting, image normalisation (and flips) and the
+        first ``batch_size`` batch of ``train_data``; with ``measure_loader``
+        (default True) the training loader's samples/s is compared with the TPU's
+        step rate. ``tpu`` as in :func:`xla_utils.check` (default: this TPU, else v5e)."""
+        from .check import check as readiness_check
+
+        cfg = self.config
+        first = next(iter(iterate_batches(self.train_data, cfg.batch_size, shuffle=False,
+                                          drop_last=True, num_workers=0)), None)
+        if first is None:
+            raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
+        x, y, _ = first
+        loader = (iterate_batches(self.train_data, cfg.batch_size, seed=cfg.seed,
+                                  num_workers=cfg.num_workers) if measure_loader else None)
+        return readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
+                               optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
+                               prepare=lambda t: self._prepare(t, train=True),
+                               train_step=self.train_step, bf16=cfg.bf16, timeout=timeout)
+
+    def _check_before_fit(self) -> None:
+        from .check import ReadinessError
+
+        report = self.check()
+        print(report, flush=True)
+        if report.errors:
+            raise ReadinessError(report)
 
     # ------------------------------------------------------------- replica
     def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None) -> History:
