@@ -147,12 +147,17 @@ def test_default_loss_by_target_kind():
 
 def test_padding_math_per_generation():
     """A 128-wide layer fills v5e's 128x128 unit but half of v6e's 256x256."""
-    mm = {"module": "fc", "kind": "Linear", "op": "addmm", "m": 16, "k": 128, "n": 128, "taps": 1,
+    mm = {"module": "fc", "kind": "Linear", "op": "addmm", "m": 16, "k": 128, "n": 128, "width_in": 128,
           "groups": 1, "depthwise": False, "k_fixed": False, "n_fixed": False, "where": ""}
     assert _padding_finding([mm], 16, TPU_CHIPS["v5e"]) is None
     f = _padding_finding([mm], 16, TPU_CHIPS["v6e"])
     assert f.severity == "warning" and "75%" in f.message and "256" in f.message
     odd = dict(mm, n=130, m=12)
+    conv = dict(mm, kind="Conv2d", m=8 * 56 * 56, k=64 * 9, n=64, width_in=64)
+    f = _padding_finding([dict(conv, module=f"layer1.{i}") for i in range(4)], 8, TPU_CHIPS["v5e"])
+    # 576 of 640 inputs per output, 64 of 128 output channels: 1 - 576*64 / (640*128) = 55%
+    assert "`layer1.0` and 3 more like it (Conv2d 64->64): 55% padding" in f.message, f.message
+    assert "576 inputs per output (64 channels x 9 taps) fill 576 of 640" in f.message
     f = _padding_finding([odd], 12, TPU_CHIPS["v5e"])
     # 12 rows -> 16, 130 features -> 256: 1 - (12*128*130) / (16*128*256) = 62%
     assert "62%" in f.message and "nearest efficient: 128" in f.message

@@ -553,28 +553,31 @@ class _Recorder:
             self._matmul(name, args, outs[0] if outs else None)
 
     def _matmul(self, name: str, args, out) -> None:
-        taps, groups, depthwise = 1, 1, False
+        groups, depthwise = 1, False
         if name == "convolution":
             inp, w = args[0], args[1]
             transposed = bool(args[6]) if len(args) > 6 else False
             groups = int(args[8]) if len(args) > 8 else 1
             cin = int(inp.shape[1])
             cout = int(w.shape[1]) * groups if transposed else int(w.shape[0])
-            k, n = cin // groups, cout // groups
+            # As a matmul (im2col): rows = output pixels, contraction = input channels x
+            # kernel taps, columns = output channels.
             taps = math.prod(int(s) for s in w.shape[2:])
+            k, n, width_in = cin // groups * taps, cout // groups, cin
             m = int(out.shape[0]) * math.prod(int(s) for s in out.shape[2:]) if out is not None else 0
-            depthwise = groups > 1 and k == 1
+            depthwise = groups > 1 and cin // groups == 1
             kind = self.module_kind() or f"Conv{len(w.shape) - 2}d"
-            k_fixed = _storage_key(inp) in self.input_keys or k <= 4
+            k_fixed = _storage_key(inp) in self.input_keys or cin // groups <= 4
         else:
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
             m, k, n = int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
+            width_in = k
             if a.dim() == 3:
                 groups = int(a.shape[0])
             kind = self.module_kind() if self.module_kind() in ("Linear", "Bilinear") else f"aten::{name}"
             k_fixed = _storage_key(a) in self.input_keys
         self.matmuls.append({"module": self.module(), "kind": kind, "op": name, "m": m, "k": k,
-                             "n": n, "taps": taps, "groups": groups, "depthwise": depthwise,
+                             "n": n, "width_in": width_in, "groups": groups, "depthwise": depthwise,
                              "k_fixed": k_fixed, "n_fixed": False,
                              "out_key": _storage_key(out) if out is not None else None,
                              "where": _where()})
@@ -1051,7 +1054,7 @@ def _padding_finding(matmuls: list[dict[str, Any]], batch_rows: int, chip: TPUCh
         m, k, n = mm["m"], mm["k"], mm["n"]
         pk = k if mm["k_fixed"] else _pad(k, lanes)
         pn = n if mm["n_fixed"] else _pad(n, lanes)
-        scale = 2.0 * mm["taps"] * mm["groups"]
+        scale = 2.0 * mm["groups"]
         actual = scale * m * k * n
         padded = scale * _pad(m, 8) * pk * pn
         actual_total += actual
@@ -1065,24 +1068,36 @@ def _padding_finding(matmuls: list[dict[str, Any]], batch_rows: int, chip: TPUCh
     waste = 1.0 - actual_total / padded_total
     if waste < PADDING_INFO:
         return None
-    worst = sorted(layers.items(), key=lambda kv: -(kv[1]["padded"] - kv[1]["actual"]))
-    parts = []
-    for name, lay in worst:
+    # Layers of one shape and waste are reported together, worst wasted FLOPs first.
+    groups: dict[tuple, dict[str, Any]] = {}
+    for name, lay in layers.items():
         w = 1.0 - lay["actual"] / lay["padded"]
-        if w < 0.2 or len(parts) >= 4:
-            continue
         mm = lay["mm"]
+        g = groups.setdefault((mm["kind"], mm["width_in"], mm["n"], round(w, 2)),
+                              {"names": [], "wasted": 0.0, "waste": w, "mm": mm})
+        g["names"].append(name)
+        g["wasted"] += lay["padded"] - lay["actual"]
+    parts = []
+    for g in sorted(groups.values(), key=lambda g: -g["wasted"]):
+        if g["waste"] < 0.2 or len(parts) >= 3:
+            continue
+        mm = g["mm"]
         dims = []
         if not mm["n_fixed"] and mm["n"] % lanes:
             dims.append(f"{mm['n']} output features fill {mm['n']} of {_pad(mm['n'], lanes)} lanes "
                         f"(nearest efficient: {_nearest_efficient(mm['n'], lanes)})")
         if not mm["k_fixed"] and mm["k"] % lanes:
-            dims.append(f"{mm['k']} input features fill {mm['k']} of {_pad(mm['k'], lanes)} "
-                        f"(nearest efficient: {_nearest_efficient(mm['k'], lanes)})")
+            what = "input features" if mm["k"] == mm["width_in"] else \
+                f"inputs per output ({mm['width_in']} channels x {mm['k'] // max(mm['width_in'] // mm['groups'], 1)} taps)"
+            dims.append(f"{mm['k']} {what} fill {mm['k']} of {_pad(mm['k'], lanes)}"
+                        + (f" (nearest efficient: {_nearest_efficient(mm['k'], lanes)})"
+                           if mm["k"] == mm["width_in"] else ""))
         if mm["m"] % 8:
             dims.append(f"{mm['m']} rows pad to {_pad(mm['m'], 8)}")
-        parts.append(f"`{name}` ({mm['kind']} {mm['k']}->{mm['n']}): {w:.0%} padding; "
-                     + ", ".join(dims))
+        names = f"`{g['names'][0]}`" + (f" and {len(g['names']) - 1} more like it"
+                                        if len(g["names"]) > 1 else "")
+        parts.append(f"{names} ({mm['kind']} {mm['width_in']}->{mm['n']}): {g['waste']:.0%} "
+                     "padding; " + ", ".join(dims))
     batch_note = ""
     if batch_rows % 8:
         batch_note = (f" The per-core batch {batch_rows} is not a multiple of 8 (rows are padded to "
