@@ -488,6 +488,13 @@ def _tiled_bytes(t: torch.Tensor) -> int:
     return math.prod(shape) * t.element_size()
 
 
+def _feature_sizes(t: torch.Tensor) -> set[int]:
+    """Sizes a layer width could be tied to: the last dim, and dim 1 of a 3-D+ (channels-first) tensor."""
+    if t.dim() < 2:
+        return set()
+    return {int(t.shape[-1])} | ({int(t.shape[1])} if t.dim() >= 3 else set())
+
+
 def _pad(n: int, m: int) -> int:
     return -(-int(n) // m) * m
 
@@ -515,7 +522,8 @@ class _Recorder:
         self.dynamic: dict[str, dict[str, Any]] = {}
         self.host_reads: dict[str, int] = {}
         self.matmuls: list[dict[str, Any]] = []
-        self.input_keys: set[int] = set()
+        self.input_keys: set[int] = set()  # storages of the model's inputs
+        self.input_widths: set[int] = set()  # their feature sizes (last dim; dim 1 of images)
 
     def module(self) -> str:
         return self.module_stack[-1][0] if self.module_stack else ""
@@ -575,7 +583,7 @@ class _Recorder:
             if a.dim() == 3:
                 groups = int(a.shape[0])
             kind = self.module_kind() if self.module_kind() in ("Linear", "Bilinear") else f"aten::{name}"
-            k_fixed = _storage_key(a) in self.input_keys
+            k_fixed = _storage_key(a) in self.input_keys or k in self.input_widths
         self.matmuls.append({"module": self.module(), "kind": kind, "op": name, "m": m, "k": k,
                              "n": n, "width_in": width_in, "groups": groups, "depthwise": depthwise,
                              "k_fixed": k_fixed, "n_fixed": False,
@@ -661,7 +669,9 @@ class _Job:
                 rec.module_stack.pop()
 
         def model_inputs(module, args, kwargs) -> None:
-            rec.input_keys.update(_storage_key(t) for t in _flat_tensors((args, kwargs)))
+            for t in _flat_tensors((args, kwargs)):
+                rec.input_keys.add(_storage_key(t))
+                rec.input_widths.update(_feature_sizes(t))
 
         for name, mod in net.named_modules():
             handles.append(mod.register_forward_pre_hook(enter(name or "model")))
@@ -688,9 +698,12 @@ class _Job:
                 with rec.mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
                     rec.recording = True
                     out_keys: set[int] = set()
+                    out_widths: set[int] = set()
 
                     def model_outputs(module, args, out) -> None:
-                        out_keys.update(_storage_key(t) for t in _flat_tensors(out))
+                        for t in _flat_tensors(out):
+                            out_keys.add(_storage_key(t))
+                            out_widths.update(_feature_sizes(t))
 
                     hook = net.register_forward_hook(model_outputs)
                     try:
@@ -700,7 +713,8 @@ class _Job:
                         rec.recording = False
                 loss.backward()
             for mm in rec.matmuls:
-                mm["n_fixed"] = mm.pop("out_key") in out_keys
+                # the model's output width (classes, targets) is set by the task
+                mm["n_fixed"] = mm.pop("out_key") in out_keys or mm["n"] in out_widths
             res.update(flops=int(flops.get_total_flops()),
                        activation_bytes=sum(v[0] for v in saved.values()),
                        activation_bytes_tiled=sum(v[1] for v in saved.values()),
