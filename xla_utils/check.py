@@ -980,7 +980,8 @@ def _findings(meas: dict[str, Any], chip: TPUChip) -> list[Finding]:
     if syncs:
         reads = meas.get("host_read_places") or {}
         where = (" Host reads (.item(), float(), `if tensor:`): "
-                 + ", ".join(w for w in list(reads)[:3] if w) + ".") if any(reads) else ""
+                 + ", ".join(w for w in list(reads)[:3] if w) + ".") if any(reads) else \
+            " No .item() was seen: look for print(tensor), .cpu(), .tolist() or .numpy() in the step."
         found.append(Finding(
             "host_sync", "warning",
             f"{syncs / n_steady:.0f} device-to-host transfer(s) per step inside the step: the host "
