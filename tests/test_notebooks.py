@@ -79,6 +79,9 @@ assert "compiled again after warm-up" in bad_shape.report
 assert all(s["executions"] == 2 and s["to_host"] == 2 for s in bad_item.per_step), bad_item.per_step
 assert not any(s["compiles"] for s in bad_item.per_step[2:]), bad_item.per_step
 assert "More than one device->host transfer" in bad_item.report
+assert {"host_sync", "f64"} <= set(bad_check.codes) and not bad_check.ok, bad_check
+assert not {"recompile", "cpu_fallback", "dynamic_shape", "padding"} & set(bad_check.codes), bad_check
+assert fixed_check.ok and not {"host_sync", "f64", "padding"} & set(fixed_check.codes), fixed_check
 """,
 }
 
@@ -93,7 +96,9 @@ EXPECTED_OUTPUT = {
                                r"submission accuracy against the hidden labels"],
     "build_cache.ipynb": [r"OK: \d+ shards", r"wrote .*train_preview\.png", r"samples/s"],
     "debug_single_core.ipynb": [r"Steps \[3, 4, 5\] compiled again after warm-up",
-                                r"Steps 3\.\. reused the compiled graph"],
+                                r"Steps 3\.\. reused the compiled graph",
+                                r"xla_utils\.check for TPU v5e: NOT READY \(2 warnings\)",
+                                r"ready: True"],
 }
 
 

@@ -65,7 +65,7 @@ def test_every_block_is_covered():
     assert langs == ["", "bash", "python"], langs  # "" = sample output, not code
     bash = [code for lang, code in BLOCKS if lang == "bash"]
     python = [code for lang, code in BLOCKS if lang == "python"]
-    assert len(bash) == 2 and len(python) == 4, "a README block was added: run it in this file"
+    assert len(bash) == 2 and len(python) == 5, "a README block was added: run it in this file"
 
 
 def test_setup_commands_are_what_ci_and_the_demo_test_run():
@@ -155,3 +155,12 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     debug = _block("python", "fit(debug=True)")
     exec(compile(debug, "README:debug", "exec"), ns)
     assert ns["report"].steps >= 1 and "compilations" in ns["report"].report
+
+    capsys.readouterr()
+    check = _block("python", "trainer.check()")
+    exec(compile(check, "README:check", "exec"), ns)
+    report = ns["report"]
+    assert report.batch_size == 4 and len(report.per_step) == 4
+    assert not {"recompile", "host_sync", "cpu_fallback", "dynamic_shape"} & set(report.codes), report
+    assert {"memory", "input_bound"} <= set(report.codes)
+    assert "xla_utils.check for TPU v5e:" in capsys.readouterr().out

@@ -856,3 +856,21 @@ def _replica_main(index: int) -> None:
             results.close()
             results.join_thread()
         raise
+
+
+# --------------------------------------------------------------------------
+# Helpers for xla_utils.check (issue 12). Kept in one block at the end so that
+# work on launch() above merges cleanly.
+# --------------------------------------------------------------------------
+__all__ += ["graph_text"]
+
+
+def graph_text(tensors: Iterable[Any]) -> str:
+    """The pending XLA IR of ``tensors`` as text ("" on the torch backend).
+
+    Call it before :func:`sync`; it neither compiles nor executes anything.
+    Comparing it between steps names what changed when a step compiles again.
+    """
+    if backend() != "xla":
+        return ""
+    return _load_xla()["torch_xla"]._XLAC._get_xla_tensors_text(list(tensors))

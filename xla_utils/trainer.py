@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from .data import (IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, images_to_fl
 from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer, resolve_optimizer
 from .schedule import OneCycleSchedule
+
+if TYPE_CHECKING:
+    from .readiness import ReadinessReport
 
 __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
            "scale_lr", "CheckpointError", "ResumeError"]
@@ -292,7 +295,8 @@ class OneCycleTrainer:
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
-            debug: bool = False, timeout: float | None = None) -> "History | DebugReport":
+            debug: bool = False, timeout: float | None = None,
+            check: bool = False) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
         ``simulate=N`` runs N simulated XLA:CPU cores (no TPU needed). ``max_lr``
@@ -311,6 +315,9 @@ class OneCycleTrainer:
         classes before anything runs. ``self.model`` receives the weights only
         after the run: the final ones, or after a stop on a non-finite loss
         (``on_nan="stop"``) those of the last epoch that ended finite.
+        ``check=True`` first runs :meth:`check` and prints its report; it raises
+        :class:`~xla_utils.readiness.ReadinessError` (before any training or TPU
+        time) when the report has errors, and goes on after warnings.
         """
         cfg = self.config
         _require_labels(self.train_data, "train_data")
@@ -319,6 +326,8 @@ class OneCycleTrainer:
             if data is not None:
                 _check_targets(self.model, self.loss, data, name,
                                lambda x: self._prepare(x, train=False), self.eval_step)
+        if check:
+            self._check_before_fit()
         if debug:
             return debug_run(self.model, self.loss, self.train_data,
                              batch_size=cfg.batch_size, optimizer=cfg.optimizer,
@@ -575,6 +584,36 @@ class OneCycleTrainer:
             metrics.update(out, y, valid)
             runtime.sync()
         return metrics.compute()
+
+    def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
+              timeout: float | None = None) -> "ReadinessReport":
+        """:func:`xla_utils.check` with this trainer's model, loss, optimizer,
+        ``train_step``, bf16 setting, image normalisation (and flips) and the
+        first ``batch_size`` batch of ``train_data``; with ``measure_loader``
+        (default True) the training loader's samples/s is compared with the TPU's
+        step rate. ``tpu`` as in :func:`xla_utils.check` (default: this TPU, else v5e)."""
+        from .readiness import check as readiness_check
+
+        cfg = self.config
+        first = next(iter(iterate_batches(self.train_data, cfg.batch_size, shuffle=False,
+                                          drop_last=True, num_workers=0)), None)
+        if first is None:
+            raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
+        x, y, _ = first
+        loader = (iterate_batches(self.train_data, cfg.batch_size, seed=cfg.seed,
+                                  num_workers=cfg.num_workers) if measure_loader else None)
+        return readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
+                               optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
+                               prepare=lambda t: self._prepare(t, train=True),
+                               train_step=self.train_step, bf16=cfg.bf16, timeout=timeout)
+
+    def _check_before_fit(self) -> None:
+        from .readiness import ReadinessError
+
+        report = self.check()
+        print(report, flush=True)
+        if report.errors:
+            raise ReadinessError(report)
 
     # ------------------------------------------------------------- replica
     def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str) -> History:
