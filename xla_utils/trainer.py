@@ -1072,7 +1072,7 @@ def _require_labels(data, name: str, action: str = "train") -> None:
 
 def _model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     """A copy of ``model`` with the weights of ``final.pt`` or an epoch checkpoint."""
-    path = Path(path)
+    path = _run_epoch_file(Path(path), "using")
     if not path.is_file():
         raise FileNotFoundError(f"weights={str(path)!r} does not exist")
     try:
@@ -1174,6 +1174,18 @@ def _load_checkpoint(path: str | os.PathLike) -> dict:
     return ckpt
 
 
+def _run_epoch_file(path: Path, doing: str) -> Path:
+    """``epoch_003.pt`` named the pre-run-id way: the newest run's epoch 3 file beside it."""
+    if path.exists() or _epoch_of(path) is None or "-" in path.name:
+        return path
+    runs = sorted(path.parent.glob(f"{path.stem}-*.pt"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        return path
+    print(f"{path.name} does not exist; {doing} {runs[-1].name}, the newest "
+          f"epoch {_epoch_of(path)} checkpoint in {path.parent}", flush=True)
+    return runs[-1]
+
+
 def _resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, dict]:
     """``resume`` is a file, a folder, or ``"last"`` (the configured
     ``checkpoint_dir``); a folder means its newest good epoch checkpoint."""
@@ -1181,14 +1193,7 @@ def _resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, di
         if checkpoint_dir is None:
             raise ValueError("resume='last' needs checkpoint_dir=...; or pass a checkpoint file")
         resume = checkpoint_dir
-    path = Path(resume)
-    if not path.exists() and _epoch_of(path) is not None and "-" not in path.name:
-        # epoch_003.pt of a folder of per-run files: the newest run's epoch 3
-        runs = sorted(path.parent.glob(f"{path.stem}-*.pt"), key=lambda p: p.stat().st_mtime)
-        if runs:
-            print(f"{path.name} does not exist; resuming from {runs[-1].name}, the newest "
-                  f"epoch {_epoch_of(path)} checkpoint in {path.parent}", flush=True)
-            path = runs[-1]
+    path = _run_epoch_file(Path(resume), "resuming from")
     if path.is_dir():
         good = _newest_good_checkpoint(path)
         if good is None:
