@@ -36,9 +36,7 @@ __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
-        # xla_utils.check is the module, which is callable (= check.check): importing
-        # the submodule anywhere makes the package attribute the module anyway.
-        value = module if name == "check" else getattr(module, name)
+        value = getattr(module, name)
         globals()[name] = value
         return value
     if name == "runtime":
