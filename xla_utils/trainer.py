@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -272,14 +273,19 @@ class OneCycleTrainer:
             # of the per-core batch are exactly one k-core step's gradient, so
             # the answer needs no scaling rule on top of the finder's rule.
             lr_world = _planned_world_size(cores, simulate)
-            res = self.find_lr(simulate=1 if simulate is not None else None, accum_steps=lr_world)
+            res = self.find_lr(simulate=1 if simulate is not None else None, accum_steps=lr_world,
+                               epochs=cfg.epochs)
             base_lr = res.suggestion
             if not math.isfinite(base_lr):
                 raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
                                    "pass max_lr=<number> or look at trainer.lr_finder_result.plot()")
             print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch {res.batch_size} "
-                  f"({cfg.batch_size} x {lr_world} micro-batches on one core, rule {res.rule}).",
-                  flush=True)
+                  f"({cfg.batch_size} x {lr_world} micro-batches on one core, rule {res.rule}, "
+                  f"run of {res.planned_steps} steps).", flush=True)
+            if not res.confident:
+                warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
+                              f"{base_lr:.3g} anyway; check trainer.lr_finder_result.plot() and "
+                              "pass fit(max_lr=<number>)", RuntimeWarning, stacklevel=2)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         out = runtime.launch(self._replica, float(base_lr), lr_world, ckpt, cores=cores,
