@@ -56,9 +56,17 @@ def steep_pre(lrs: np.ndarray, losses: np.ndarray) -> float:
     return float(lrs[int(np.argmin(grads))])
 
 
-def candidate(kind: str, factor: float = 1.0, s0: float | None = None, a: float = 0.0) -> Rule:
+def candidate(kind: str, factor: float = 1.0, s0: float | None = None, a: float = 0.0,
+              e0: float | None = None, small_batch_beta: float | None = None) -> Rule:
+    """``kind``'s LR x ``factor``, optionally x min(1, steps/s0)**a (short planned
+    runs), x min(1, e0/sweep_epochs)**0.5 (sweeps that revisit a small data set
+    many times), and re-smoothed with ``small_batch_beta`` for batches < 32."""
     def rule(sw: Sweep, meta: dict[str, Any]) -> float:
-        lrs, sm = _trimmed(sw)
+        if small_batch_beta is not None and meta["batch_size"] < 32:
+            lrs, sm = _curve(sw, small_batch_beta)
+            lrs, sm = lf._usable(lrs, sm, lf.NUM_IT, 5)
+        else:
+            lrs, sm = _trimmed(sw)
         if len(lrs) < 3:
             return math.nan
         mn = lf.suggest_minimum(lrs, sm)
@@ -74,6 +82,8 @@ def candidate(kind: str, factor: float = 1.0, s0: float | None = None, a: float 
             raise ValueError(kind)
         if s0 is not None:
             v *= min(1.0, meta["steps"] / s0) ** a
+        if e0 is not None:
+            v *= min(1.0, e0 * meta["n_train"] / (lf.NUM_IT * meta["batch_size"])) ** 0.5
         return v * factor
     return rule
 
@@ -104,15 +114,19 @@ def worst_median(sc: dict[str, float], names: list[str] | None = None) -> tuple[
 def family() -> dict[str, Rule]:
     """Candidate rules for selection (fixed library rules + planned-step scalings)."""
     rules: dict[str, Rule] = {r: library_rule(r) for r in lf.RULES}
+    rules["minimum x 0.3"] = candidate("minimum", 0.3)
     for base in ("between", "minimum"):
         for s0 in (100, 300, 1000):
             for a in (0.25, 0.5):
                 rules[f"{base}*min(1,steps/{s0})^{a}"] = scaled(base, s0, a)
     for kind in ("minimum", "steep_pre", "between_pre", "valley"):
-        for fac in ((0.5, 1.0, 2.0) if kind != "valley" else (3.0, 10.0)):
+        for fac in ((0.35, 0.5, 0.7, 1.0, 1.4) if kind != "valley" else (3.0, 10.0)):
             rules[f"{kind}x{fac}"] = candidate(kind, fac)
             for s0 in (100, 300):
                 rules[f"{kind}x{fac}*min(1,steps/{s0})^0.5"] = candidate(kind, fac, s0, 0.5)
+            for e0 in (2, 5):
+                rules[f"{kind}x{fac}*min(1,{e0}/sweep_epochs)^0.5"] = candidate(kind, fac, e0=e0)
+            rules[f"{kind}x{fac} beta.99 below batch 32"] = candidate(kind, fac, small_batch_beta=0.99)
     return rules
 
 
@@ -122,31 +136,50 @@ def select(sc: dict[str, dict[str, float]], names: list[str]) -> str:
 
 
 def report(cache: dict[str, Any], names: list[str]) -> str:
+    """Markdown for docs/BENCHMARKS.md: per-problem ratios of the library's rules,
+    worst case and median of every candidate, and the two-fold out-of-sample check."""
     fam = family()
     sc = scores(cache, names, fam)
     done = [n for n in names if n in sc[lf.DEFAULT_RULE]]
-    shown = list(lf.RULES) + ["fastai_minimum/10"] if False else list(lf.RULES)
-    lines = [f"{len(done)} problems with complete results", ""]
-    lines.append("| problem | steps | best max_lr | best val loss | "
-                 + " | ".join(shown) + " |")
-    lines.append("|---|---|---|---|" + "---|" * len(shown))
+    shown = list(lf.RULES)
+    head = {r: r + (" (default)" if r == lf.DEFAULT_RULE else "") for r in shown}
+    lines = [f"Per problem: loss at the rule's max_lr / best grid loss, mean over the "
+             f"{len(bench.SEEDS)} seeds' sweeps ({len(done)} problems).", "",
+             "| problem | n train | batch | steps | best max_lr | best val loss | "
+             + " | ".join(head[r] for r in shown) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(shown)]
     for n in done:
         e = cache["problems"][n]
         curve = bench.grid_curve(e)
         b = min(curve, key=curve.get)
-        lines.append(f"| {n} | {e['steps']} | 1e{b:+.1f} | {curve[b]:.4f} | "
-                     + " | ".join(f"{sc[r][n]:.2f}" for r in shown) + " |")
+        cells = " | ".join(f"**{sc[r][n]:.2f}**" if sc[r][n] > 2 else f"{sc[r][n]:.2f}"
+                           for r in shown)
+        lines.append(f"| {n} | {e['n_train']} | {e['batch_size']} | {e['steps']} | "
+                     f"{10 ** b:.2g} | {curve[b]:.3f} | {cells} |")
     lines += ["", "| rule | worst | median | problems > 2x |", "|---|---|---|---|"]
     ranked = sorted(fam, key=lambda r: worst_median(sc[r], done))
-    for r in shown + [r for r in ranked[:15] if r not in shown]:
+    for r in shown + [r for r in ranked[:12] if r not in shown]:
         w, m = worst_median(sc[r], done)
-        lines.append(f"| {r} | {w:.2f} | {m:.2f} | {sum(sc[r][n] > 2 for n in done)} |")
+        lines.append(f"| {head.get(r, r)} | {w:.2f} | {m:.2f} | "
+                     f"{sum(sc[r][n] > 2 for n in done)} |")
     half_a, half_b = done[0::2], done[1::2]
-    lines += ["", "Out of sample (select by worst case on one half, report on the other):", ""]
-    for sel_on, rep_on, label in ((half_a, half_b, "A->B"), (half_b, half_a, "B->A")):
+    lines += ["", f"Out of sample: the {len(fam)} candidates above (and their variants) "
+              "selected by worst case on one half of the problems (A: 1st, 3rd, ... in "
+              "table order; B: 2nd, 4th, ...), reported on the other half:", "",
+              "| selected on | rule selected | in sample worst / median | "
+              "out of sample worst / median | default out of sample worst / median |",
+              "|---|---|---|---|---|"]
+    for sel_on, rep_on, label in ((half_a, half_b, "A, reported on B"),
+                                  (half_b, half_a, "B, reported on A")):
         r = select(sc, sel_on)
         ws, ms = worst_median(sc[r], sel_on)
         wr, mr = worst_median(sc[r], rep_on)
-        lines.append(f"- {label}: selected `{r}` (worst {ws:.2f}, median {ms:.2f} in sample); "
-                     f"out of sample worst {wr:.2f}, median {mr:.2f}")
+        wd, md = worst_median(sc[lf.DEFAULT_RULE], rep_on)
+        lines.append(f"| {label} | `{r}` | {ws:.2f} / {ms:.2f} | {wr:.2f} / {mr:.2f} | "
+                     f"{wd:.2f} / {md:.2f} |")
+    flagged = sum(lf.assess(sw["lrs"], [math.nan if v is None else v for v in sw["losses"]],
+                            _curve(sw)[1], num_it=lf.NUM_IT) is not None
+                  for n in done for sw in cache["problems"][n]["sweeps"].values())
+    lines += ["", f"Sweeps flagged as flat or noisy (`confident=False`): {flagged} of "
+              f"{len(done) * len(bench.SEEDS)}."]
     return "\n".join(lines)
