@@ -38,12 +38,12 @@ __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "R
            "suggest_slide", "suggest_budget", "suggest_descent"]
 
 RULES = ("descent", "budget", "between", "minimum", "steep", "valley", "slide")
-# Chosen by its worst case over the 24 problems of scripts/bench_lr_rules.py
+# Chosen by its worst case over the 27 problems of scripts/bench_lr_rules.py
 # (docs/BENCHMARKS.md "LR finder rules"), checked out of sample.
 DEFAULT_RULE = "descent"
 BETA = 0.98  # loss smoothing of the sweep (fastai's)
 NUM_IT = 100  # sweep steps by default
-DESCENT_FACTOR = 0.5
+DESCENT_FACTOR = 0.7
 # budget rule: between x min(1, planned_steps / BUDGET_STEPS) ** BUDGET_POWER (the
 # planned-run candidate of the benchmark; measured worse than descent, kept as an option)
 BUDGET_STEPS = 1000
@@ -109,7 +109,7 @@ def suggest_between(lrs: np.ndarray, losses: np.ndarray) -> float:
 
 
 def suggest_descent(lrs: np.ndarray, losses: np.ndarray) -> float:
-    """``DESCENT_FACTOR`` (0.5) x the geometric mean of :func:`suggest_minimum`
+    """``DESCENT_FACTOR`` (0.7) x the geometric mean of :func:`suggest_minimum`
     (LR at the lowest loss / 10) and the LR of the steepest fall *before* that
     minimum. Unlike :func:`suggest_steep`, a dip of the diverging tail after the
     minimum can never be picked; the factor keeps the answer off the cliff
@@ -465,7 +465,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     rule:
         Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
         Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),
-        picked by its worst case over 24 problems, see ``docs/BENCHMARKS.md``
+        picked by its worst case over 27 problems, see ``docs/BENCHMARKS.md``
         "LR finder rules"; every rule's answer is in ``result.suggestions``.
     seed:
         Seeds the data order and the finder's RNGs (dropout, augmentation);
