@@ -15,7 +15,9 @@ from torch import nn
 
 import xla_utils
 from xla_utils import runtime
-from xla_utils.lr_finder import (DEFAULT_RULE, RULES, LRFinderResult, lr_find, suggest, suggest_between,
+from xla_utils import lr_finder
+from xla_utils.lr_finder import (DEFAULT_RULE, RULES, LRFinderResult, assess, lr_find, smooth_losses,
+                                 suggest, suggest_between, suggest_budget, suggest_descent,
                                  suggest_minimum, suggest_slide, suggest_steep, suggest_valley)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +75,142 @@ def test_valley_rule():
     losses = np.concatenate([np.linspace(0.5, 0.9, 20), np.linspace(3.0, 0.1, 60),
                              np.linspace(3.5, 9.0, 20)])
     assert suggest_valley(LRS, losses) == LRS[49]
+
+
+def test_descent_rule_ignores_the_tail_after_the_minimum():
+    # steepest fall at 50 -> 51, minimum at 80, then a rise with a steep dip at
+    # 90 (a wobble of the diverging tail) that fastai's steep picks
+    x = np.log(LRS)
+    losses = 5.0 - 2.0 * np.tanh((x - (x[50] + x[51]) / 2) / 1.5) + 3.0 * np.clip(x - x[80], 0, None) ** 2
+    losses[91:] -= 5.0
+    assert int(np.argmin(losses)) == 80
+    assert suggest_steep(LRS, losses) == LRS[90]
+    assert suggest_descent(LRS, losses) == pytest.approx(
+        lr_finder.DESCENT_FACTOR * math.sqrt(LRS[80] / 10 * LRS[50]))
+    assert DEFAULT_RULE == "descent"
+    # minimum at the first point: no fall to measure, the minimum's LR is used
+    rising = np.linspace(1.0, 2.0, 100)
+    assert suggest_descent(LRS, rising) == pytest.approx(
+        lr_finder.DESCENT_FACTOR * math.sqrt(LRS[0] / 10 * LRS[0]))
+
+
+def test_budget_rule_scales_between_for_short_runs():
+    x = np.log(LRS)
+    losses = 5.0 - 2.0 * np.tanh((x - (x[50] + x[51]) / 2) / 1.5) + 3.0 * np.clip(x - x[80], 0, None) ** 2
+    between = suggest_between(LRS, losses)
+    long_run = lr_finder.BUDGET_STEPS
+    assert suggest_budget(LRS, losses) == between  # budget unknown: no scaling
+    assert suggest_budget(LRS, losses, planned_steps=long_run) == pytest.approx(between)
+    assert suggest_budget(LRS, losses, planned_steps=10 * long_run) == pytest.approx(between)
+    short = suggest_budget(LRS, losses, planned_steps=long_run // 4)
+    assert short == pytest.approx(between * 0.25 ** lr_finder.BUDGET_POWER)
+    assert short < between
+    out = suggest(LRS, losses, num_it=100, planned_steps=long_run // 4)
+    assert list(out) == list(RULES) and out["budget"] < out["between"]
+    with pytest.raises(ValueError, match="planned_steps"):
+        suggest_budget(LRS, losses, planned_steps=0)
+
+
+def test_smooth_losses_is_the_sweeps_smoothing():
+    res = lr_find(_mlp(), nn.functional.cross_entropy, _tensor_ds(), 32, num_it=30,
+                  show_progress=False)
+    np.testing.assert_allclose(smooth_losses(res.losses), res.smoothed, rtol=1e-12)
+    raw = np.array([1.0, 2.0, np.nan, 1.0])
+    sm = smooth_losses(raw, beta=0.5)
+    assert sm[0] == 1.0 and sm[1] == pytest.approx((0.25 * 1 + 0.5 * 2) / 0.75)
+    assert np.isnan(sm[2:]).all()
+
+
+def _valley_curve(noise=0.0, seed=0):
+    """A clean range-test shape: flat at 2.3, falls to 0.3 over LRs 1e-4..1e-1, blows up."""
+    x = np.log10(LRS)
+    loss = 1.3 - 1.0 * np.tanh((x + 2.5) / 0.6) + 4.0 * np.clip(x + 0.5, 0, None) ** 2
+    raw = loss + np.random.default_rng(seed).normal(0, noise, len(x))
+    return raw, smooth_losses(raw)
+
+
+def test_assess_passes_a_clean_curve_and_flags_flat_and_noisy_ones():
+    raw, sm = _valley_curve(noise=0.05)
+    assert assess(LRS, raw, sm, num_it=100) is None
+    flat = 2.3 + np.random.default_rng(0).normal(0, 0.01, 100)
+    why = assess(LRS, flat, smooth_losses(flat), num_it=100)
+    assert why is not None and "flat" in why
+    # the same fall, buried in per-batch scatter larger than the fall itself
+    noisy, _ = _valley_curve(noise=3.0)
+    noisy = np.abs(noisy)
+    why = assess(LRS, noisy, smooth_losses(noisy), num_it=100)
+    assert why is not None and ("noisy" in why or "flat" in why)
+
+
+def test_flat_curve_warns_and_is_not_confident():
+    # random labels and a zero-initialised linear model: nothing to learn, the
+    # loss stays at log(3) until the LR is large enough to make it worse
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(4096, 8, generator=g),
+                                        torch.randint(0, 3, (4096,), generator=g))
+
+    def make():
+        m = nn.Linear(8, 3)
+        nn.init.zeros_(m.weight)
+        nn.init.zeros_(m.bias)
+        return m
+
+    with pytest.warns(RuntimeWarning, match="flat"):
+        res = lr_find(make, nn.functional.cross_entropy, ds, 64, show_progress=False)
+    assert not res.confident and "flat" in res.warning
+    assert "NOT CONFIDENT" in repr(res)
+    # a learnable problem: no warning, confident
+    import warnings as _w
+
+    with _w.catch_warnings():
+        _w.simplefilter("error", RuntimeWarning)
+        ok = lr_find(_mlp(), nn.functional.cross_entropy, _tensor_ds(n=2048), 32,
+                     show_progress=False)
+    assert ok.confident and ok.warning is None
+
+
+def test_planned_budget_is_recorded_and_used():
+    ds = _tensor_ds(n=512)
+    kw = dict(show_progress=False, num_it=60, rule="budget")
+    unknown = lr_find(_mlp(), nn.functional.cross_entropy, ds, 32, **kw)
+    by_epochs = lr_find(_mlp(), nn.functional.cross_entropy, ds, 32, epochs=3, **kw)
+    by_steps = lr_find(_mlp(), nn.functional.cross_entropy, ds, 16, accum_steps=2,
+                       planned_steps=48, **kw)
+    assert unknown.planned_steps is None and unknown.rule == "budget"
+    assert by_epochs.planned_steps == 3 * (512 // 32) == 48 == by_steps.planned_steps
+    assert lr_finder.BUDGET_STEPS > 48
+    assert unknown.suggestion == unknown.suggestions["between"]  # no budget: no scaling
+    assert by_epochs.suggestion == pytest.approx(
+        by_epochs.suggestions["between"] * (48 / lr_finder.BUDGET_STEPS) ** lr_finder.BUDGET_POWER)
+    assert "planned run 48 steps" in repr(by_epochs)
+    with pytest.raises(ValueError, match="not both"):
+        lr_find(_mlp(), nn.functional.cross_entropy, ds, 32, epochs=2, planned_steps=5, **kw)
+    with pytest.raises(ValueError, match="epochs"):
+        lr_find(_mlp(), nn.functional.cross_entropy, ds, 32, epochs=0, **kw)
+
+
+def test_fit_find_passes_its_budget_and_warns_on_a_flat_curve(capsys):
+    from xla_utils import OneCycleTrainer
+
+    g = torch.Generator().manual_seed(0)
+    n = 2048
+    x = torch.randn(n, 8, generator=g)
+    flat = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (n,), generator=g))
+
+    def make():
+        m = nn.Linear(8, 3)
+        nn.init.zeros_(m.weight)
+        nn.init.zeros_(m.bias)
+        return m
+
+    t = OneCycleTrainer(make, nn.CrossEntropyLoss(), flat, batch_size=64, epochs=2,
+                        optimizer="sgd", max_lr="find")
+    with pytest.warns(RuntimeWarning, match=r"fit\(max_lr='find'\).*flat.*pass fit\(max_lr=<number>\)"):
+        h = t.fit()
+    out = capsys.readouterr().out
+    res = t.lr_finder_result
+    assert res.planned_steps == 2 * (n // 64) and f"run of {res.planned_steps} steps" in out
+    assert h.base_lr == pytest.approx(res.suggestion)
 
 
 def test_slide_rule():
@@ -363,34 +501,54 @@ def test_xla_cpu_no_recompile_and_caller_untouched(optimizer, accum):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.values()))
 
 
-# ---------------------------------------------------------------- digits quality
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_lr_finder", ROOT / "scripts" / "bench_lr_finder.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
+# ---------------------------------------------------------------- benchmark slice
+def _load_script(name):
+    path = ROOT / "scripts" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
     return mod
 
 
+CI_PROBLEMS = ("iris100_mlp_adam_b16_e4", "wine118_mlp_adam_b16_e4", "bc120_mlp_adam_b16_e5",
+               "bc400_linear_sgd_b64_e20")
+
+
 @pytest.mark.slow
-def test_digits_default_rule_quality():
-    """The acceptance target, at seed 0 and the benchmark's budget (see
-    docs/BENCHMARKS.md): for an MLP and a CNN, each with SGD and Adam, one-cycle
-    at the default suggestion is within 2x of the best val loss of an 11-point
-    max_lr grid and beats 10x and 1/10 of the grid's best LR."""
+def test_default_rule_within_2x_on_a_benchmark_slice():
+    """A CI-sized slice of scripts/bench_lr_rules.py, measured from scratch (the
+    cached results are not read): on its 4 cheapest problems (100-120 samples
+    and 24-35 steps with Adam, the regime where the old default failed; a
+    linear model with SGD whose loss still falls at the end of the sweep), with
+    the benchmark's 3 seeds and 9-point grid, the default rule's one-cycle
+    validation loss (mean over the seeds' sweeps, as in the benchmark) is
+    within 2x of the grid's best."""
     pytest.importorskip("sklearn")
-    bench = _load_bench()
+    bench = _load_script("bench_lr_rules")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = bench.load_digits_split()
         failures = []
-        for kind, opt_name in bench.CONFIGS:
-            c = bench.evaluate_config(kind, opt_name, 0, data, bench.Budget(), rules=(DEFAULT_RULE,))
-            if not c.passes(DEFAULT_RULE):
-                failures.append(f"{kind}+{opt_name}: lr {c.suggestions[DEFAULT_RULE]:.3g} -> "
-                                f"{c.rule_loss[DEFAULT_RULE]:.3f}; grid best {c.best_lr:.3g} -> "
-                                f"{c.best_loss:.3f}, 10x {c.loss_10x:.3f}, 1/10 {c.loss_01x:.3f}")
+        for name in CI_PROBLEMS:
+            p = bench.lp.BY_NAME[name]
+            entry = bench.measure(p, verbose=False)
+            curve = bench.grid_curve(entry)
+            best = min(curve.values())
+            ratios, lrs_used = [], []
+            for sw in entry["sweeps"].values():
+                raw = np.array([np.nan if v is None else v for v in sw["losses"]])
+                lr = suggest(sw["lrs"], smooth_losses(raw), num_it=100,
+                             planned_steps=entry["steps"])[DEFAULT_RULE]
+                lrs_used.append(lr)
+                ratios.append(bench.loss_at(curve, lr) / best)
+            # the benchmark's score: the mean over the seeds' sweeps
+            if not np.mean(ratios) <= 2.0:
+                failures.append(f"{name}: lrs {lrs_used} -> {ratios} x the best (grid {curve})")
     finally:
         torch.set_num_threads(threads)
     assert not failures, failures

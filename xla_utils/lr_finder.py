@@ -33,16 +33,21 @@ import torch
 from . import runtime
 from .optim import OptimizerSpec, make_optimizer, set_hparams
 
-__all__ = ["LRFinderResult", "lr_find", "suggest", "RULES", "DEFAULT_RULE", "suggest_between",
-           "suggest_minimum", "suggest_steep", "suggest_valley", "suggest_slide"]
+__all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
+           "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
+           "suggest_slide", "suggest_budget", "suggest_descent"]
 
-RULES = ("between", "minimum", "steep", "valley", "slide")
-# Chosen by measurement (scripts/bench_lr_finder.py, docs/BENCHMARKS.md "LR finder"):
-# on digits it was the only rule whose one-cycle run stayed within 2x of the best
-# grid max_lr's validation loss in every (model, optimizer, seed) tried (worst
-# 1.46x-1.68x); "minimum" alone was about 0.4 decades too low (worst 2.6x),
-# "steep" alone erratic.
-DEFAULT_RULE = "between"
+RULES = ("descent", "budget", "between", "minimum", "steep", "valley", "slide")
+# Chosen by its worst case over the 27 problems of scripts/bench_lr_rules.py
+# (docs/BENCHMARKS.md "LR finder rules"), checked out of sample.
+DEFAULT_RULE = "descent"
+BETA = 0.98  # loss smoothing of the sweep (fastai's)
+NUM_IT = 100  # sweep steps by default
+DESCENT_FACTOR = 0.7
+# budget rule: between x min(1, planned_steps / BUDGET_STEPS) ** BUDGET_POWER (the
+# planned-run candidate of the benchmark; measured worse than descent, kept as an option)
+BUDGET_STEPS = 1000
+BUDGET_POWER = 0.5
 
 
 # --------------------------------------------------------------------------
@@ -103,7 +108,40 @@ def suggest_between(lrs: np.ndarray, losses: np.ndarray) -> float:
     return math.sqrt(suggest_minimum(lrs, losses) * suggest_steep(lrs, losses))
 
 
+def suggest_descent(lrs: np.ndarray, losses: np.ndarray) -> float:
+    """``DESCENT_FACTOR`` (0.7) x the geometric mean of :func:`suggest_minimum`
+    (LR at the lowest loss / 10) and the LR of the steepest fall *before* that
+    minimum. Unlike :func:`suggest_steep`, a dip of the diverging tail after the
+    minimum can never be picked; the factor keeps the answer off the cliff
+    that small data sets and short runs have just above their best LR."""
+    m = int(np.argmin(losses))
+    steep = float(lrs[m])
+    if m >= 1:
+        grads = np.diff(losses[:m + 1]) / np.diff(np.log(lrs[:m + 1]))
+        steep = float(lrs[int(np.argmin(grads))])
+    return DESCENT_FACTOR * math.sqrt(float(lrs[m]) / 10.0 * steep)
+
+
+def suggest_budget(lrs: np.ndarray, losses: np.ndarray, planned_steps: int | None = None) -> float:
+    """:func:`suggest_between` scaled down for short runs:
+    ``between * min(1, planned_steps / BUDGET_STEPS) ** BUDGET_POWER``.
+
+    A one-cycle run of few optimizer steps spends them at a high LR with no
+    time to recover from what it does there, and the sweep over a small data
+    set (100 steps revisit every sample many times) keeps falling at LRs that
+    already overfit such a run. ``planned_steps=None`` (budget unknown) applies
+    no scaling, i.e. assumes a run of at least ``BUDGET_STEPS`` steps.
+    """
+    lr = suggest_between(lrs, losses)
+    if planned_steps is None:
+        return lr
+    if planned_steps < 1:
+        raise ValueError(f"planned_steps must be >= 1, got {planned_steps!r}")
+    return lr * min(1.0, planned_steps / BUDGET_STEPS) ** BUDGET_POWER
+
+
 _RULE_FNS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+    "descent": suggest_descent,
     "between": suggest_between,
     "minimum": suggest_minimum,
     "steep": suggest_steep,
@@ -112,26 +150,93 @@ _RULE_FNS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
 }
 
 
+def smooth_losses(losses: Sequence[float], beta: float = BETA) -> np.ndarray:
+    """Exponentially smoothed, bias-corrected losses, as the sweep records them:
+    ``avg = beta*avg + (1-beta)*loss``, ``smoothed[i] = avg / (1 - beta**(i+1))``;
+    NaN from the first non-finite loss on. ``beta`` default 0.98."""
+    raw = np.asarray(losses, dtype=np.float64)
+    out = np.full(len(raw), np.nan)
+    avg = 0.0
+    for i, v in enumerate(raw):
+        if not math.isfinite(v):
+            break
+        avg = beta * avg + (1 - beta) * v
+        out[i] = avg / (1 - beta ** (i + 1))
+    return out
+
+
+def _usable(lrs: np.ndarray, losses: np.ndarray, num_it: int,
+            skip_end: int) -> tuple[np.ndarray, np.ndarray]:
+    """fastai's trimming: drop the first ``num_it // 10`` and the last
+    ``skip_end`` points and everything from the first non-finite loss on."""
+    stop = len(losses) - skip_end
+    bad = np.flatnonzero(~np.isfinite(losses[:max(stop, 0)]))
+    if len(bad):
+        stop = int(bad[0])
+    return lrs[num_it // 10:stop], losses[num_it // 10:stop]
+
+
 def suggest(lrs: Sequence[float], smoothed: Sequence[float], num_it: int | None = None,
-            skip_end: int = 5) -> dict[str, float]:
+            skip_end: int = 5, *, planned_steps: int | None = None) -> dict[str, float]:
     """Every rule's suggestion for a recorded sweep, as ``{rule: lr}``.
 
     As fastai does, the first ``num_it // 10`` points (``num_it`` defaults to
     the number of points) and the last ``skip_end`` (default 5) are dropped, as
     is everything from the first non-finite loss on. A rule gets NaN when fewer
-    than 3 points remain.
+    than 3 points remain. ``planned_steps``: optimizer steps of the one-cycle
+    run the answer is for (used by ``"budget"``; None = unknown, no scaling).
     """
     lrs = np.asarray(lrs, dtype=np.float64)
     losses = np.asarray(smoothed, dtype=np.float64)
     num_it = len(lrs) if num_it is None else num_it
-    stop = len(losses) - skip_end
-    bad = np.flatnonzero(~np.isfinite(losses[:max(stop, 0)]))
-    if len(bad):
-        stop = int(bad[0])
-    lrs, losses = lrs[num_it // 10:stop], losses[num_it // 10:stop]
+    lrs, losses = _usable(lrs, losses, num_it, skip_end)
     if len(lrs) < 3:
         return {r: math.nan for r in RULES}
-    return {r: fn(lrs, losses) for r, fn in _RULE_FNS.items()}
+    out = {r: fn(lrs, losses) for r, fn in _RULE_FNS.items()}
+    out["budget"] = suggest_budget(lrs, losses, planned_steps)
+    return {r: out[r] for r in RULES}
+
+
+# A sweep whose smoothed loss falls by less than this fraction of its starting
+# value, or by less than the scatter of the raw per-batch losses at low LR, has
+# no valley for a rule to read (a converged or untrainable model, a loss
+# dominated by batch noise): its suggestion is not trustworthy. 1%: the
+# benchmark's learnable problems fall by 2-60% and by 1-40x their scatter.
+MIN_DROP = 0.01
+
+
+def assess(lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[float],
+           num_it: int | None = None, skip_end: int = 5) -> str | None:
+    """Why a sweep's suggestion should not be trusted, or None when it can be.
+
+    ``losses`` are the raw per-step losses, ``smoothed`` as recorded. Flags a
+    flat curve (the smoothed loss falls by less than ``MIN_DROP`` = 1% of its
+    value at the start of the usable part) and a noisy one (it falls by less
+    than the standard deviation of the raw losses over the first quarter of the
+    usable part, where the LR is too small to change much).
+    """
+    lrs_a = np.asarray(lrs, dtype=np.float64)
+    raw = np.asarray(losses, dtype=np.float64)
+    sm = np.asarray(smoothed, dtype=np.float64)
+    num_it = len(lrs_a) if num_it is None else num_it
+    use_lrs, use_sm = _usable(lrs_a, sm, num_it, skip_end)
+    if len(use_sm) < 3:
+        return "the sweep stopped too early for a suggestion"
+    start = num_it // 10
+    use_raw = raw[start:start + len(use_sm)]
+    first, low = float(use_sm[0]), float(use_sm.min())
+    drop = first - low
+    if drop < MIN_DROP * abs(first):
+        return (f"the loss curve is flat: the smoothed loss fell only from {first:.4g} to "
+                f"{low:.4g} ({100 * drop / max(abs(first), 1e-12):.1f}%) over LRs "
+                f"{use_lrs[0]:.2g}..{use_lrs[-1]:.2g}")
+    q = max(len(use_raw) // 4, 3)
+    noise = float(np.std(use_raw[:q]))
+    if drop < noise:
+        return (f"the loss curve is noisy: the smoothed loss fell by {drop:.4g}, less than the "
+                f"scatter of the per-batch losses ({noise:.4g}); use a larger batch_size, "
+                f"beta closer to 1 or more num_it")
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -156,6 +261,15 @@ class LRFinderResult:
         too short to say).
     rule, suggestion:
         The rule used for the answer and its LR (``suggestions[rule]``).
+    planned_steps:
+        Optimizer steps of the one-cycle run the answer is for (what the
+        ``"budget"`` rule assumed; the default rule does not depend on it);
+        None when unknown (``"budget"`` then assumes a run of at least
+        ``BUDGET_STEPS`` = 1000 steps).
+    confident, warning:
+        ``confident`` is False when the curve gave no trustworthy answer (flat,
+        noisy, or stopped too early, see :func:`assess`); ``warning`` says why
+        (None when confident). :func:`lr_find` also issues it as a warning.
     batch_size:
         The batch the answer is valid for: samples per optimizer step, i.e.
         ``micro_batch_size * accum_steps``. A run whose global batch differs
@@ -188,12 +302,18 @@ class LRFinderResult:
     backend: str
     device: str
     compiles: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    planned_steps: int | None = None
+    confident: bool = True
+    warning: str | None = None
 
     def __repr__(self) -> str:
         others = ", ".join(f"{r}={v:.3g}" for r, v in self.suggestions.items())
-        return (f"LRFinderResult(suggestion={self.suggestion:.3g} ({self.rule}) for batch "
-                f"{self.batch_size} with {self.optimizer}; {others}; {len(self.lrs)} steps, "
-                f"stopped: {self.stop_reason}; on {self.device})")
+        budget = "unknown" if self.planned_steps is None else f"{self.planned_steps} steps"
+        doubt = "" if self.confident else f"; NOT CONFIDENT: {self.warning}"
+        return (f"LRFinderResult(suggestion={self.suggestion:.3g} ({self.rule}, planned run "
+                f"{budget}) for batch {self.batch_size} with {self.optimizer}; {others}; "
+                f"{len(self.lrs)} sweep steps, stopped: {self.stop_reason}; on {self.device}"
+                f"{doubt})")
 
     def plot(self, path: str | os.PathLike | None = None, skip_start: int = 0,
              skip_end: int = 0):
@@ -227,7 +347,8 @@ class LRFinderResult:
         ax.plot(lrs, raw, color="0.75", lw=0.8, label="loss")
         ax.plot(lrs, sm, color="C0", lw=1.6, label="smoothed loss")
         ok = np.isfinite(sm)
-        markers = {"between": "o", "minimum": "v", "steep": "^", "valley": "s", "slide": "D"}
+        markers = {"descent": "*", "budget": "P", "between": "o", "minimum": "v", "steep": "^",
+                   "valley": "s", "slide": "D"}
         for r, lr in self.suggestions.items():
             if not math.isfinite(lr) or not ok.any():
                 continue
@@ -271,6 +392,7 @@ class _Config:
     diverge_factor: float
     accum_steps: int
     rule: str
+    planned_steps: int | None
     seed: int
     shuffle: bool
     num_workers: int | None
@@ -282,8 +404,9 @@ class _Config:
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
             data: Any, batch_size: int, optimizer: OptimizerSpec = "sgd",
-            start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = 100, *,
-            weight_decay: float = 0.0, beta: float = 0.98, diverge_factor: float = 4.0,
+            start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = NUM_IT, *,
+            planned_steps: int | None = None, epochs: int | None = None,
+            weight_decay: float = 0.0, beta: float = BETA, diverge_factor: float = 4.0,
             accum_steps: int = 1, rule: str = DEFAULT_RULE, seed: int = 0,
             shuffle: bool = True, num_workers: int | None = None,
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -316,6 +439,14 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     start_lr, end_lr, num_it:
         The sweep: step ``i`` of ``num_it`` uses
         ``start_lr * (end_lr/start_lr) ** (i/(num_it-1))`` (defaults 1e-7, 10, 100).
+    planned_steps, epochs:
+        The one-cycle run you plan, as optimizer steps or as epochs over
+        ``data`` (``epochs * (len(data) // (batch_size * accum_steps))`` steps);
+        give at most one. Recorded in ``result.planned_steps`` and used by the
+        ``"budget"`` rule (:func:`suggest_budget`), which scales its answer down
+        for runs shorter than 1000 steps. The default rule does not depend on
+        it: on the benchmark every such scaling made the worst case worse.
+        None (default): unknown. ``fit(max_lr="find")`` passes its own.
     weight_decay:
         Passed to the optimizer (default 0.0); use the value of the real run.
     beta:
@@ -333,9 +464,9 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         Adam) is k times cheaper and is how the trainer consumes it.
     rule:
         Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
-        Default ``"between"`` (:data:`DEFAULT_RULE`, the geometric mean of
-        ``"minimum"`` and ``"steep"``), picked by measurement, see
-        ``docs/BENCHMARKS.md``; every rule's answer is in ``result.suggestions``.
+        Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),
+        picked by its worst case over 27 problems, see ``docs/BENCHMARKS.md``
+        "LR finder rules"; every rule's answer is in ``result.suggestions``.
     seed:
         Seeds the data order and the finder's RNGs (dropout, augmentation);
         default 0. Your own RNG state is restored afterwards.
@@ -377,17 +508,32 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         raise ValueError(f"diverge_factor must be > 1, got {diverge_factor!r}")
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if epochs is not None:
+        if planned_steps is not None:
+            raise ValueError("give planned_steps or epochs, not both")
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+        planned_steps = max(epochs * (len(data) // (batch_size * accum_steps)), 1)
+    if planned_steps is not None and (not isinstance(planned_steps, int) or planned_steps < 1):
+        raise ValueError(f"planned_steps must be a positive int, got {planned_steps!r}")
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
                   weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
                   num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
-                  accum_steps=int(accum_steps), rule=rule, seed=int(seed), shuffle=shuffle,
+                  accum_steps=int(accum_steps), rule=rule, planned_steps=planned_steps,
+                  seed=int(seed), shuffle=shuffle,
                   num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
                   parent_pid=os.getpid())
     res = runtime.launch(_replica, cfg, cores=1, simulate=simulate, timeout=timeout)
     if not math.isfinite(res.suggestion):
-        warnings.warn(f"LR finder: the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, "
-                      f"too early for a suggestion; lower start_lr ({start_lr:g}) or check the data",
-                      RuntimeWarning, stacklevel=2)
+        res.warning = (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too "
+                       f"early for a suggestion; lower start_lr ({start_lr:g}) or check the data")
+    else:
+        res.warning = assess(res.lrs, res.losses, res.smoothed, num_it=cfg.num_it)
+    if res.warning is not None:
+        res.confident = False
+        warnings.warn(f"LR finder: {res.warning}. The suggestion ({res.suggestion:.3g}, rule "
+                      f"{res.rule}) is not trustworthy: look at result.plot() and pick max_lr "
+                      "yourself", RuntimeWarning, stacklevel=2)
     return res
 
 
@@ -572,10 +718,11 @@ def _sweep(cfg: _Config) -> LRFinderResult:
 
     lrs_a = np.asarray(lrs, dtype=np.float64)
     sm_a = np.asarray(smoothed, dtype=np.float64)
-    suggestions = suggest(lrs_a, sm_a, num_it=cfg.num_it)
+    suggestions = suggest(lrs_a, sm_a, num_it=cfg.num_it, planned_steps=cfg.planned_steps)
     return LRFinderResult(
         lrs=lrs_a, losses=np.asarray(raw, dtype=np.float64), smoothed=sm_a,
         suggestions=suggestions, rule=cfg.rule, suggestion=suggestions[cfg.rule],
         batch_size=cfg.batch_size * k, micro_batch_size=cfg.batch_size, accum_steps=k,
         optimizer=type(opt).__name__, stop_reason=stop_reason, backend=runtime.backend(),
-        device=str(dev), compiles=np.asarray(compiles, dtype=np.int64))
+        device=str(dev), compiles=np.asarray(compiles, dtype=np.int64),
+        planned_steps=cfg.planned_steps)

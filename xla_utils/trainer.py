@@ -363,7 +363,7 @@ class OneCycleTrainer:
                 # the answer needs no scaling rule on top of the finder's rule.
                 lr_world = world
                 res = self.find_lr(simulate=1 if simulate is not None else None,
-                                   accum_steps=lr_world)
+                                   accum_steps=lr_world, epochs=cfg.epochs)
                 base_lr = res.suggestion
                 if not math.isfinite(base_lr):
                     raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
@@ -371,7 +371,11 @@ class OneCycleTrainer:
                                        "trainer.lr_finder_result.plot()")
                 print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
                       f"{res.batch_size} ({cfg.batch_size} x {lr_world} micro-batches on one "
-                      f"core, rule {res.rule}).", flush=True)
+                      f"core, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
+                if not res.confident:
+                    warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
+                                  f"{base_lr:.3g} anyway; check trainer.lr_finder_result.plot() "
+                                  "and pass fit(max_lr=<number>)", RuntimeWarning, stacklevel=2)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
