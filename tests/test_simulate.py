@@ -6,7 +6,6 @@ locally with XLA_UTILS_TEST_REPEATS=10 (see docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -39,15 +38,6 @@ def _runner(cores: int, *args: str, timeout: int = 400) -> subprocess.CompletedP
                           env=_env(), cwd=ROOT)
 
 
-def _flags(**kw) -> argparse.Namespace:
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import idiom_digits
-    finally:
-        sys.path.remove(str(FIXTURES))
-    return idiom_digits.parse([f"--{k}={v}" for k, v in kw.items()])
-
-
 def _check_idioms(out: dict, ws: int) -> None:
     c = out["checks"]
     assert out["world_size"] == ws and out["rank"] == 0
@@ -68,7 +58,7 @@ def _close(a: dict, b: dict, tol: float = 1e-4) -> float:
     worst = 0.0
     for k in a:
         worst = max(worst, (torch.as_tensor(a[k]) - torch.as_tensor(b[k])).abs().max().item())
-    assert worst < tol, worst
+    assert worst <= tol, worst
     return worst
 
 
@@ -101,12 +91,10 @@ def test_runner_idiom_script_8_cores_equals_1_core(one_core, tmp_path):
 
 @pytest.mark.multicore
 @pytest.mark.timeout(400 + 200 * REPEATS)
-def test_launch_idiom_function_8_cores_equals_1_core(one_core):
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import idiom_digits
-    finally:
-        sys.path.remove(str(FIXTURES))
+def test_launch_idiom_function_8_cores_equals_1_core(one_core, monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))  # replicas import it with this sys.path
+    import idiom_digits
+
     flags = idiom_digits.parse([])
     for i in range(REPEATS):
         out = rt.launch(idiom_digits.train, flags, simulate=8, timeout=300)

@@ -67,6 +67,7 @@ _ZYGOTE_START_S = 300.0
 # After the first replica error, how long the others get to report.
 ERROR_GRACE_S = 3.0
 _POLL_S = 0.05
+_WAIT_SLICE_S = 0.25  # how often a replica waiting in a collective checks on its peers
 _SEP = "\x1f"  # between the fields of an arrival record
 
 
@@ -108,6 +109,9 @@ class _Zygote:
     def __init__(self) -> None:
         parent, child = socket.socketpair()
         env = dict(os.environ, PJRT_DEVICE="CPU")
+        # Replicas wait in the store in short slices; c10d logs a warning for each
+        # slice that times out. Read once, when torch loads in the zygote.
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p])
         self.owner = os.getpid()
@@ -640,11 +644,16 @@ def _arrive(kind: str, signature: str) -> int:
     keys = [f"arr/{seq}/{k}" for k in range(n)]
     timeout = _timeout_s()
     t0 = time.monotonic()
-    slice_s = 0.002
     gone_since = None
     while True:
-        if store.check(keys):
+        # Blocks in the store until the last rank arrives (no polling delay);
+        # every _WAIT_SLICE_S it looks for failed, returned or missing peers.
+        try:
+            store.wait(keys, _td(_WAIT_SLICE_S))
             break
+        except RuntimeError:  # DistStoreError: not all arrived yet
+            if store.check(keys):
+                break
         if store.check(["abort"]):
             raise _PeerFailed(f"stopped in {api} at {where}: "
                               f"{store.get('abort').decode()} (see that replica's error)")
@@ -658,9 +667,7 @@ def _arrive(kind: str, signature: str) -> int:
         if (gone and (len(gone) == len(missing) or now - gone_since > 2.0)) \
                 or now - t0 > timeout:
             raise CollectiveError(_where_message(seq, api, where, gone, now - t0, timeout))
-        time.sleep(slice_s)
-        slice_s = min(slice_s * 2, 0.05)
-    others = [store.get(k).decode() for k in keys]
+    others = [v.decode() for v in _multi_get(store, keys)]
     sigs = {tuple(o.split(_SEP)[:2]) for o in others}
     if len(sigs) > 1:
         lines = []
@@ -682,6 +689,12 @@ def _arrive(kind: str, signature: str) -> int:
         with contextlib.suppress(Exception):
             store.delete_key(key)
     return seq
+
+
+def _multi_get(store, keys: list[str]) -> list[bytes]:
+    if hasattr(store, "multi_get"):
+        return store.multi_get(keys)
+    return [store.get(k) for k in keys]
 
 
 def _where_message(seq: int, api: str, where: str, gone: list[int], waited: float,
@@ -906,7 +919,7 @@ def _patch_torch_xla(rank: int, n: int) -> None:
         store.set(f"rdv/{seq}/{rank}", payload)
         keys = [f"rdv/{seq}/{k}" for k in range(n)]
         store.wait(keys)
-        out = [store.get(k) for k in keys]
+        out = _multi_get(store, keys)
         # rdv/seq/rank is freed when this rank reaches its next collective,
         # after everyone has read it (they all arrive there only after reading).
         _World.pending_delete = f"rdv/{seq}/{rank}"
