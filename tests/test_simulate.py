@@ -32,7 +32,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _runner(cores: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def _runner(cores: int, *args: str, timeout: int = 800) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xla_utils.simulate", "--cores", str(cores),
                            *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env=_env(), cwd=ROOT)
@@ -71,7 +71,7 @@ def one_core(tmp_path_factory):
 
 
 @pytest.mark.multicore
-@pytest.mark.timeout(400 + 300 * REPEATS)
+@pytest.mark.timeout(900 + 600 * REPEATS)
 def test_runner_idiom_script_8_cores_equals_1_core(one_core, tmp_path):
     assert one_core["accuracy"] > 0.85
     _check_idioms(one_core, 1)
@@ -90,7 +90,7 @@ def test_runner_idiom_script_8_cores_equals_1_core(one_core, tmp_path):
 
 
 @pytest.mark.multicore
-@pytest.mark.timeout(400 + 200 * REPEATS)
+@pytest.mark.timeout(900 + 400 * REPEATS)
 def test_launch_idiom_function_8_cores_equals_1_core(one_core, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))  # replicas import it with this sys.path
     import idiom_digits
@@ -271,6 +271,34 @@ def test_collective_timeout_is_bounded_and_configurable(monkeypatch):
     msg = info.value.remote_traceback
     assert "did not arrive within 4 s (XLA_UTILS_COLLECTIVE_TIMEOUT)" in msg
     assert "ranks [1] are still running" in msg
+
+
+def _unsupported_idioms():
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    x = torch.ones(4, device=torch_xla.device())
+    msgs = []
+    for call in (lambda: xm.all_to_all(x, 0, 0, 2),
+                 lambda: xm.all_reduce(xm.REDUCE_SUM, x, groups=[[0], [1]]),
+                 lambda: xm.send(x, 1)):
+        try:
+            call()
+        except NotImplementedError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_unsupported_idioms_are_named_at_once():
+    simulate._zygote()
+    t0 = time.monotonic()
+    msgs = rt.launch(_unsupported_idioms, simulate=2)
+    assert time.monotonic() - t0 < 15
+    assert "xm.all_to_all is not simulated" in msgs[0] and "all_gather" in msgs[0]
+    assert "groups=[[0], [1]]" in msgs[1] and "groups=None" in msgs[1]
+    assert "xm.send is not simulated" in msgs[2]
 
 
 # --------------------------------------------------------------------------

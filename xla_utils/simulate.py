@@ -8,8 +8,8 @@ collectives (``xm.all_reduce``, ``all_gather``, ``reduce_scatter``, ``rendezvous
 (``xr.world_size``, ``xr.global_ordinal``, ``xr.local_ordinal``,
 ``xm.is_master_ordinal``, ``xm.save``) are replaced *inside the replicas only* by
 versions that report the simulated world and exchange CPU copies of the tensors
-with ``torch.distributed`` gloo over 127.0.0.1. Every other torch_xla call is the
-real one. See docs/ARCHITECTURE.md ("Simulated cores").
+through shared memory (``/dev/shm``), synchronised by a ``TCPStore``. Every other
+torch_xla call is the real one. See docs/ARCHITECTURE.md ("Simulated cores").
 
 Run an unmodified torch_xla script (entry point ``xmp.spawn(fn, args=...)`` or
 ``torch_xla.launch(fn, args=...)``) on N simulated cores::
@@ -218,7 +218,7 @@ def _caller_env() -> dict[str, str]:
               "TPU_CHIPS_PER_PROCESS_BOUNDS", "PJRT_LOCAL_PROCESS_RANK",
               "PJRT_LOCAL_PROCESS_COUNT", "XRT_TPU_CONFIG", "COLAB_TPU_ADDR"):
         env.pop(k, None)
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", GLOO_SOCKET_IFNAME="lo")
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
     return env
 
 
@@ -235,15 +235,25 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
 
     from . import runtime
 
+    import shutil
+    import tempfile
+
     payload = cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+    shm = tempfile.mkdtemp(prefix="xla_utils-sim-",
+                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=_td(60))
     request = {"n": n, "port": store.port, "payload": payload, "path": list(sys.path),
-               "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index}
+               "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index,
+               "shm": shm}
     sys.stdout.flush()
     sys.stderr.flush()
-    zygote = _zygote()
-    job = zygote.start_job(request)
+    try:
+        zygote = _zygote()
+        job = zygote.start_job(request)
+    except BaseException:
+        shutil.rmtree(shm, ignore_errors=True)
+        raise
     deadline = None if timeout is None else time.monotonic() + timeout
     events = _EventReader(store)
     result, got_result = None, False
@@ -304,6 +314,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
         raise
     finally:
         del store
+        shutil.rmtree(shm, ignore_errors=True)
     _kill_job(job)
     zygote.drain()
     if first_error is not None:
@@ -524,6 +535,8 @@ def _job_main(request: dict) -> None:
             code = 1
             try:
                 code = _replica_main(r, request)
+            except BaseException:  # before the replica could report through the store
+                traceback.print_exc()
             finally:
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()
@@ -556,9 +569,10 @@ class _World:
     rank = 0
     size = 1
     store = None
-    group = None
     seq = 0
     pending_delete: str | None = None
+    shm = ""  # folder (on /dev/shm) where replicas publish collective inputs
+    files: dict = {}  # seq -> this rank's published files
 
 
 def _replica_main(r: int, request: dict) -> int:
@@ -575,7 +589,7 @@ def _replica_main(r: int, request: dict) -> int:
 
     n = request["n"]
     store = dist.TCPStore("127.0.0.1", request["port"], is_master=False, timeout=_td(60))
-    _World.rank, _World.size, _World.store = r, n, store
+    _World.rank, _World.size, _World.store, _World.shm = r, n, store, request["shm"]
     try:
         _patch_torch_xla(r, n)
         runtime._enter_simulated_replica()
@@ -629,9 +643,10 @@ def _call_site() -> tuple[str, str]:
     return api, where
 
 
-def _arrive(kind: str, signature: str) -> int:
+def _arrive(kind: str, signature: str, data: list | None = None) -> int:
     """Record this replica's arrival at its next collective and wait for all ranks.
 
+    ``data`` (CPU tensors) is published for the others first (see _publish).
     Returns the collective's sequence number. Raises CollectiveError (mismatch,
     peers gone, timeout) or _PeerFailed (another replica failed first).
     """
@@ -639,6 +654,8 @@ def _arrive(kind: str, signature: str) -> int:
     store, n, r = w.store, w.size, w.rank
     seq = w.seq = w.seq + 1
     api, where = _call_site()
+    if data:
+        _publish(seq, data)
     mine = _SEP.join((kind, signature, api, where))
     store.set(f"arr/{seq}/{r}", mine)
     keys = [f"arr/{seq}/{k}" for k in range(n)]
@@ -679,8 +696,11 @@ def _arrive(kind: str, signature: str) -> int:
             "rank-dependent code (an `if` on the rank or on data around a collective), "
             "which hangs or corrupts a real multi-core run too. Where each rank is:\n"
             + "\n".join(lines))
-    # Everyone has passed collective seq - 1 (and read its rendezvous payloads):
-    # free this rank's keys of it.
+    # Everyone has passed collective seq - 1 (and read its payloads and tensors):
+    # free this rank's keys and files of it.
+    for path in w.files.pop(seq - 1, ()):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     stale = [f"arr/{seq - 1}/{r}"] if seq > 1 else []
     if w.pending_delete:
         stale.append(w.pending_delete)
@@ -724,30 +744,12 @@ def _where_message(seq: int, api: str, where: str, gone: list[int], waited: floa
             "a collective inside a rank-dependent `if` (e.g. `if xm.is_master_ordinal():`).")
 
 
-def _cpu_flat(tensors: list) -> tuple[Any, list]:
-    import torch
-
-    cpu = [t.detach().to("cpu") for t in tensors]
-    flat = torch.cat([c.reshape(-1) for c in cpu]) if len(cpu) > 1 else cpu[0].reshape(-1).clone()
-    return flat, cpu
-
-
 def _materialize() -> None:
     """Run the pending graph (without step closures), so that reading collective
     inputs is a transfer, not a recomputation of the forward/backward."""
     import torch_xla
 
     torch_xla._XLAC._xla_step_marker(torch_xla._XLAC._xla_get_default_device(), [], wait=False)
-
-
-def _reduce_op(reduce_type: str):
-    import torch.distributed as dist
-
-    ops = {"sum": dist.ReduceOp.SUM, "mul": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-           "max": dist.ReduceOp.MAX, "and": dist.ReduceOp.MIN, "or": dist.ReduceOp.MAX}
-    if reduce_type not in ops:
-        raise ValueError(f"unknown reduce_type {reduce_type!r}")
-    return ops[reduce_type]
 
 
 def _check_groups(groups, api: str) -> None:
@@ -761,59 +763,106 @@ def _sig(tensors: list) -> str:
     return ";".join(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for t in tensors)
 
 
-def _host_all_reduce(reduce_type: str, tensors: list, scale: float) -> list:
-    """All-reduce CPU copies of ``tensors`` (one buffer per dtype); CPU results."""
+def _wire(t):
+    """A CPU tensor as a numpy array (bfloat16 travels as its int16 bits)."""
     import torch
 
-    out: list = [None] * len(tensors)
-    by_dtype: dict = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    op = _reduce_op(reduce_type)
-    for dtype, idx in by_dtype.items():
-        flat, cpu = _cpu_flat([tensors[i] for i in idx])
-        work = flat.to(torch.float64 if dtype in (torch.bfloat16, torch.float16) else flat.dtype)
-        if dtype == torch.bool:
-            work = flat.to(torch.int32)
-        _group().allreduce([work], _allreduce_opts(op)).wait()
-        if scale != 1.0:
-            work = work * scale
-        work = work.to(dtype)
-        pos = 0
-        for i, c in zip(idx, cpu):
-            out[i] = work[pos:pos + c.numel()].view(c.shape)
-            pos += c.numel()
+    t = t.detach().contiguous()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _publish(seq: int, data: list) -> None:
+    """Write this rank's CPU tensors for collective ``seq`` to shared memory.
+
+    Every rank reads every rank's file once all have arrived (one barrier, no
+    ring of sequential messages: on a 2-core host the N replica processes then
+    need not be scheduled one after another). Files are deleted by their writer
+    after the next collective, when everyone has read them.
+    """
+    w = _World
+    paths = w.files.setdefault(seq, [])
+    for i, t in enumerate(data):
+        path = os.path.join(w.shm, f"{seq}.{w.rank}.{i}")
+        _wire(t).tofile(path)
+        paths.append(path)
+
+
+def _collect(seq: int, i: int, like) -> list:
+    """Every rank's tensor ``i`` of collective ``seq`` (same shape/dtype as ``like``)."""
+    import numpy as np
+    import torch
+
+    w = _World
+    out = []
+    for k in range(w.size):
+        if k == w.rank:
+            out.append(like)
+            continue
+        arr = np.fromfile(os.path.join(w.shm, f"{seq}.{k}.{i}"), dtype=_wire(like[:0]).dtype)
+        t = torch.from_numpy(arr)
+        out.append((t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t)
+                   .view(like.shape))
     return out
 
 
-def _group():
-    """The gloo group, created at the first tensor collective (all ranks are
-    there: _arrive has checked), so launches without one never pay for it."""
-    w = _World
-    if w.group is None:
-        import torch.distributed as dist
+def _flat_groups(tensors: list) -> tuple[list, list]:
+    """CPU copies of ``tensors`` flattened into one buffer per dtype: (buffers, index lists)."""
+    import torch
 
-        # gloo prints one "[Gloo] Rank r is connected to ..." line per rank on
-        # the process's stdout (C++, no log level): keep it out of the user's output.
-        sys.stdout.flush()
-        saved = os.dup(1)
-        try:
-            with open(os.devnull, "wb") as null:
-                os.dup2(null.fileno(), 1)
-            w.group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", w.store), w.rank, w.size,
-                                            _td(max(_timeout_s(), 60) * 10))
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-    return w.group
+    by_dtype: dict = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    bufs, groups = [], []
+    for idx in by_dtype.values():
+        cpu = [tensors[i].detach().to("cpu").reshape(-1) for i in idx]
+        bufs.append(torch.cat(cpu) if len(cpu) > 1 else cpu[0].clone())
+        groups.append(idx)
+    return bufs, groups
 
 
-def _allreduce_opts(op):
-    import torch.distributed as dist
+def _reduce(reduce_type: str, parts: list):
+    """Reduce the ranks' buffers in rank order (identical result on every rank)."""
+    import torch
 
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op
-    return opts
+    dtype = parts[0].dtype
+    acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else (
+        torch.int32 if dtype == torch.bool else dtype)
+    acc = parts[0].to(acc_dtype).clone()
+    for p in parts[1:]:
+        p = p.to(acc_dtype)
+        if reduce_type == "sum":
+            acc += p
+        elif reduce_type == "mul":
+            acc *= p
+        elif reduce_type in ("min", "and"):
+            acc = torch.minimum(acc, p)
+        elif reduce_type in ("max", "or"):
+            acc = torch.maximum(acc, p)
+        else:
+            raise ValueError(f"unknown reduce_type {reduce_type!r}")
+    return acc
+
+
+def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str) -> list:
+    """Arrive at the collective, then all-reduce CPU copies of ``tensors``; CPU results."""
+    if reduce_type not in ("sum", "mul", "min", "max", "and", "or"):
+        raise ValueError(f"unknown reduce_type {reduce_type!r}")
+    _materialize()
+    bufs, groups = _flat_groups(tensors)
+    seq = _arrive("all_reduce" if api_sig.startswith("all_reduce") else "reduce_scatter",
+                  api_sig.split(":", 1)[1], bufs)
+    out: list = [None] * len(tensors)
+    for gi, (buf, idx) in enumerate(zip(bufs, groups)):
+        work = _reduce(reduce_type, _collect(seq, gi, buf))
+        if scale != 1.0:
+            work = work * scale
+        work = work.to(buf.dtype)
+        pos = 0
+        for i in idx:
+            numel = tensors[i].numel()
+            out[i] = work[pos:pos + numel].view(tensors[i].shape)
+            pos += numel
+    return out
 
 
 def _to_device(cpu_tensors: list, device) -> list:
@@ -850,9 +899,8 @@ def _patch_torch_xla(rank: int, n: int) -> None:
         tensors = [inputs] if single else list(inputs)
         if not tensors:
             return inputs
-        _arrive("all_reduce", f"{reduce_type}|{scale}|{_sig(tensors)}")
-        _materialize()
-        cpu = _host_all_reduce(reduce_type, tensors, scale)
+        cpu = _host_all_reduce(reduce_type, tensors, scale,
+                               f"all_reduce:{reduce_type}|{scale}|{_sig(tensors)}")
         dev = tensors[0].device
         moved = _to_device(cpu, dev)
         if single:
@@ -867,14 +915,11 @@ def _patch_torch_xla(rank: int, n: int) -> None:
         _check_groups(groups, "xm.all_gather")
         single = isinstance(value, torch.Tensor)
         tensors = [value] if single else list(value)
-        _arrive("all_gather", f"{dim}|{_sig(tensors)}")
         _materialize()
-        results = []
-        for t in tensors:
-            c = t.detach().to("cpu").contiguous()
-            parts = [torch.empty_like(c) for _ in range(n)]
-            _group().allgather([parts], [c]).wait()
-            results.append(torch.cat(parts, dim=dim if dim >= 0 else c.dim() + dim))
+        cpu = [t.detach().to("cpu").contiguous() for t in tensors]
+        seq = _arrive("all_gather", f"{dim}|{_sig(tensors)}", cpu)
+        results = [torch.cat(_collect(seq, i, c), dim=dim if dim >= 0 else c.dim() + dim)
+                   for i, c in enumerate(cpu)]
         moved = _to_device(results, tensors[0].device)
         if output is not None:
             outs = [output] if single else list(output)
@@ -893,9 +938,9 @@ def _patch_torch_xla(rank: int, n: int) -> None:
                              f"cores: shard_count must equal the world size ({n})")
         single = isinstance(input, torch.Tensor)
         tensors = [input] if single else list(input)
-        _arrive("reduce_scatter", f"{reduce_type}|{scale}|{scatter_dim}|{_sig(tensors)}")
-        _materialize()
-        reduced = _host_all_reduce(reduce_type, tensors, scale)
+        reduced = _host_all_reduce(
+            reduce_type, tensors, scale,
+            f"reduce_scatter:{reduce_type}|{scale}|{scatter_dim}|{_sig(tensors)}")
         shards = [torch.chunk(c, n, dim=scatter_dim)[rank].contiguous() for c in reduced]
         moved = _to_device(shards, tensors[0].device)
         if output is not None:
@@ -926,6 +971,21 @@ def _patch_torch_xla(rank: int, n: int) -> None:
         return out
 
     rendezvous.__wrapped__ = orig_rendezvous
+
+    def unsupported(api: str, alternative: str):
+        def fail(*args, **kwargs):
+            raise NotImplementedError(
+                f"{api} is not simulated on XLA:CPU replicas (it needs a real device mesh); "
+                f"{alternative}")
+        return fail
+
+    xm.all_to_all = unsupported("xm.all_to_all", "use xm.all_gather and slice instead")
+    xm.collective_permute = unsupported("xm.collective_permute",
+                                        "use xm.all_gather and pick the source rank's part")
+    xm.send = unsupported("xm.send", "use xm.all_gather (or xm.rendezvous for bytes)")
+    xm.recv = unsupported("xm.recv", "use xm.all_gather (or xm.rendezvous for bytes)")
+    xr.use_spmd = unsupported("xr.use_spmd (SPMD)", "simulate the multi-process "
+                              "(xmp.spawn) form of the code, or run SPMD on a real TPU")
     xm.all_reduce = all_reduce
     xm.all_gather = all_gather
     xm.reduce_scatter = reduce_scatter
