@@ -20,7 +20,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["xla_utils", "xla_utils.*"]),
-    install_requires=["numpy", "pillow", "fastprogress"],
+    install_requires=["numpy", "pillow", "fastprogress", "cloudpickle"],
     extras_require={
         "plot": ["matplotlib"],
         "demo": ["scikit-learn"],

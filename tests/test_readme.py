@@ -65,7 +65,7 @@ def test_every_block_is_covered():
     assert langs == ["", "bash", "python"], langs  # "" = sample output, not code
     bash = [code for lang, code in BLOCKS if lang == "bash"]
     python = [code for lang, code in BLOCKS if lang == "python"]
-    assert len(bash) == 2 and len(python) == 5, "a README block was added: run it in this file"
+    assert len(bash) == 3 and len(python) == 6, "a README block was added: run it in this file"
 
 
 def test_setup_commands_are_what_ci_and_the_demo_test_run():
@@ -164,3 +164,25 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     assert not {"recompile", "host_sync", "cpu_fallback", "dynamic_shape"} & set(report.codes), report
     assert {"memory", "input_bound"} <= set(report.codes)
     assert "xla_utils.check for TPU v5e:" in capsys.readouterr().out
+
+@pytest.mark.multicore
+@pytest.mark.timeout(600)
+def test_simulated_cores_blocks(tmp_path, capfd):
+    script = str(ROOT / "tests" / "fixtures" / "idiom_digits.py")
+    cmd = _substitute(_block("bash", "python -m xla_utils.simulate"), {
+        "train.py": script, "--cores 8": "--cores 2",
+    })
+    cmd = [line for line in cmd.splitlines() if line.strip() and not line.startswith("#")][0]
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(ROOT))
+    p = subprocess.run(shlex.split(cmd.replace("python", sys.executable, 1)), cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "epoch 0 correct/seen" in p.stdout
+
+    code = _substitute(_block("python", "simulated_spawn(cores=8)"), {
+        '"train.py"': repr(script), 'cores=8, args': 'cores=2, args',
+    })
+    ns: dict = {}
+    exec(compile(code, "README:simulate", "exec"), ns)
+    assert ns["status"] == 0
+    assert "8 cores, sum of the ranks: [28.0, 28.0]" in capfd.readouterr().out

@@ -20,14 +20,10 @@ runtime in this process, after which :func:`launch` can no longer spawn) and
 
 Simulated cores
 ---------------
-``launch(fn, simulate=N)`` runs N replicas as N threads of one forked process on
-XLA:CPU (``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N``). On a small host, naive
-collectives there abort ("Expected N threads to join the rendezvous") because
-threads compile the same graph concurrently and get different collective op ids,
-or the execution pool is too small. So in simulation every :func:`sync` first
-meets the other replicas at a ``threading.Barrier`` and then compiles/launches
-the graph under one lock (execution stays asynchronous, so the collective itself
-still runs concurrently and cannot deadlock on the lock).
+``launch(fn, simulate=N)`` runs N replica processes, each with one XLA:CPU
+device, started from a clean interpreter (see :mod:`xla_utils.simulate`). Inside
+them torch_xla's world queries and collectives are the simulated world's, so this
+module calls torch_xla exactly as on a TPU: no special cases.
 """
 from __future__ import annotations
 
@@ -41,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -72,10 +68,6 @@ __all__ = [
     "launch",
 ]
 
-# Seconds a simulated replica waits at a step boundary for the others. A replica
-# that is still compiling a large graph can legitimately lag, so this is long;
-# it only exists so that a dead replica can never hang the rest forever.
-BARRIER_TIMEOUT_S = float(os.environ.get("XLA_UTILS_BARRIER_TIMEOUT", "600"))
 # After the first replica error, how long the others get to report before the
 # whole job is killed.
 ERROR_GRACE_S = 3.0
@@ -180,25 +172,17 @@ def _xla_runtime_initialized() -> bool:
 # --------------------------------------------------------------------------
 # Per-process / per-replica state
 # --------------------------------------------------------------------------
-@dataclass
-class _Sim:
-    """Shared by the N threads of a simulated run."""
-
-    n: int
-    barrier: threading.Barrier
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    values: dict = field(default_factory=dict)  # rank -> number, for _host_sum
-
-
 class _State(threading.local):
-    # Filled in by launch() inside each replica thread/process. Thread-local so
-    # that simulated replicas (threads) each see their own rank.
+    # Filled in by launch() inside each replica thread/process. Thread-local
+    # because a TPU v2/v3 process runs one replica thread per core.
     backend: str | None = None
     in_replica: bool = False
 
 
 _state = _State()
-_sim: _Sim | None = None  # process-global: the threads share it
+# True in a simulated replica process (one replica per process: every thread of
+# the process, e.g. a loader's, belongs to it).
+_simulated_process = False
 _job: tuple | None = None  # (fn, args, result queue) inside a launched job
 _job_pid: int | None = None
 _TPU_PRESENT: bool | None = None
@@ -220,12 +204,14 @@ def backend() -> str:
     """``"xla"`` or ``"torch"`` for the calling replica (see the module docstring)."""
     if _state.backend is not None:
         return _state.backend
+    if _simulated_process:
+        return "xla"
     return "xla" if _tpu_present() and xla_available() else "torch"
 
 
 def is_simulated() -> bool:
     """True inside a ``launch(..., simulate=N)`` replica."""
-    return _sim is not None and backend() == "xla"
+    return _simulated_process
 
 
 def device():
@@ -268,32 +254,13 @@ def is_master() -> bool:
 def sync() -> None:
     """End the step: compile (if new) and launch the pending XLA graph.
 
-    Every replica must call it the same number of times. In simulation it also
-    meets the other replicas first (see the module docstring). No-op on the
-    torch backend.
+    No-op on the torch backend.
     """
     if backend() != "xla":
         return
     x = _load_xla()
     tx = x["torch_xla"]
-    do_sync = tx.sync if hasattr(tx, "sync") else x["xm"].mark_step
-    sim = _sim
-    if sim is None:
-        do_sync()
-        return
-    _sim_wait(sim)
-    with sim.lock:
-        do_sync()
-
-
-def _sim_wait(sim: _Sim) -> None:
-    try:
-        sim.barrier.wait(timeout=BARRIER_TIMEOUT_S)
-    except threading.BrokenBarrierError:
-        raise RuntimeError(
-            "another simulated replica failed or timed out at a step boundary; "
-            "this replica stops too"
-        ) from None
+    (tx.sync if hasattr(tx, "sync") else x["xm"].mark_step)()
 
 
 def optimizer_step(optimizer, barrier: bool = False) -> None:
@@ -305,12 +272,7 @@ def optimizer_step(optimizer, barrier: bool = False) -> None:
     if backend() != "xla":
         optimizer.step()
         return
-    xm = _load_xla()["xm"]
-    if is_simulated() and barrier:
-        xm.optimizer_step(optimizer)
-        sync()
-    else:
-        xm.optimizer_step(optimizer, barrier=barrier)
+    _load_xla()["xm"].optimizer_step(optimizer, barrier=barrier)
 
 
 def all_reduce(value, op: str = "sum"):
@@ -334,16 +296,6 @@ def all_reduce(value, op: str = "sum"):
 
 
 def _host_sum(v: float) -> float:
-    sim = _sim
-    if sim is not None and backend() == "xla":
-        # Threads of one process: exchange through memory, no XLA graph (a
-        # rank-dependent scalar would give each replica a different graph).
-        r = rank()
-        sim.values[r] = v
-        _sim_wait(sim)
-        total = math.fsum(sim.values[i] for i in range(sim.n))
-        _sim_wait(sim)  # nobody overwrites values before all have read them
-        return total
     _host_sum.calls = getattr(_host_sum, "calls", 0) + 1
     return float(_load_xla()["xm"].mesh_reduce(f"xla_utils.sum.{_host_sum.calls}", v, math.fsum))
 
@@ -358,9 +310,6 @@ def master_print(*args, **kwargs) -> None:
 def rendezvous(tag: str) -> None:
     """All replicas meet here before any goes on."""
     if backend() != "xla" or world_size() == 1:
-        return
-    if is_simulated():
-        _sim_wait(_sim)
         return
     _load_xla()["xm"].rendezvous(tag)
 
@@ -501,8 +450,7 @@ def set_seed(seed: int) -> None:
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    if not is_simulated():  # the host RNG is shared by simulated threads
-        torch.manual_seed(seed)
+    torch.manual_seed(seed)
     if backend() == "xla":
         _load_xla()["xm"].set_rng_state(int(seed), device=device())
 
@@ -581,17 +529,22 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
     cores:
         ``"all"`` (default) for every TPU core of this host, or ``1``.
     simulate:
-        Run on N simulated XLA:CPU devices (world size N) instead of a TPU, e.g.
+        Run on N simulated XLA:CPU cores (world size N) instead of a TPU, e.g.
         ``simulate=8`` to exercise 8-core code without TPU quota. Needs torch_xla.
-        With ``cores=1`` a single XLA:CPU device is used.
+        With ``cores=1`` a single XLA:CPU device is used. Replica code may use
+        this module or torch_xla's own idioms (``xm.all_reduce``,
+        ``xm.optimizer_step``, ``MpDeviceLoader``, ``xm.mesh_reduce``, ...); see
+        :mod:`xla_utils.simulate`.
     timeout:
         Seconds after which the job is killed and ``TimeoutError`` raised
         (default: none).
 
-    On XLA the replicas run in a forked child process (``xmp.spawn`` with
+    On a TPU the replicas run in a forked child process (``xmp.spawn`` with
     ``start_method='fork'``, so functions and models defined in a notebook
-    work), which keeps the calling process free of XLA runtime state: it can
-    launch again later. An exception in any replica is raised here as
+    work). Simulated replicas are processes forked from a clean interpreter;
+    ``fn`` and ``args`` reach them through cloudpickle (notebook functions,
+    lambdas and models work too). Either way the calling process stays free of
+    XLA runtime state and can launch again later. An exception in any replica is raised here as
     :class:`ReplicaError` carrying that replica's traceback, and the other
     replicas are killed rather than left hanging. Without a TPU and without
     ``simulate`` (or without torch_xla), ``fn`` runs here, in-process, on one
@@ -608,7 +561,9 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
     use_xla = simulate is not None or (_tpu_present() and xla_available())
     if use_xla:
         _load_xla()  # clear XLAUnavailableError before forking
-        if _xla_runtime_initialized():
+        # Simulated replicas start from a clean interpreter: this process's XLA
+        # state does not matter to them. A TPU launch forks this process.
+        if simulate is None and _xla_runtime_initialized():
             raise RuntimeAlreadyInitializedError(
                 "this process has already initialised the XLA runtime (something called "
                 "torch_xla.device(), xm.xla_device(), xr.world_size() or moved a tensor "
@@ -627,11 +582,15 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
 
 
 def _launch_xla(fn, args, *, cores, simulate, timeout) -> Any:
+    if simulate is not None:
+        from . import simulate as sim
+
+        return sim.run_replicas(fn, tuple(args), 1 if cores == 1 else simulate, timeout=timeout)
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    job = ctx.Process(target=_job_main, args=(fn, args, cores, simulate, results),
+    job = ctx.Process(target=_job_main, args=(fn, args, cores, results),
                       name="xla_utils-launch", daemon=False)
     # Flush so that buffered notebook output is not duplicated by the fork.
     sys.stdout.flush()
@@ -653,11 +612,8 @@ def _launch_xla(fn, args, *, cores, simulate, timeout) -> Any:
                 result, got_result = pickle.loads(payload), True
             elif kind == "error":
                 tb, exc_type = payload
-                err = ReplicaError(r, tb, exc_type)
-                # Prefer the root cause over replicas that only failed because a
-                # peer died.
-                if first_error is None or _is_secondary(first_error) and not _is_secondary(err):
-                    first_error = err
+                if first_error is None:
+                    first_error = ReplicaError(r, tb, exc_type)
                 if error_deadline is None:
                     error_deadline = time.monotonic() + ERROR_GRACE_S
             elif kind == "finished":
@@ -703,10 +659,6 @@ def _launch_xla(fn, args, *, cores, simulate, timeout) -> Any:
     return result
 
 
-def _is_secondary(err: ReplicaError) -> bool:
-    return "another simulated replica failed" in err.remote_traceback
-
-
 def _kill(job) -> None:
     """Kill the job process and everything it started (its own session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -716,30 +668,44 @@ def _kill(job) -> None:
     job.join(timeout=5)
 
 
-class _CPUPickler(pickle.Pickler):
-    """Pickles device tensors as CPU tensors, wherever they sit in the object.
+def _dumps_cpu(obj: Any) -> bytes:
+    """Pickle ``obj`` with every device tensor turned into a CPU tensor.
 
     Unpickling an XLA tensor in the caller would initialise the XLA runtime
-    there and make every later launch() impossible.
+    there and make every later launch() impossible. cloudpickle (when present)
+    also carries functions and classes defined inside the replica.
     """
-
-    def reducer_override(self, obj):
-        import torch
-
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            cpu = obj.detach().cpu()
-            if isinstance(obj, torch.nn.Parameter):
-                cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
-            return cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return NotImplemented
-
-
-def _dumps_cpu(obj: Any) -> bytes:
     import io
 
+    import torch
+
+    try:
+        import cloudpickle
+
+        base = cloudpickle.Pickler
+    except ImportError:  # the TPU path works without it
+        base = pickle.Pickler
+
+    class CPUPickler(base):
+        def reducer_override(self, o):
+            if isinstance(o, torch.Tensor) and o.device.type != "cpu":
+                cpu = o.detach().cpu()
+                if isinstance(o, torch.nn.Parameter):
+                    cpu = torch.nn.Parameter(cpu, requires_grad=o.requires_grad)
+                return cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            parent = getattr(super(), "reducer_override", None)
+            return parent(o) if parent is not None else NotImplemented
+
     buf = io.BytesIO()
-    _CPUPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    CPUPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
+
+
+def _enter_simulated_replica() -> None:
+    """Called by :mod:`xla_utils.simulate` in each simulated replica process."""
+    global _simulated_process
+    _simulated_process = True
+    _state.backend, _state.in_replica = "xla", True
 
 
 def _die_with_parent() -> None:
@@ -773,34 +739,19 @@ def _openmp_single_thread() -> None:
                 ctypes.CDLL(lib).omp_set_num_threads(1)
 
 
-def _job_main(fn, args, cores, simulate, results) -> None:
-    """Body of the forked job process: set the environment, then xmp.spawn."""
+def _job_main(fn, args, cores, results) -> None:
+    """Body of the forked job process on a TPU host: set the environment, then xmp.spawn."""
     os.setsid()  # so that _kill() reaches replicas forked by xmp.spawn
     _die_with_parent()
     _openmp_single_thread()
-    if simulate is not None:
-        os.environ["PJRT_DEVICE"] = "CPU"
-        os.environ["CPU_NUM_DEVICES"] = str(1 if cores == 1 else simulate)
-        n = 1 if cores == 1 else simulate
-        # Every replica's execution of a collective blocks a thread until all N
-        # have joined. The asynchronous PJRT CPU client runs executions on a
-        # pool sized by the host's cores (2 here), so N > 2 replicas deadlock
-        # until XLA aborts the process. The synchronous client executes on
-        # torch_xla's own pool, which XLA_THREAD_POOL_SIZE makes big enough.
-        os.environ["PJRT_CPU_ASYNC_CLIENT"] = "0"
-        pool = int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0)
-        os.environ["XLA_THREAD_POOL_SIZE"] = str(max(pool, 2 * n, 8))
-    else:
-        os.environ.setdefault("PJRT_DEVICE", "TPU")
-        try:
-            from . import env
+    os.environ.setdefault("PJRT_DEVICE", "TPU")
+    try:
+        from . import env
 
-            env.prepare_spawn()
-        except Exception as exc:  # never block a launch on a reporting helper
-            print(f"xla_utils: environment preparation skipped: {exc}", file=sys.stderr)
-    global _sim, _job, _job_pid
-    n_sim = (1 if cores == 1 else simulate) if simulate is not None else 0
-    _sim = _Sim(n_sim, threading.Barrier(n_sim)) if n_sim > 1 else None
+        env.prepare_spawn()
+    except Exception as exc:  # never block a launch on a reporting helper
+        print(f"xla_utils: environment preparation skipped: {exc}", file=sys.stderr)
+    global _job, _job_pid
     # xmp.spawn pickles its args; a Queue (and a notebook lambda) cannot be
     # pickled, so replicas find the job in this module global, inherited by fork.
     _job = (fn, args, results)
@@ -836,11 +787,8 @@ def _replica_main(index: int) -> None:
         # first backward. A parent that ran any backward before forking passes
         # on queues sized for zero XLA devices, and every replica's backward
         # then fails an internal assert. Running backward on the calling thread
-        # (thread-local switch) needs no such queues. Known limit: with several
-        # replica *threads* in one process (simulate >= 2, TPU v2/v3) the
-        # inherited engine state can still crash natively (seen in ~1 of 4
-        # two-replica launches after a caller-side backward); one replica per
-        # process (v4/v5e/v6e TPUs, cores=1) is unaffected.
+        # (thread-local switch) needs no such queues. (TPU v2/v3 run several
+        # replica threads per process; simulated cores never fork the caller.)
         with torch.autograd.set_multithreading_enabled(False):
             out = fn(*args)
         if r == 0:
@@ -848,9 +796,7 @@ def _replica_main(index: int) -> None:
         results.put(("finished", r, world_size()))
     except BaseException as exc:
         results.put(("error", r, (traceback.format_exc(), type(exc).__name__)))
-        if _sim is not None:
-            _sim.barrier.abort()
-        elif os.getpid() != _job_pid:
+        if os.getpid() != _job_pid:
             # A replica process of its own: flush the report before dying
             # (the job process, where nprocs=1 runs, still needs the queue).
             results.close()

@@ -1,0 +1,153 @@
+"""Simulated step time: process-per-replica (this tree) vs the thread recipe (a git ref).
+
+Runs the demo's training (``xla_utils.demo``: digits cache, its CNN, Adam,
+one-cycle, per-core batch 16) with ``fit(simulate=N)`` for both designs, alternating,
+in fresh interpreters, and prints per-step times (epochs after the first, so
+compilation is excluded), whole-``fit`` wall time, accuracy and the replicas'
+peak resident memory. The baseline is the package as it is at ``--baseline``
+(default ``main``), extracted with ``git archive`` to a temporary folder.
+
+    python scripts/bench_simulate.py --reps 3 --cores 8 --epochs 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, os, sys, time
+from pathlib import Path
+import torch
+from xla_utils.demo import make_cnn, render_digits, CACHE_SIZE
+from xla_utils.cache import build_cache
+from xla_utils.data import CachedImageDataset
+from xla_utils.trainer import OneCycleTrainer
+import xla_utils
+
+work = Path(sys.argv[1]); cores = int(sys.argv[2]); epochs = int(sys.argv[3])
+train = CachedImageDataset(work / "cache" / "train")
+val = CachedImageDataset(work / "cache" / "val")
+tr = OneCycleTrainer(make_cnn, torch.nn.CrossEntropyLoss(), train, val, batch_size=16,
+                     epochs=epochs, optimizer="adam", flip=False, mean=(0.5,) * 3,
+                     std=(0.5,) * 3, seed=0)
+t0 = time.perf_counter()
+h = tr.fit(simulate=cores, max_lr=3e-3)
+wall = time.perf_counter() - t0
+steps = len(train) // (16 * cores)
+print("RESULT", json.dumps({
+    "package": xla_utils.__file__, "wall_s": wall, "steps_per_epoch": steps,
+    "epoch_s": [e["seconds"] for e in h], "accuracy": h[-1]["accuracy"],
+}), flush=True)
+"""
+
+
+def _prepare(work: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from xla_utils.cache import build_cache
+    from xla_utils.demo import CACHE_SIZE, render_digits
+
+    train_dir, val_dir = render_digits(work / "images")
+    build_cache(train_dir, work / "cache" / "train", size=CACHE_SIZE, variants=4,
+                scale=(0.7, 1.0), rotate=10.0)
+    from xla_utils.data import CachedImageDataset
+
+    classes = CachedImageDataset(work / "cache" / "train").classes
+    build_cache(val_dir, work / "cache" / "val", size=CACHE_SIZE, variants=1, classes=classes)
+
+
+def _tree_pss_mb(root: int) -> float:
+    """Proportional set size (shared pages split between sharers) of ``root`` and
+    all its descendants, in MB."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    tree, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parent.items() if pp in tree and p not in tree}
+        tree |= new
+        grew = bool(new)
+    kb = 0
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                kb += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except OSError:
+            pass
+    return kb / 1024
+
+
+def _run(package_root: Path, work: Path, cores: int, epochs: int) -> dict:
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(package_root))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, "-c", CHILD, str(work), str(cores), str(epochs)],
+                             stdout=out, stderr=err, text=True, env=env, cwd=work)
+        peak = 0.0
+        while p.poll() is None:
+            peak = max(peak, _tree_pss_mb(p.pid))
+            time.sleep(1.0)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            assert res["package"].startswith(str(package_root)), res["package"]
+            res["peak_pss_mb"] = peak
+            return res
+    raise RuntimeError(f"run failed ({p.returncode}):\n{stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cores", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--baseline", default="main", help="git ref of the thread-based design")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        base = tmp / "baseline"
+        base.mkdir()
+        archive = subprocess.run(["git", "archive", args.baseline, "xla_utils"], cwd=ROOT,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        work = tmp / "work"
+        _prepare(work)
+        rows: dict[str, list[dict]] = {"threads (baseline)": [], "processes (this tree)": []}
+        for rep in range(args.reps):
+            for name, root in (("threads (baseline)", base), ("processes (this tree)", ROOT)):
+                t = time.perf_counter()
+                r = _run(root, work, args.cores, args.epochs)
+                per_step = [s / r["steps_per_epoch"] for s in r["epoch_s"][1:]]
+                r["step_ms"] = 1000 * statistics.median(per_step)
+                rows[name].append(r)
+                print(f"rep {rep} {name}: step {r['step_ms']:.1f} ms, fit {r['wall_s']:.1f} s, "
+                      f"acc {r['accuracy']:.3f}, peak memory (PSS) {r['peak_pss_mb']:.0f} MB "
+                      f"({time.perf_counter() - t:.0f} s)", flush=True)
+    med = {k: (statistics.median(r["step_ms"] for r in v), statistics.median(r["wall_s"] for r in v))
+           for k, v in rows.items()}
+    (bs, bw), (ns, nw) = med["threads (baseline)"], med["processes (this tree)"]
+    mem = {k: statistics.median(r["peak_pss_mb"] for r in v) for k, v in rows.items()}
+    print(f"\npeak host memory (PSS of the whole process tree), median: "
+          f"{mem['threads (baseline)']:.0f} MB (threads) vs {mem['processes (this tree)']:.0f} MB "
+          "(processes)")
+    print(f"median of {args.reps}: step {bs:.1f} ms (threads) vs {ns:.1f} ms (processes), "
+          f"ratio {ns / bs:.2f}; whole fit {bw:.1f} s vs {nw:.1f} s, ratio {nw / bw:.2f}")
+
+
+if __name__ == "__main__":
+    main()
