@@ -596,7 +596,11 @@ def _replica_main(r: int, request: dict) -> int:
         fn, args = cloudpickle.loads(request["payload"])
         if request["pass_index"]:
             args = (r, *args)
+        if _PROF is not None:
+            _profile_sync()
         out = fn(*args)
+        if _PROF is not None:
+            _profile_report(r)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -620,6 +624,39 @@ def _replica_main(r: int, request: dict) -> int:
         return 1
 
 
+_SYNCS: list = []
+
+
+def _profile_sync() -> None:
+    import torch_xla
+
+    orig = torch_xla.sync
+
+    def sync(*a, **k):
+        t = time.perf_counter()
+        orig(*a, **k)
+        _SYNCS.append((t, time.perf_counter() - t))
+
+    torch_xla.sync = sync
+
+
+def _profile_report(rank: int) -> None:
+    """XLA_UTILS_SIM_PROFILE=1: median phase times (ms) of the gradient all-reduces
+    after the first 20 (steady state), printed to stderr."""
+    import statistics
+
+    rows = [r for r in _PROF if r[0] > 1 and len(r) == 8][20:]
+    if not rows:
+        return
+    med = lambda i: 1000 * statistics.median(r[i] for r in rows)  # noqa: E731
+    gaps = [rows[k + 1][1] - sum(rows[k + 1][2:5]) - rows[k][7] for k in range(len(rows) - 1)]
+    syncs = [d for t, d in _SYNCS if t > rows[0][1]]
+    print(f"[sim-profile rank {rank}] {len(rows)} grad all-reduces: materialize {med(2):.1f} "
+          f"to-cpu {med(3):.1f} arrive(wait) {med(4):.1f} collect+reduce {med(5):.1f} "
+          f"to-device {med(6):.1f}; between all-reduces {1000 * statistics.median(gaps):.1f}; "
+          f"sync {1000 * statistics.median(syncs):.1f} ms", file=sys.stderr, flush=True)
+
+
 def _timeout_s() -> float:
     return float(os.environ.get("XLA_UTILS_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S))
 
@@ -627,7 +664,11 @@ def _timeout_s() -> float:
 def _call_site() -> tuple[str, str]:
     """(API name, user file:line) of the collective being entered: the outermost
     torch_xla / xla_utils.runtime frame and the frame that called it."""
-    frames = traceback.extract_stack()[:-2]
+    # Frames from _arrive's caller outwards, without reading source lines (this
+    # runs at every collective of every replica).
+    frames = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(2)),
+                                            lookup_lines=False)
+    frames.reverse()
     api, where = "collective", "?"
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
@@ -805,6 +846,19 @@ def _collect(seq: int, i: int, like) -> list:
     return out
 
 
+def _to_cpu_batched(tensors: list) -> list:
+    """CPU copies of ``tensors`` (XLA or CPU), the XLA ones in one batched transfer."""
+    import torch_xla
+
+    xla = [i for i, t in enumerate(tensors) if t.device.type == "xla"]
+    out = [t.detach() if t.device.type == "cpu" else None for t in tensors]
+    if xla:
+        for i, c in zip(xla, torch_xla._XLAC._xla_get_cpu_tensors([tensors[i].detach()
+                                                                   for i in xla])):
+            out[i] = c
+    return [o if o is not None else t.detach().to("cpu") for o, t in zip(out, tensors)]
+
+
 def _flat_groups(tensors: list) -> tuple[list, list]:
     """CPU copies of ``tensors`` flattened into one buffer per dtype: (buffers, index lists)."""
     import torch
@@ -812,9 +866,11 @@ def _flat_groups(tensors: list) -> tuple[list, list]:
     by_dtype: dict = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
+    # One batched device-to-host transfer for all tensors (not one per tensor).
+    host = _to_cpu_batched(tensors)
     bufs, groups = [], []
     for idx in by_dtype.values():
-        cpu = [tensors[i].detach().to("cpu").reshape(-1) for i in idx]
+        cpu = [host[i].reshape(-1) for i in idx]
         bufs.append(torch.cat(cpu) if len(cpu) > 1 else cpu[0].clone())
         groups.append(idx)
     return bufs, groups
@@ -843,14 +899,25 @@ def _reduce(reduce_type: str, parts: list):
     return acc
 
 
+# XLA_UTILS_SIM_PROFILE=1: each replica times the phases of its gradient all-reduces
+# and prints their medians to stderr when its function returns (a debugging aid).
+_PROF: list | None = [] if os.environ.get("XLA_UTILS_SIM_PROFILE") else None
+
+
 def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str) -> list:
     """Arrive at the collective, then all-reduce CPU copies of ``tensors``; CPU results."""
     if reduce_type not in ("sum", "mul", "min", "max", "and", "or"):
         raise ValueError(f"unknown reduce_type {reduce_type!r}")
+    t0 = time.perf_counter()
     _materialize()
+    t1 = time.perf_counter()
     bufs, groups = _flat_groups(tensors)
+    t2 = time.perf_counter()
     seq = _arrive("all_reduce" if api_sig.startswith("all_reduce") else "reduce_scatter",
                   api_sig.split(":", 1)[1], bufs)
+    t3 = time.perf_counter()
+    if _PROF is not None:
+        _PROF.append((len(tensors), t3, t1 - t0, t2 - t1, t3 - t2))
     out: list = [None] * len(tensors)
     for gi, (buf, idx) in enumerate(zip(bufs, groups)):
         work = _reduce(reduce_type, _collect(seq, gi, buf))
@@ -901,6 +968,7 @@ def _patch_torch_xla(rank: int, n: int) -> None:
             return inputs
         cpu = _host_all_reduce(reduce_type, tensors, scale,
                                f"all_reduce:{reduce_type}|{scale}|{_sig(tensors)}")
+        t4 = time.perf_counter()
         dev = tensors[0].device
         moved = _to_device(cpu, dev)
         if single:
@@ -908,6 +976,8 @@ def _patch_torch_xla(rank: int, n: int) -> None:
         with torch.no_grad():
             for t, m in zip(tensors, moved):
                 t.copy_(m)
+        if _PROF is not None:
+            _PROF[-1] += (t4 - _PROF[-1][1], time.perf_counter() - t4, time.perf_counter())
         return inputs
 
     def all_gather(value, dim=0, groups=None, output=None, pin_layout=True, channel_id=None,
