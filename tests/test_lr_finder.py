@@ -552,3 +552,10 @@ def test_default_rule_within_2x_on_a_benchmark_slice():
     finally:
         torch.set_num_threads(threads)
     assert not failures, failures
+
+
+def test_optimizer_name_is_validated_before_any_launch():
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    with pytest.raises(ValueError, match="did you mean 'sgd'"):
+        lr_find(model, torch.nn.CrossEntropyLoss(), data, 8, optimizer="sgdd", simulate=1)

@@ -243,3 +243,28 @@ def test_device_prefetch_delivers_each_batch_when_loader_reuses_buffer():
         return sums
 
     assert rt.launch(job, simulate=1) == [64 * 64 * (k + 2.0) for k in range(12)]
+
+
+_MKL_AFTER_FORK = """
+import torch
+torch.set_num_threads(2)          # gives MKL an explicit thread count, as notebooks often do
+a = torch.randn(1024, 1024)
+(a @ a).sum()                     # the caller's thread now owns an OpenMP team
+
+from xla_utils import runtime as rt
+
+def cpu_matmul():
+    b = torch.randn(1024, 1024)   # MKL in the forked job: hung before the fix
+    return float((b @ b).sum())
+
+print("result", rt.launch(cpu_matmul, cores=1, simulate=1, timeout=120))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_cpu_matmul_in_a_forked_job_after_the_caller_set_torch_threads():
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    p = subprocess.run([sys.executable, "-c", _MKL_AFTER_FORK], capture_output=True, text=True,
+                       timeout=280, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "result" in p.stdout

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import runtime
-from .optim import OptimizerSpec, make_optimizer, set_hparams
+from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
 
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
@@ -494,6 +494,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("pass the optimizer spec ('sgd', 'adam', 'adamw' or a callable), not an "
                         "optimizer instance: lr_find builds its own so that yours stays untouched")
+    optimizer = resolve_optimizer(optimizer)  # a typo fails here, not inside a replica
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not 0 < start_lr < end_lr:

@@ -726,17 +726,27 @@ def _openmp_single_thread() -> None:
     child's next parallel region waits for them forever (seen as a hang in
     ``copy.deepcopy(model)``). ``torch.set_num_threads`` cannot be used after a
     fork (it asserts on torch's pthreadpool), so this sets the OpenMP runtime's
-    own per-thread limit; ATen then runs parallel loops inline. Threads started
-    later get fresh teams and keep their parallelism.
+    own per-thread limit; ATen then runs parallel loops inline. MKL (linked into
+    libtorch_cpu) asks OpenMP for its own thread count and ignores that limit,
+    so a CPU matmul in the child (e.g. ``check``'s CPU pass) hung the same way:
+    its per-thread MKL limit is set to 1 too. Threads started later get fresh
+    teams and keep their parallelism.
     """
     import ctypes
 
     with contextlib.suppress(OSError):
         with open("/proc/self/maps") as f:
-            libs = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+            libs = {line.split()[-1] for line in f
+                    if any(k in line for k in ("libgomp", "libiomp", "libtorch_cpu", "libmkl"))}
         for lib in libs:
-            with contextlib.suppress(OSError, AttributeError):
-                ctypes.CDLL(lib).omp_set_num_threads(1)
+            handle = None
+            with contextlib.suppress(OSError):
+                handle = ctypes.CDLL(lib)
+            # MKL_Set_Num_Threads_Local is MKL's by-value C entry point (the lower-case
+            # name is the Fortran one, which takes a pointer).
+            for name in ("omp_set_num_threads", "MKL_Set_Num_Threads_Local"):
+                with contextlib.suppress(AttributeError):
+                    getattr(handle, name)(1)
 
 
 def _job_main(fn, args, cores, results) -> None:
