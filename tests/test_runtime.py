@@ -35,12 +35,24 @@ def _reduce_job(steps: int):
     }
 
 
+def _launch_as(design: str, fn, *args, simulate: int, timeout: float | None = None):
+    """``launch`` (replica processes) or the thread simulation xla_utils' own loops use."""
+    if design == "processes":
+        return rt.launch(fn, *args, simulate=simulate, timeout=timeout)
+    return rt._launch(fn, args, cores="all", simulate=simulate, timeout=timeout, sim_threads=True)
+
+
 @pytest.mark.multicore
-@pytest.mark.timeout(240)
-def test_simulated_all_reduce_exact_20_times():
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("design", ["processes", "threads"])
+def test_simulated_all_reduce_exact_20_times_after_a_caller_backward(design):
+    # A caller-side backward once crashed forked replica threads natively (about 1
+    # launch in 4); both designs now start from a clean interpreter.
+    w = torch.ones(2, requires_grad=True)
+    (w * 2).sum().backward()
     expected = float(sum(r + 2 for r in range(8)))
     for attempt in range(20):
-        out = rt.launch(_reduce_job, 3, simulate=8, timeout=120)
+        out = _launch_as(design, _reduce_job, 3, simulate=8, timeout=120)
         assert out["n"] == 8, attempt
         assert out["sums"] == [expected] * 3, attempt
         assert out["ranks"] == [1.0] * 8, attempt  # 8 distinct ranks 0..7
@@ -62,10 +74,11 @@ def _fail_in_rank_3():
 
 @pytest.mark.multicore
 @pytest.mark.timeout(90)
-def test_exception_in_rank_3_reaches_caller_with_traceback():
+@pytest.mark.parametrize("design", ["processes", "threads"])
+def test_exception_in_rank_3_reaches_caller_with_traceback(design):
     t0 = time.monotonic()
     with pytest.raises(rt.ReplicaError) as info:
-        rt.launch(_fail_in_rank_3, simulate=8)
+        _launch_as(design, _fail_in_rank_3, simulate=8)
     err = info.value
     assert err.rank == 3
     assert err.exc_type == "ValueError"
@@ -76,7 +89,8 @@ def test_exception_in_rank_3_reaches_caller_with_traceback():
 
 @pytest.mark.multicore
 @pytest.mark.timeout(90)
-def test_replica_process_crash_is_reported():
+@pytest.mark.parametrize("design", ["processes", "threads"])
+def test_replica_process_crash_is_reported(design):
     def crash():
         if rt.rank() == 5:
             os._exit(3)
@@ -84,7 +98,7 @@ def test_replica_process_crash_is_reported():
             rt.sync()
 
     with pytest.raises(rt.ReplicaError, match="died abruptly"):
-        rt.launch(crash, simulate=8)
+        _launch_as(design, crash, simulate=8)
 
 
 @pytest.mark.multicore

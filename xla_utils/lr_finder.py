@@ -497,6 +497,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     optimizer = resolve_optimizer(optimizer)  # a typo fails here, not inside a replica
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    runtime._prestart_simulation(simulate)
     if not 0 < start_lr < end_lr:
         raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr!r}, {end_lr!r}")
     if num_it < 2:
@@ -524,7 +525,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   seed=int(seed), shuffle=shuffle,
                   num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
                   parent_pid=os.getpid())
-    res = runtime.launch(_replica, cfg, cores=1, simulate=simulate, timeout=timeout)
+    res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
+                          sim_threads=True)
     if not math.isfinite(res.suggestion):
         res.warning = (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too "
                        f"early for a suggestion; lower start_lr ({start_lr:g}) or check the data")

@@ -277,7 +277,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     t0 = time.perf_counter()
     job = _Job(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)
     with _fast_xla_cpu_compile():
-        meas = runtime.launch(job, cores=1, simulate=1, timeout=timeout)
+        meas = runtime._launch(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
     meas["loss"] = loss_name
     seconds = time.perf_counter() - t0
     return ReadinessReport(findings=_findings(meas, chip), tpu=chip.name,

@@ -20,10 +20,23 @@ runtime in this process, after which :func:`launch` can no longer spawn) and
 
 Simulated cores
 ---------------
-``launch(fn, simulate=N)`` runs N replica processes, each with one XLA:CPU
-device, started from a clean interpreter (see :mod:`xla_utils.simulate`). Inside
-them torch_xla's world queries and collectives are the simulated world's, so this
-module calls torch_xla exactly as on a TPU: no special cases.
+Simulated jobs start from a clean interpreter (see :mod:`xla_utils.simulate`), in
+one of two ways:
+
+- ``launch(fn, simulate=N)`` runs N replica *processes*, each with one XLA:CPU
+  device. Inside them torch_xla's world queries and collectives are the
+  simulated world's, so any torch_xla idiom works and this module calls
+  torch_xla exactly as on a TPU.
+- xla_utils' own loops (``fit``, ``predict``, ``evaluate``, ``lr_find``, ``check``)
+  run N replica *threads* of one process on N XLA:CPU devices
+  (``CPU_NUM_DEVICES=N``): one compilation instead of N, so much faster on a
+  small host (docs/BENCHMARKS.md). That only works because these loops
+  synchronise solely through :func:`sync`: threads compiling the same graph
+  concurrently would get different collective op ids ("Expected N threads to
+  join the rendezvous"), so in thread simulation every :func:`sync` first meets
+  the other replicas at a ``threading.Barrier`` and then compiles/launches the
+  graph under one lock (execution stays asynchronous, so the collective itself
+  still runs concurrently and cannot deadlock on the lock).
 """
 from __future__ import annotations
 
@@ -37,7 +50,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -68,6 +81,10 @@ __all__ = [
     "launch",
 ]
 
+# Seconds a thread-simulated replica waits at a step boundary for the others. A
+# replica that is still compiling a large graph can legitimately lag, so this is
+# long; it only exists so that a dead replica can never hang the rest forever.
+BARRIER_TIMEOUT_S = float(os.environ.get("XLA_UTILS_BARRIER_TIMEOUT", "600"))
 # After the first replica error, how long the others get to report before the
 # whole job is killed.
 ERROR_GRACE_S = 3.0
@@ -172,6 +189,16 @@ def _xla_runtime_initialized() -> bool:
 # --------------------------------------------------------------------------
 # Per-process / per-replica state
 # --------------------------------------------------------------------------
+@dataclass
+class _Sim:
+    """Shared by the N replica threads of a thread-simulated job."""
+
+    n: int
+    barrier: threading.Barrier
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    values: dict = field(default_factory=dict)  # rank -> number, for _host_sum
+
+
 class _State(threading.local):
     # Filled in by launch() inside each replica thread/process. Thread-local
     # because a TPU v2/v3 process runs one replica thread per core.
@@ -183,6 +210,7 @@ _state = _State()
 # True in a simulated replica process (one replica per process: every thread of
 # the process, e.g. a loader's, belongs to it).
 _simulated_process = False
+_sim: _Sim | None = None  # thread simulation: process-global, the threads share it
 _job: tuple | None = None  # (fn, args, result queue) inside a launched job
 _job_pid: int | None = None
 _TPU_PRESENT: bool | None = None
@@ -211,7 +239,7 @@ def backend() -> str:
 
 def is_simulated() -> bool:
     """True inside a ``launch(..., simulate=N)`` replica."""
-    return _simulated_process
+    return _simulated_process or (_sim is not None and backend() == "xla")
 
 
 def device():
@@ -254,13 +282,32 @@ def is_master() -> bool:
 def sync() -> None:
     """End the step: compile (if new) and launch the pending XLA graph.
 
-    No-op on the torch backend.
+    Every replica must call it the same number of times. In thread simulation
+    it also meets the other replicas first (see the module docstring). No-op on
+    the torch backend.
     """
     if backend() != "xla":
         return
     x = _load_xla()
     tx = x["torch_xla"]
-    (tx.sync if hasattr(tx, "sync") else x["xm"].mark_step)()
+    do_sync = tx.sync if hasattr(tx, "sync") else x["xm"].mark_step
+    sim = _sim
+    if sim is None:
+        do_sync()
+        return
+    _sim_wait(sim)
+    with sim.lock:
+        do_sync()
+
+
+def _sim_wait(sim: _Sim) -> None:
+    try:
+        sim.barrier.wait(timeout=BARRIER_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        raise RuntimeError(
+            "another simulated replica failed or timed out at a step boundary; "
+            "this replica stops too"
+        ) from None
 
 
 def optimizer_step(optimizer, barrier: bool = False) -> None:
@@ -272,7 +319,12 @@ def optimizer_step(optimizer, barrier: bool = False) -> None:
     if backend() != "xla":
         optimizer.step()
         return
-    _load_xla()["xm"].optimizer_step(optimizer, barrier=barrier)
+    xm = _load_xla()["xm"]
+    if _sim is not None and barrier:
+        xm.optimizer_step(optimizer)
+        sync()
+    else:
+        xm.optimizer_step(optimizer, barrier=barrier)
 
 
 def all_reduce(value, op: str = "sum"):
@@ -296,6 +348,16 @@ def all_reduce(value, op: str = "sum"):
 
 
 def _host_sum(v: float) -> float:
+    sim = _sim
+    if sim is not None and backend() == "xla":
+        # Threads of one process: exchange through memory, no XLA graph (a
+        # rank-dependent scalar would give each replica a different graph).
+        r = rank()
+        sim.values[r] = v
+        _sim_wait(sim)
+        total = math.fsum(sim.values[i] for i in range(sim.n))
+        _sim_wait(sim)  # nobody overwrites values before all have read them
+        return total
     _host_sum.calls = getattr(_host_sum, "calls", 0) + 1
     return float(_load_xla()["xm"].mesh_reduce(f"xla_utils.sum.{_host_sum.calls}", v, math.fsum))
 
@@ -310,6 +372,9 @@ def master_print(*args, **kwargs) -> None:
 def rendezvous(tag: str) -> None:
     """All replicas meet here before any goes on."""
     if backend() != "xla" or world_size() == 1:
+        return
+    if _sim is not None:
+        _sim_wait(_sim)
         return
     _load_xla()["xm"].rendezvous(tag)
 
@@ -450,7 +515,8 @@ def set_seed(seed: int) -> None:
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    if _sim is None:  # the host RNG is shared by simulated threads
+        torch.manual_seed(seed)
     if backend() == "xla":
         _load_xla()["xm"].set_rng_state(int(seed), device=device())
 
@@ -554,6 +620,23 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
     ``gcloud compute tpus tpu-vm ssh ... --worker=all --command "python
     train.py"``); ranks and world size are global.
     """
+    return _launch(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
+
+
+def _prestart_simulation(simulate: int | None) -> None:
+    """Start the simulation's clean interpreter in the background when a launch
+    with ``simulate`` is coming (see :func:`xla_utils.simulate.prestart`)."""
+    if simulate is not None and xla_available():
+        from . import simulate as sim
+
+        sim.prestart()
+
+
+def _launch(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
+            timeout: float | None, sim_threads: bool) -> Any:
+    """:func:`launch`; ``sim_threads=True`` simulates cores as threads of one
+    process (xla_utils' own loops, which synchronise only through :func:`sync`;
+    see the module docstring)."""
     if cores not in ("all", 1):
         raise ValueError(f"cores must be 'all' or 1, got {cores!r} (TPUs run 1 or all cores)")
     if simulate is not None and (not isinstance(simulate, int) or simulate < 1):
@@ -571,7 +654,8 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
                 "restart the kernel/process and keep every XLA call inside the function "
                 "passed to launch() (or OneCycleTrainer.fit / lr_find, which do that)."
             )
-        return _launch_xla(fn, args, cores=cores, simulate=simulate, timeout=timeout)
+        return _launch_xla(fn, args, cores=cores, simulate=simulate, timeout=timeout,
+                           sim_threads=sim_threads)
     # torch backend, in-process
     prev = _state.backend, _state.in_replica
     _state.backend, _state.in_replica = "torch", True
@@ -581,11 +665,12 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
         _state.backend, _state.in_replica = prev
 
 
-def _launch_xla(fn, args, *, cores, simulate, timeout) -> Any:
+def _launch_xla(fn, args, *, cores, simulate, timeout, sim_threads) -> Any:
     if simulate is not None:
         from . import simulate as sim
 
-        return sim.run_replicas(fn, tuple(args), 1 if cores == 1 else simulate, timeout=timeout)
+        return sim.run_replicas(fn, tuple(args), 1 if cores == 1 else simulate, timeout=timeout,
+                                threads=sim_threads)
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
@@ -761,6 +846,30 @@ def _job_main(fn, args, cores, results) -> None:
         env.prepare_spawn()
     except Exception as exc:  # never block a launch on a reporting helper
         print(f"xla_utils: environment preparation skipped: {exc}", file=sys.stderr)
+    _spawn_job(fn, args, 1 if cores == 1 else None, results)
+
+
+def _simulate_threads(fn, args, n: int, results) -> None:
+    """Run a thread-simulated job (N replica threads on N XLA:CPU devices) in this
+    process, which :mod:`xla_utils.simulate` forked from its clean interpreter.
+    ``results`` takes ``put(("result" | "finished" | "error" | "done", rank, payload))``."""
+    _openmp_single_thread()
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(n)
+    # Every replica's execution of a collective blocks a thread until all N
+    # have joined. The asynchronous PJRT CPU client runs executions on a pool
+    # sized by the host's cores (2 here), so N > 2 replicas deadlock until XLA
+    # aborts the process. The synchronous client executes on torch_xla's own
+    # pool, which XLA_THREAD_POOL_SIZE makes big enough.
+    os.environ["PJRT_CPU_ASYNC_CLIENT"] = "0"
+    pool = int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0)
+    os.environ["XLA_THREAD_POOL_SIZE"] = str(max(pool, 2 * n, 8))
+    global _sim
+    _sim = _Sim(n, threading.Barrier(n)) if n > 1 else None
+    _spawn_job(fn, args, 1 if n == 1 else None, results)
+
+
+def _spawn_job(fn, args, nprocs: int | None, results) -> None:
     global _job, _job_pid
     # xmp.spawn pickles its args; a Queue (and a notebook lambda) cannot be
     # pickled, so replicas find the job in this module global, inherited by fork.
@@ -768,7 +877,7 @@ def _job_main(fn, args, cores, results) -> None:
     _job_pid = os.getpid()
     xmp = _load_xla()["xmp"]
     try:
-        xmp.spawn(_replica_main, nprocs=1 if cores == 1 else None, start_method="fork")
+        xmp.spawn(_replica_main, nprocs=nprocs, start_method="fork")
     except BaseException as exc:
         # Replica exceptions were already reported by _replica_main; this
         # catches spawn's own failures and replica processes that died.
@@ -806,7 +915,9 @@ def _replica_main(index: int) -> None:
         results.put(("finished", r, world_size()))
     except BaseException as exc:
         results.put(("error", r, (traceback.format_exc(), type(exc).__name__)))
-        if os.getpid() != _job_pid:
+        if _sim is not None:
+            _sim.barrier.abort()
+        elif os.getpid() != _job_pid:
             # A replica process of its own: flush the report before dying
             # (the job process, where nprocs=1 runs, still needs the queue).
             results.close()

@@ -211,6 +211,20 @@ def _zygote() -> _Zygote:
         return _ZYGOTE
 
 
+def prestart() -> None:
+    """Start this process's zygote in the background (no-op when it runs), so that
+    its interpreter start overlaps the caller's own preparation. A failure is
+    raised by the next launch instead."""
+    if _ZYGOTE is not None and _ZYGOTE.alive():
+        return
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            _zygote()
+
+    threading.Thread(target=start, daemon=True, name="xla_utils-zygote-start").start()
+
+
 def _caller_env() -> dict[str, str]:
     env = dict(os.environ)
     # The replicas are XLA:CPU devices whatever this machine has.
@@ -223,9 +237,14 @@ def _caller_env() -> dict[str, str]:
 
 
 def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
-                 timeout: float | None = None, pass_index: bool = False) -> Any:
+                 timeout: float | None = None, pass_index: bool = False,
+                 threads: bool = False) -> Any:
     """Run ``fn(*args)`` (``fn(index, *args)`` with ``pass_index``) on ``n`` simulated
     cores and return rank 0's result; used by ``runtime.launch(simulate=N)``.
+
+    ``threads=True`` runs the replicas as threads of one job process on N XLA:CPU
+    devices (``runtime._simulate_threads``; only for code that synchronises
+    through ``runtime.sync``, i.e. xla_utils' own loops) instead of one process each.
 
     Raises ``runtime.ReplicaError`` (the root cause, preferred over replicas that
     stopped because of it) and ``TimeoutError`` after ``timeout`` seconds.
@@ -245,7 +264,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                           timeout=_td(60))
     request = {"n": n, "port": store.port, "payload": payload, "path": list(sys.path),
                "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index,
-               "shm": shm}
+               "shm": shm, "threads": threads}
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -525,6 +544,8 @@ def _job_main(request: dict) -> None:
     os.setsid()  # the caller kills the whole job with killpg
     _die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if request["threads"]:
+        _thread_job(request)
     import torch.distributed as dist
 
     n = request["n"]
@@ -560,6 +581,78 @@ def _job_main(request: dict) -> None:
     os._exit(0)
 
 
+def _thread_job(request: dict) -> None:
+    """A job whose replicas are threads of this process (``runtime._simulate_threads``)."""
+    _enter_caller_context(request)
+    results = _StoreResults(request["port"], request["n"])
+    try:
+        import cloudpickle
+
+        from . import runtime
+
+        fn, args = cloudpickle.loads(request["payload"])
+        runtime._simulate_threads(fn, args, request["n"], results)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            results.put(("error", -1, (traceback.format_exc(), type(exc).__name__)))
+            results.put(("done", -1, None))
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(0)
+
+
+class _StoreResults:
+    """The ``results`` queue of ``runtime._simulate_threads``, posting to the
+    caller's store as the process replicas do. Each process (xmp.spawn forks
+    one) opens its own connection."""
+
+    def __init__(self, port: int, n: int) -> None:
+        self.port, self.n = port, n
+        self.pid, self.store = None, None
+        self.lock = threading.Lock()
+
+    def put(self, item: tuple) -> None:
+        import torch.distributed as dist
+
+        kind, r, payload = item
+        with self.lock:
+            if self.pid != os.getpid():
+                self.store = dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                                           timeout=_td(60))
+                self.pid = os.getpid()
+            store = self.store
+            if kind == "result":
+                store.set("result", payload)
+            elif kind == "finished":
+                store.set(f"finished/{r}", "1")
+            elif kind == "error":
+                tb, exc_type = payload
+                secondary = "another simulated replica failed" in tb
+                store.set(f"error/{r}", pickle.dumps((tb, exc_type, secondary)))
+            if kind == "done":  # the job is over: every replica has exited
+                for i in range(self.n):
+                    _event(store, "exit", i, 0)
+            else:
+                _event(store, kind, r)
+
+    def close(self) -> None:
+        pass
+
+    def join_thread(self) -> None:
+        pass
+
+
+def _enter_caller_context(request: dict) -> None:
+    """The caller's environment, import path and working directory."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[:] = request["path"]
+    with contextlib.suppress(OSError):
+        os.chdir(request["cwd"])
+
+
 # ==========================================================================
 # Inside one replica
 # ==========================================================================
@@ -577,11 +670,7 @@ class _World:
 
 def _replica_main(r: int, request: dict) -> int:
     _die_with_parent()
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.path[:] = request["path"]
-    with contextlib.suppress(OSError):
-        os.chdir(request["cwd"])
+    _enter_caller_context(request)
     import cloudpickle
     import torch.distributed as dist
 

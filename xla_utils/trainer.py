@@ -320,6 +320,7 @@ class OneCycleTrainer:
         time) when the report has errors, and goes on after warnings.
         """
         cfg = self.config
+        runtime._prestart_simulation(simulate)
         _require_labels(self.train_data, "train_data")
         _require_labels(self.val_data, "val_data")
         for data, name in ((self.train_data, "train_data"), (self.val_data, "val_data")):
@@ -379,8 +380,8 @@ class OneCycleTrainer:
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-        out = runtime.launch(self._replica, float(base_lr), lr_world, ckpt, run_id, cores=cores,
-                             simulate=simulate, timeout=timeout)
+        out = runtime._launch(self._replica, (float(base_lr), lr_world, ckpt, run_id),
+                              cores=cores, simulate=simulate, timeout=timeout, sim_threads=True)
         if out.state_dict:  # empty when no epoch of this fit ended with finite weights
             self.model.load_state_dict(out.state_dict)
             self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
@@ -429,7 +430,8 @@ class OneCycleTrainer:
                 not fit the model.
         """
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
-        return runtime.launch(self._inference_replica, plan, cores=cores, simulate=simulate)
+        return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
+                               timeout=None, sim_threads=True)
 
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                  batch_size: int | None = None) -> dict[str, float]:
@@ -447,7 +449,8 @@ class OneCycleTrainer:
         _require_labels(data, "data", action="evaluate")
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
-        return runtime.launch(self._inference_replica, plan, cores=cores, simulate=simulate)
+        return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
+                               timeout=None, sim_threads=True)
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
@@ -1376,7 +1379,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         return DebugReport(backend=runtime.backend(), steps=n, losses=losses, per_step=per_step,
                            fallback_ops=fb, report="\n".join(text))
 
-    rep = runtime.launch(job, cores=1, simulate=simulate)
+    rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None, sim_threads=True)
     if print_report:
         print(rep.report, flush=True)
     return rep
