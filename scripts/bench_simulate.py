@@ -1,13 +1,22 @@
-"""Simulated step time: process-per-replica (this tree) vs the thread recipe (a git ref).
+"""Simulated cores on the demo: this tree vs the thread recipe of a git ref.
 
-Runs the demo's training (``xla_utils.demo``: digits cache, its CNN, Adam,
-one-cycle, per-core batch 16) with ``fit(simulate=N)`` for both designs, alternating,
-in fresh interpreters, and prints per-step times (epochs after the first, so
-compilation is excluded), whole-``fit`` wall time, accuracy and the replicas'
-peak resident memory. The baseline is the package as it is at ``--baseline``
-(default ``main``), extracted with ``git archive`` to a temporary folder.
+Three ways to run the demo's training (``xla_utils.demo``: digits cache, its CNN,
+Adam, one-cycle, per-core batch 16, fixed max_lr) on N simulated cores, alternating,
+each in a fresh interpreter:
 
-    python scripts/bench_simulate.py --reps 3 --cores 8 --epochs 3
+* ``baseline``: ``fit(simulate=N)`` of the package at ``--baseline`` (replica threads
+  in a job forked from the caller), extracted with ``git archive``;
+* ``fit (this tree)``: ``fit(simulate=N)`` here (replica threads in a job forked from
+  the clean zygote);
+* ``processes (this tree)``: the same replica function through
+  ``runtime.launch(simulate=N)`` (one process per replica: what user code gets).
+
+Prints per-step times (epochs after the first, so compilation is excluded),
+whole-``fit`` wall time, accuracy and the peak memory (PSS) of the process tree.
+With ``--demo-reps K`` it also times the whole demo (``python -m xla_utils.demo``)
+K times for the baseline and this tree.
+
+    python scripts/bench_simulate.py --reps 3 --cores 8 --epochs 3 --demo-reps 3
 """
 from __future__ import annotations
 
@@ -40,7 +49,11 @@ tr = OneCycleTrainer(make_cnn, torch.nn.CrossEntropyLoss(), train, val, batch_si
                      epochs=epochs, optimizer="adam", flip=False, mean=(0.5,) * 3,
                      std=(0.5,) * 3, seed=0)
 t0 = time.perf_counter()
-h = tr.fit(simulate=cores, max_lr=3e-3)
+if sys.argv[4] == "processes":
+    from xla_utils import runtime
+    h = runtime.launch(tr._replica, 3e-3, 1, None, "bench", simulate=cores)
+else:
+    h = tr.fit(simulate=cores, max_lr=3e-3)
 wall = time.perf_counter() - t0
 steps = len(train) // (16 * cores)
 print("RESULT", json.dumps({
@@ -90,10 +103,11 @@ def _tree_pss_mb(root: int) -> float:
     return kb / 1024
 
 
-def _run(package_root: Path, work: Path, cores: int, epochs: int) -> dict:
+def _run(package_root: Path, work: Path, cores: int, epochs: int, mode: str) -> dict:
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(package_root))
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen([sys.executable, "-c", CHILD, str(work), str(cores), str(epochs)],
+        p = subprocess.Popen([sys.executable, "-c", CHILD, str(work), str(cores), str(epochs),
+                              mode],
                              stdout=out, stderr=err, text=True, env=env, cwd=work)
         peak = 0.0
         while p.poll() is None:
@@ -117,6 +131,8 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--baseline", default="main", help="git ref of the thread-based design")
+    ap.add_argument("--demo-reps", type=int, default=0,
+                    help="also time the whole demo this many times per package")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -127,26 +143,51 @@ def main() -> None:
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
         work = tmp / "work"
         _prepare(work)
-        rows: dict[str, list[dict]] = {"threads (baseline)": [], "processes (this tree)": []}
+        runs = {"baseline": (base, "fit"), "fit (this tree)": (ROOT, "fit"),
+                "processes (this tree)": (ROOT, "processes")}
+        rows: dict[str, list[dict]] = {k: [] for k in runs}
         for rep in range(args.reps):
-            for name, root in (("threads (baseline)", base), ("processes (this tree)", ROOT)):
+            for name, (root, mode) in runs.items():
                 t = time.perf_counter()
-                r = _run(root, work, args.cores, args.epochs)
+                r = _run(root, work, args.cores, args.epochs, mode)
                 per_step = [s / r["steps_per_epoch"] for s in r["epoch_s"][1:]]
                 r["step_ms"] = 1000 * statistics.median(per_step)
                 rows[name].append(r)
                 print(f"rep {rep} {name}: step {r['step_ms']:.1f} ms, fit {r['wall_s']:.1f} s, "
                       f"acc {r['accuracy']:.3f}, peak memory (PSS) {r['peak_pss_mb']:.0f} MB "
-                      f"({time.perf_counter() - t:.0f} s)", flush=True)
-    med = {k: (statistics.median(r["step_ms"] for r in v), statistics.median(r["wall_s"] for r in v))
-           for k, v in rows.items()}
-    (bs, bw), (ns, nw) = med["threads (baseline)"], med["processes (this tree)"]
-    mem = {k: statistics.median(r["peak_pss_mb"] for r in v) for k, v in rows.items()}
-    print(f"\npeak host memory (PSS of the whole process tree), median: "
-          f"{mem['threads (baseline)']:.0f} MB (threads) vs {mem['processes (this tree)']:.0f} MB "
-          "(processes)")
-    print(f"median of {args.reps}: step {bs:.1f} ms (threads) vs {ns:.1f} ms (processes), "
-          f"ratio {ns / bs:.2f}; whole fit {bw:.1f} s vs {nw:.1f} s, ratio {nw / bw:.2f}")
+                      f"({time.perf_counter() - t:.0f} s, load {os.getloadavg()[0]:.1f})",
+                      flush=True)
+        demo: dict[str, list[float]] = {"baseline": [], "fit (this tree)": []}
+        for rep in range(args.demo_reps):
+            for name, root in (("baseline", base), ("fit (this tree)", ROOT)):
+                demo[name].append(_run_demo(root, tmp / f"demo-{rep}-{len(demo[name])}-{name[:3]}"))
+                print(f"demo rep {rep} {name}: {demo[name][-1]:.1f} s "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    base_step = statistics.median(r["step_ms"] for r in rows["baseline"])
+    base_wall = statistics.median(r["wall_s"] for r in rows["baseline"])
+    print(f"\nmedians of {args.reps} ({args.cores} simulated cores, {args.epochs} epochs):")
+    for name, rs in rows.items():
+        step = statistics.median(r["step_ms"] for r in rs)
+        wall = statistics.median(r["wall_s"] for r in rs)
+        mem = statistics.median(r["peak_pss_mb"] for r in rs)
+        print(f"  {name:24s} step {step:6.1f} ms ({step / base_step:.2f}x)  fit {wall:6.1f} s "
+              f"({wall / base_wall:.2f}x)  peak PSS {mem:5.0f} MB  "
+              f"accuracy {statistics.median(r['accuracy'] for r in rs):.3f}")
+    if args.demo_reps:
+        b, n = statistics.median(demo["baseline"]), statistics.median(demo["fit (this tree)"])
+        print(f"  whole demo (python -m xla_utils.demo), median of {args.demo_reps}: "
+              f"{b:.1f} s (baseline) vs {n:.1f} s (this tree), ratio {n / b:.2f}")
+
+
+def _run_demo(package_root: Path, out: Path) -> float:
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(package_root))
+    out.mkdir(parents=True)
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "xla_utils.demo", "--out", str(out)], cwd=out,
+                       env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"demo failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return time.perf_counter() - t
 
 
 if __name__ == "__main__":

@@ -362,3 +362,47 @@ def test_zygote_is_reused_and_restarted():
     z1.proc.wait()
     assert rt.launch(lambda: rt.rank(), simulate=2) == 0  # a new zygote
     assert simulate._zygote() is not z1
+
+
+def test_zygote_started_by_a_thread_that_ends_survives():
+    # PR_SET_PDEATHSIG fires when the *thread* that started the zygote exits;
+    # fit/lr_find prestart it from a short-lived thread.
+    import threading
+
+    old = simulate._ZYGOTE
+    if old is not None:
+        old.close()
+    simulate._ZYGOTE = None
+    t = threading.Thread(target=simulate._zygote)
+    t.start()
+    t.join()
+    z = simulate._ZYGOTE
+    time.sleep(1.0)
+    assert z is not None and z.alive()
+    assert rt.launch(lambda: rt.world_size(), simulate=2) == 2
+    assert simulate._zygote() is z
+
+
+def _raise_in_rank_1():
+    if rt.rank() == 1:
+        raise ValueError("deliberate")
+    return 0
+
+
+def test_a_failed_launch_leaves_nothing_that_crashes_a_later_fork():
+    # A failed launch's frame becomes cyclic garbage (exception <-> traceback).
+    # A full-suite run once segfaulted in a cache-build worker forked later while
+    # garbage-collecting; run_replicas now drops its store before raising, and a
+    # forked child that collects that garbage must exit cleanly.
+    import gc
+
+    with pytest.raises(rt.ReplicaError) as info:
+        rt.launch(_raise_in_rank_1, simulate=2)
+    assert info.value.rank == 1
+    del info  # the launch's frame is now cyclic garbage
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (child)
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -203,12 +203,42 @@ _ZYGOTE: _Zygote | None = None
 _ZYGOTE_LOCK = threading.Lock()
 
 
+_OWNER: tuple | None = None  # (pid, request queue) of the thread that starts zygotes
+
+
 def _zygote() -> _Zygote:
     global _ZYGOTE
     with _ZYGOTE_LOCK:
         if _ZYGOTE is None or not _ZYGOTE.alive():
-            _ZYGOTE = _Zygote()
+            _ZYGOTE = _start_zygote()
         return _ZYGOTE
+
+
+def _start_zygote() -> _Zygote:
+    """Start a zygote from one long-lived thread: the zygote's parent-death signal
+    (PR_SET_PDEATHSIG) fires when the *thread* that started it exits, so a zygote
+    started by a short-lived thread (a background prestart, a worker thread of
+    the caller) would be killed with it."""
+    import concurrent.futures
+    import queue
+
+    global _OWNER
+    if _OWNER is None or _OWNER[0] != os.getpid():
+        requests: queue.Queue = queue.Queue()
+
+        def serve() -> None:
+            while True:
+                fut = requests.get()
+                try:
+                    fut.set_result(_Zygote())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+
+        threading.Thread(target=serve, daemon=True, name="xla_utils-zygote-owner").start()
+        _OWNER = (os.getpid(), requests)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    _OWNER[1].put(fut)
+    return fut.result()
 
 
 def prestart() -> None:
@@ -271,6 +301,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
         zygote = _zygote()
         job = zygote.start_job(request)
     except BaseException:
+        del store  # see the note in the finally clause below
         shutil.rmtree(shm, ignore_errors=True)
         raise
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -332,7 +363,12 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
         _kill_job(job)
         raise
     finally:
-        del store
+        # Drop every reference to the store here, in this process: a traceback
+        # that keeps this frame alive would otherwise leave the store to the
+        # cyclic garbage collector, which may run it in a process the caller forks
+        # later (a cache build's worker), where its destructor crashes.
+        events.store = None
+        del store, events
         shutil.rmtree(shm, ignore_errors=True)
     _kill_job(job)
     zygote.drain()
