@@ -313,6 +313,9 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     error_deadline = None
     try:
         while True:
+            # Look before reading: everything a job wrote before it ended is then
+            # read below, in this same pass (reading first would race its exit).
+            job_gone = not _pid_alive(job)
             for kind, r, value in events.poll():
                 if kind == "result":
                     result, got_result = pickle.loads(store.get("result")), True
@@ -349,15 +352,12 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                 break
             if deadline is not None and now > deadline:
                 raise TimeoutError(f"launch() timed out after {timeout} s; all replicas were killed")
-            if not _pid_alive(job) and len(exited) < n:
-                events_left = list(events.poll())
-                if not events_left:
-                    if first_error is None:
-                        first_error = runtime.ReplicaError(
-                            -1, "the simulated job process was killed (signal or out of memory) "
-                            "before its replicas reported", "ProcessDied")
-                    break
-                continue
+            if job_gone:
+                if first_error is None:
+                    first_error = runtime.ReplicaError(
+                        -1, "the simulated job process was killed (signal or out of memory) "
+                        "before its replicas reported", "ProcessDied")
+                break
             time.sleep(_POLL_S)
     except BaseException:
         _kill_job(job)
