@@ -21,8 +21,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from .cache import (BadImageError, BuildError, CacheConfig, _fmt_bytes, build_cache, cache_info, parse_size,
-                    read_manifest, verify_cache)
+from .cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_info, parse_size, read_manifest,
+                    verify_cache)
+from .cache.builder import fmt_bytes
 
 __all__ = ["main", "parse_bytes"]
 
@@ -46,11 +47,17 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    d = CacheConfig()
+    """The ``tpu_cache_ds`` argument parser (its sub-commands and every option)."""
     p = argparse.ArgumentParser(prog="tpu_cache_ds", description="Sharded uint8 image caches for fast "
                                 "TPU input pipelines (xla_utils).")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_build(sub)
+    _add_inspect(sub)
+    return p
 
+
+def _add_build(sub: Any) -> None:
+    d = CacheConfig()
     b = sub.add_parser("build", help="build or resume a cache from an image folder, a CSV or labels",
                        description="Build a cache; rerunning the same command resumes it.")
     b.add_argument("src", metavar="SRC", help="image folder (one sub-folder per class; flat = unlabelled) "
@@ -102,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     b.set_defaults(func=_cmd_build)
 
+
+def _add_inspect(sub: Any) -> None:
     i = sub.add_parser("info", help="summary of a cache")
     i.add_argument("out", metavar="OUT")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -126,7 +135,6 @@ def _parser() -> argparse.ArgumentParser:
     bn.add_argument("--seconds", type=float, default=5.0, help="timed duration after one warm-up pass")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
     bn.set_defaults(func=_cmd_bench)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,7 +177,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         f"{info['upscaled']} upscaled), {info['num_variants']} variant(s) at {w}x{h}, {info['codec']}",
         ("labels:   none (unlabelled: a test set)" if info["unlabeled"] else
          f"labels:   {info['num_classes']} classes{' (multi-label)' if info['multilabel'] else ''}: {shown}"),
-        f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {_fmt_bytes(info['bytes'])}",
+        f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {fmt_bytes(info['bytes'])}",
         f"augment:  {cfg['augment']} (scale {cfg['scale']}, ratio {[round(r, 3) for r in cfg['ratio']]}, "
         f"rotate {cfg['rotate']}, flip {cfg['flip']}, seed {cfg['seed']})",
         f"source:   {info['source']['kind']} {info['source']['path']}",
@@ -182,7 +190,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
 def _cmd_verify(a: argparse.Namespace) -> int:
     r = verify_cache(a.out, full=a.full)
     if r.ok:
-        print(f"OK: {r.checked_files} shards, {_fmt_bytes(r.checked_bytes)} checked"
+        print(f"OK: {r.checked_files} shards, {fmt_bytes(r.checked_bytes)} checked"
               + (" (full decode)" if a.full else " (size + crc32)"))
         return 0
     for line in r.problems:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .cache import JPEG_MAGIC, LABELS, read_manifest
+from .cache.format import LABELS, read_jpeg_index, read_manifest
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -126,10 +126,10 @@ class CachedImageDataset:
                 self._slabs.append(list(np.load(f, mmap_mode="r").view(np.ndarray)))
             else:
                 mm = np.memmap(f, dtype=np.uint8, mode="r")
-                if mm[:8].tobytes() != JPEG_MAGIC:
-                    raise ValueError(f"{f} is not a JPEG shard")
-                count = int(mm[8:16].view("<u8")[0])
-                offsets = np.array(mm[16:16 + 8 * (count + 1)].view("<u8"), dtype=np.int64)
+                try:
+                    offsets = read_jpeg_index(mm)
+                except ValueError as e:
+                    raise ValueError(f"{f}: {e}") from None
                 self._jpeg.append((mm, offsets, s["num_images"]))
         self._slabs = [list(v) for v in zip(*self._slabs)] if self._slabs else []
         self._rings: dict[tuple, _Ring] = {}  # batch buffers reused by consecutive passes (see _ring_batches)
