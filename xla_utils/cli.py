@@ -32,7 +32,19 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 
 
 
 def parse_bytes(text: str) -> int:
-    """``"256MiB"`` -> 268435456, ``"256MB"`` -> 256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096."""
+    """Parse a byte count.
+
+    Args:
+        text: a number with an optional unit: ``"256MiB"`` -> 268435456, ``"256MB"`` ->
+            256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096 (MB/GB decimal,
+            MiB/GiB binary).
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not such a size.
+    """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB, 256MB, 1G or 4096")
@@ -138,7 +150,15 @@ def _add_inspect(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``tpu_cache_ds``; returns the exit status."""
+    """Entry point of ``tpu_cache_ds`` (and of ``python -m xla_utils.cache``).
+
+    Args:
+        argv: the arguments after the program name. Default: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 1 on a failed build or verification, 130 when
+        interrupted (argparse exits with 2 on bad arguments).
+    """
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
@@ -243,8 +263,20 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 
 def bench_loader(ds: Any, batch_size: int, workers: int | None, seconds: float) -> dict[str, Any]:
-    """Samples/s of :func:`iterate_batches` over ``ds`` for about ``seconds``, after
-    one untimed warm-up pass (bounded by ``seconds``) that fills the page cache."""
+    """Loader throughput of :func:`~xla_utils.data.iterate_batches` over ``ds``.
+
+    One untimed warm-up pass (bounded by ``seconds``) fills the page cache first.
+
+    Args:
+        ds: a :class:`~xla_utils.data.CachedImageDataset`.
+        batch_size: samples per batch.
+        workers: loader threads. Default (None): ``min(4, cores)``.
+        seconds: timed duration, about.
+
+    Returns:
+        A JSON-ready dict: ``samples_per_s``, ``mb_per_s`` (of uint8 pixels), ``batches``,
+        ``batch_size``, ``seconds``, ``workers``, ``codec``, ``image_size``, ``num_images``.
+    """
     from .data import iterate_batches
 
     workers = workers if workers is not None else min(4, os.cpu_count() or 1)

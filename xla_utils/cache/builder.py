@@ -44,7 +44,20 @@ __all__ = ["BuildReport", "DryRunEstimate", "build_cache", "fmt_bytes"]
 
 @dataclass
 class BuildReport:
-    """Outcome of :func:`build_cache`. Sizes in bytes, times in seconds."""
+    """Outcome of :func:`build_cache`. Sizes in bytes, times in seconds.
+
+    Attributes:
+        path: the cache folder.
+        num_sources: items in the source; ``num_images``: images cached (skipped ones excluded).
+        num_shards: shard files; ``shards_built`` by this run, ``shards_reused`` from an
+            earlier one.
+        sources_built: source items processed by this run.
+        bytes: size of the cache on disk; ``files``: its file count.
+        seconds: duration of this run.
+        skipped: one record per skipped image (``source_index``, ``path``, ``reason``).
+        upscaled: one record per image smaller than ``size`` (``source_index``, ``path``, ``size``).
+        unlabeled: the cache has no labels (a test set); see ``CachedImageDataset.unlabeled``.
+    """
 
     path: str
     num_sources: int
@@ -58,7 +71,7 @@ class BuildReport:
     seconds: float
     skipped: list[dict[str, Any]]
     upscaled: list[dict[str, Any]]
-    unlabeled: bool = False  # the cache has no labels (a test set); see CachedImageDataset.unlabeled
+    unlabeled: bool = False
 
     @property
     def images_per_s(self) -> float:
@@ -81,7 +94,16 @@ class BuildReport:
 
 @dataclass
 class DryRunEstimate:
-    """What a build would produce, extrapolated from a pilot of ``pilot_images`` sources."""
+    """What a build would produce, extrapolated from a pilot of ``pilot_images`` sources.
+
+    Attributes:
+        num_sources, num_shards, images_per_shard: as the build would have them.
+        estimated_bytes: size of the cache; ``estimated_seconds``: build time with ``workers``.
+        estimated_skipped: images the build would skip.
+        pilot_images: sources processed by the pilot; ``pilot_seconds_per_image`` on one core.
+        workers: the worker count of the estimate.
+        existing: what the output folder holds now, in words.
+    """
 
     num_sources: int
     num_shards: int
@@ -455,7 +477,8 @@ def _run_pool(src: Source, cfg: CacheConfig, out: Path, todo: list[int], per_sha
         raise min(bad, key=lambda e: e.index)
 
 
-def _progress(total: int):
+def _progress(total: int) -> Any:
+    """A fastprogress bar over ``total`` images, or None without fastprogress."""
     try:
         from fastprogress.fastprogress import progress_bar
     except ImportError:
@@ -510,6 +533,7 @@ def _report(out: Path, manifest: dict[str, Any], reused: int, sources_built: int
 
 
 def fmt_bytes(n: float) -> str:
+    """``n`` bytes in words: ``"512 B"``, ``"1.50 MiB"`` (binary units up to TiB)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

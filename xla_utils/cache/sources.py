@@ -47,6 +47,7 @@ class Source:
     unlabeled: bool = False  # no labels at all (a test set, or a flat folder without labels=)
 
     def name(self, i: int) -> str:
+        """Item ``i``'s name in reports: its relative path or ``dataset[i]``."""
         return self.names[i] if self.names is not None else f"dataset[{i}]"
 
     def item_id(self, i: int) -> str:
@@ -55,6 +56,7 @@ class Source:
         return self.names[i] if self.names is not None else str(i)
 
     def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``source`` entry."""
         d = {"kind": self.kind, "path": self.description, "num_items": self.num_items,
              "fingerprint": self.fingerprint}
         if self.ignored:
