@@ -20,6 +20,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["xla_utils", "xla_utils.*"]),
+    package_data={"xla_utils": ["py.typed"]},  # PEP 561: the package ships its type hints
     install_requires=["numpy", "pillow", "fastprogress", "cloudpickle"],
     extras_require={
         "plot": ["matplotlib"],

@@ -41,7 +41,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from xla_utils.cache import _sample_crop, build_cache, CacheConfig  # noqa: E402
+from xla_utils.cache import CacheConfig, build_cache  # noqa: E402
+from xla_utils.cache.images import _sample_crop  # noqa: E402
 
 W, H = 3000, 2000
 

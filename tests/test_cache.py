@@ -152,6 +152,37 @@ def test_jpeg_round_trip_psnr(folder, tmp_path):
     assert verify_cache(tmp_path / "jpeg", full=True).ok
 
 
+def test_format_jpeg_index_and_manifest_text_round_trip(folder, tmp_path):
+    from xla_utils.cache.format import jpeg_shard_chunks, manifest_text, read_jpeg_index, shard_name
+
+    jpegs = [b"\xff\xd8one", b"\xff\xd8second", b""]
+    data = np.frombuffer(b"".join(jpeg_shard_chunks(jpegs)), np.uint8)
+    offsets = read_jpeg_index(data)
+    assert [data[offsets[k]:offsets[k + 1]].tobytes() for k in range(len(jpegs))] == jpegs
+    assert offsets[-1] == len(data)
+    for broken in (data[:12], np.concatenate([np.zeros(8, np.uint8), data[8:]]), data[:20]):
+        with pytest.raises(ValueError):
+            read_jpeg_index(broken)
+    assert (shard_name("raw", 3), shard_name("jpeg", 12)) == ("shard-00003.npy", "shard-00012.jpgs")
+    m = {"format": "x", "shards": [{"index": 0, "labels": [1, 2]}, {"index": 1, "labels": []}], "n": None}
+    assert json.loads(manifest_text(m)) == m
+    # verify --full reads a shard's index through the same function
+    out = tmp_path / "j"
+    build_cache(folder, out, size=32, codec="jpeg", verbose=False)
+    shard = out / "shard-00000.jpgs"
+    raw = bytearray(shard.read_bytes())
+    raw[:8] = b"NOTJPEG!"
+    shard.write_bytes(bytes(raw))
+    entry = read_manifest(out)["shards"][0]
+    entry_crc = zlib.crc32(bytes(raw))
+    m = json.loads((out / "manifest.json").read_text())
+    m["shards"][0]["crc32"] = entry_crc  # only --full can see it now
+    (out / "manifest.json").write_text(json.dumps(m))
+    r = verify_cache(out, full=True)
+    assert not r.ok and r.bad_files == [entry["file"]] and "bad JPEG shard header" in r.problems[0]
+    assert verify_cache(out).ok
+
+
 def test_two_builds_are_byte_identical(folder, tmp_path):
     cfg = CacheConfig(size=40, variants=3, rotate=12, flip=True, seed=7)
     build_cache(folder, tmp_path / "one", cfg, workers=1, verbose=False)

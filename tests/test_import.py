@@ -2,6 +2,7 @@
 (importing torch_xla in a notebook before xmp.spawn is what breaks spawning)."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -55,3 +56,118 @@ def test_cli_does_not_import_torch():
     assert "xla_utils" in imported and "importlib.metadata" in imported  # the probe works
     assert not [m for m in imported if re.match(r"(torch|torch_xla|torchvision)(\.|$)", m)]
     json.loads(proc.stdout)
+
+
+# --------------------------------------------------------------------------- import graph
+
+
+PKG = REPO / "xla_utils"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(path: Path, import_time_only: bool) -> set[str]:
+    """xla_utils modules that the module in ``path`` imports.
+
+    ``import_time_only``: only the imports that run when the module is imported
+    (module level, ``if``/``try`` blocks included, ``if TYPE_CHECKING:`` excluded);
+    otherwise also those inside functions. ``from pkg import name`` counts as an
+    arrow to ``pkg.name`` when that is a module, else to ``pkg``.
+    """
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.AST]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and _is_type_checking(node):
+                visit(node.orelse)
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                if not import_time_only:
+                    visit(node.body if isinstance(node.body, list) else [])
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    found.add(sub if _exists(sub) else base)
+            # nested statements: if/try/with/for bodies, except handlers, class bodies
+            visit([c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))])
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return {m for m in found if m.split(".")[0] == "xla_utils" and m != name}
+
+
+def _exists(module: str) -> bool:
+    p = REPO.joinpath(*module.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def _graph(import_time_only: bool) -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p, import_time_only) for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_import_graph_has_no_cycle():
+    graph = _graph(import_time_only=True)
+    assert "xla_utils.cache.format" in graph and "xla_utils.cache.format" in graph["xla_utils.data"]
+    done: set[str] = set()
+
+    def walk(m: str, path: list[str]) -> None:
+        for n in sorted(graph.get(m, ())):
+            assert n not in path, "import cycle: " + " -> ".join(path[path.index(n):] + [n])
+            if n not in done:
+                walk(n, path + [n])
+        done.add(m)
+
+    for m in graph:
+        walk(m, [m])
+
+
+def test_library_never_imports_its_cli():
+    # only the command-line entry points (`python -m ...` modules) may reach xla_utils.cli
+    graph = _graph(import_time_only=False)
+    offenders = sorted(m for m, deps in graph.items()
+                       if "xla_utils.cli" in deps and m != "xla_utils.cli" and not m.endswith(".__main__"))
+    assert offenders == []
+
+
+def test_cache_reader_imports_only_the_format():
+    graph = _graph(import_time_only=False)
+    cache_deps = {d for d in graph["xla_utils.data"] if d.startswith("xla_utils.cache")}
+    assert cache_deps == {"xla_utils.cache.format"}
+    assert {d for d in graph["xla_utils.cache.format"] if d.startswith("xla_utils")} == set()
+
+
+def test_type_checking_imports_match_the_lazy_exports():
+    import xla_utils
+
+    tree = ast.parse((PKG / "__init__.py").read_text(encoding="utf-8"))
+    seen: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.level == 1
+                for a in imp.names:
+                    seen[a.name] = imp.module or a.name
+    exports = dict(xla_utils._EXPORTS, runtime="runtime")
+    assert seen == exports
+    for name in xla_utils.__all__:  # every public name resolves lazily
+        assert getattr(xla_utils, name) is not None
+    assert (PKG / "py.typed").is_file()

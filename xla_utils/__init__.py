@@ -6,11 +6,24 @@ public name is loaded from its module on first use.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads these lazily
+    from . import runtime
+    from .cache import CacheConfig, build_cache
+    from .data import CachedImageDataset
+    from .env import EnvInfo, detect, setup
+    from .lr_finder import LRFinderResult, lr_find
+    from .readiness import Finding, ReadinessReport, check
+    from .runtime import launch
+    from .schedule import OneCycleSchedule
+    from .submission import write_submission
+    from .trainer import OneCycleTrainer, debug_run
+
+# public name -> module that defines it (keep in step with the TYPE_CHECKING imports above;
+# tests/test_import.py checks that they agree)
 _EXPORTS = {
     "detect": "env",
     "setup": "env",
@@ -34,6 +47,7 @@ __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    """Load public name ``name`` from its module on first use (PEP 562)."""
     if name in _EXPORTS:
         module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
         value = getattr(module, name)

@@ -21,8 +21,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from .cache import (BadImageError, BuildError, CacheConfig, _fmt_bytes, build_cache, cache_info, parse_size,
-                    read_manifest, verify_cache)
+from .cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_info, parse_size, read_manifest,
+                    verify_cache)
+from .cache.builder import fmt_bytes
 
 __all__ = ["main", "parse_bytes"]
 
@@ -31,7 +32,19 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 
 
 
 def parse_bytes(text: str) -> int:
-    """``"256MiB"`` -> 268435456, ``"256MB"`` -> 256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096."""
+    """Parse a byte count.
+
+    Args:
+        text: a number with an optional unit: ``"256MiB"`` -> 268435456, ``"256MB"`` ->
+            256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096 (MB/GB decimal,
+            MiB/GiB binary).
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not such a size.
+    """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB, 256MB, 1G or 4096")
@@ -46,11 +59,17 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    d = CacheConfig()
+    """The ``tpu_cache_ds`` argument parser (its sub-commands and every option)."""
     p = argparse.ArgumentParser(prog="tpu_cache_ds", description="Sharded uint8 image caches for fast "
                                 "TPU input pipelines (xla_utils).")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_build(sub)
+    _add_inspect(sub)
+    return p
 
+
+def _add_build(sub: Any) -> None:
+    d = CacheConfig()
     b = sub.add_parser("build", help="build or resume a cache from an image folder, a CSV or labels",
                        description="Build a cache; rerunning the same command resumes it.")
     b.add_argument("src", metavar="SRC", help="image folder (one sub-folder per class; flat = unlabelled) "
@@ -102,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     b.set_defaults(func=_cmd_build)
 
+
+def _add_inspect(sub: Any) -> None:
     i = sub.add_parser("info", help="summary of a cache")
     i.add_argument("out", metavar="OUT")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -126,11 +147,18 @@ def _parser() -> argparse.ArgumentParser:
     bn.add_argument("--seconds", type=float, default=5.0, help="timed duration after one warm-up pass")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
     bn.set_defaults(func=_cmd_bench)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``tpu_cache_ds``; returns the exit status."""
+    """Entry point of ``tpu_cache_ds`` (and of ``python -m xla_utils.cache``).
+
+    Args:
+        argv: the arguments after the program name. Default: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 1 on a failed build or verification, 130 when
+        interrupted (argparse exits with 2 on bad arguments).
+    """
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
@@ -169,7 +197,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         f"{info['upscaled']} upscaled), {info['num_variants']} variant(s) at {w}x{h}, {info['codec']}",
         ("labels:   none (unlabelled: a test set)" if info["unlabeled"] else
          f"labels:   {info['num_classes']} classes{' (multi-label)' if info['multilabel'] else ''}: {shown}"),
-        f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {_fmt_bytes(info['bytes'])}",
+        f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {fmt_bytes(info['bytes'])}",
         f"augment:  {cfg['augment']} (scale {cfg['scale']}, ratio {[round(r, 3) for r in cfg['ratio']]}, "
         f"rotate {cfg['rotate']}, flip {cfg['flip']}, seed {cfg['seed']})",
         f"source:   {info['source']['kind']} {info['source']['path']}",
@@ -182,7 +210,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
 def _cmd_verify(a: argparse.Namespace) -> int:
     r = verify_cache(a.out, full=a.full)
     if r.ok:
-        print(f"OK: {r.checked_files} shards, {_fmt_bytes(r.checked_bytes)} checked"
+        print(f"OK: {r.checked_files} shards, {fmt_bytes(r.checked_bytes)} checked"
               + (" (full decode)" if a.full else " (size + crc32)"))
         return 0
     for line in r.problems:
@@ -235,8 +263,20 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 
 def bench_loader(ds: Any, batch_size: int, workers: int | None, seconds: float) -> dict[str, Any]:
-    """Samples/s of :func:`iterate_batches` over ``ds`` for about ``seconds``, after
-    one untimed warm-up pass (bounded by ``seconds``) that fills the page cache."""
+    """Loader throughput of :func:`~xla_utils.data.iterate_batches` over ``ds``.
+
+    One untimed warm-up pass (bounded by ``seconds``) fills the page cache first.
+
+    Args:
+        ds: a :class:`~xla_utils.data.CachedImageDataset`.
+        batch_size: samples per batch.
+        workers: loader threads. Default (None): ``min(4, cores)``.
+        seconds: timed duration, about.
+
+    Returns:
+        A JSON-ready dict: ``samples_per_s``, ``mb_per_s`` (of uint8 pixels), ``batches``,
+        ``batch_size``, ``seconds``, ``workers``, ``codec``, ``image_size``, ``num_images``.
+    """
     from .data import iterate_batches
 
     workers = workers if workers is not None else min(4, os.cpu_count() or 1)

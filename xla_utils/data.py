@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .cache import JPEG_MAGIC, LABELS, read_manifest
+from .cache.format import LABELS, read_jpeg_index, read_manifest
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -54,14 +54,25 @@ class CachedImageDataset:
     ``float32[num_classes]`` multi-hot array. Indices follow the source order with
     skipped images left out (``source_indices`` maps back to the source).
 
-    Attributes: ``classes``, ``num_classes``, ``multilabel``, ``unlabeled`` (a test
-    set: every label is -1), ``image_size`` (H, W), ``num_variants``, ``codec``,
-    ``labels`` (``int64[N]`` or ``float32[N, C]``), ``ids`` (each image's id, see
-    below), ``source_indices``, ``manifest``, ``path``, ``epoch``.
+    Attributes:
+        classes: class names (``list[str]``); ``num_classes`` is their count.
+        multilabel: labels are multi-hot vectors.
+        unlabeled: a test set: every label is -1.
+        image_size: ``(H, W)`` in pixels.
+        num_variants: stored variants per image; ``codec``: ``"raw"`` or ``"jpeg"``.
+        labels: ``int64[N]`` or ``float32[N, C]``.
+        ids: each image's id (see the property).
+        source_indices: ``int64[N]``, each image's index in the build's source.
+        manifest: the cache's manifest dict; ``path``: its folder.
+        epoch: the epoch whose variant ``ds[i]`` shows (see :meth:`set_epoch`).
     """
 
     def __init__(self, path: str | os.PathLike, epoch: int = 0):
         """Open the cache in folder ``path`` (memory maps; nothing is read into RAM).
+
+        Args:
+            path: a complete cache folder.
+            epoch: the initial :attr:`epoch`. Default 0.
 
         Raises:
             FileNotFoundError: ``path`` does not exist or holds no cache (the message
@@ -126,10 +137,10 @@ class CachedImageDataset:
                 self._slabs.append(list(np.load(f, mmap_mode="r").view(np.ndarray)))
             else:
                 mm = np.memmap(f, dtype=np.uint8, mode="r")
-                if mm[:8].tobytes() != JPEG_MAGIC:
-                    raise ValueError(f"{f} is not a JPEG shard")
-                count = int(mm[8:16].view("<u8")[0])
-                offsets = np.array(mm[16:16 + 8 * (count + 1)].view("<u8"), dtype=np.int64)
+                try:
+                    offsets = read_jpeg_index(mm)
+                except ValueError as e:
+                    raise ValueError(f"{f}: {e}") from None
                 self._jpeg.append((mm, offsets, s["num_images"]))
         self._slabs = [list(v) for v in zip(*self._slabs)] if self._slabs else []
         self._rings: dict[tuple, _Ring] = {}  # batch buffers reused by consecutive passes (see _ring_batches)
@@ -197,6 +208,7 @@ class CachedImageDataset:
         return i
 
     def label(self, i: int) -> int | np.ndarray:
+        """Label of image ``i``: a class index (-1 = unlabelled) or a ``float32[C]`` multi-hot copy."""
         i = self._check(i)
         return self.labels[i].copy() if self.multilabel else int(self.labels[i])
 
@@ -220,8 +232,11 @@ class CachedImageDataset:
         return self.image(i, self.variant(self.epoch)), self.label(i)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, Any]]:
-        """Batched fetch used by ``torch.utils.data.DataLoader``: one gather into one
-        array, returned as per-sample views so the default collate still works."""
+        """Batched fetch used by ``torch.utils.data.DataLoader``.
+
+        One gather into one array, returned as per-sample views so the default collate
+        still works.
+        """
         idx = np.asarray(indices, dtype=np.int64)
         x = np.empty((len(idx), *self.image_size, 3), np.uint8)
         self.load_batch(idx, self.epoch, x)
@@ -254,6 +269,18 @@ class DistributedBatchSampler:
     epoch); ``drop_last=False`` pads the tail by repeating the permutation from its
     start and marks those slots invalid, so every sample appears exactly once
     among the valid slots of all ranks. ``len()`` is the batch count per rank.
+
+    Args:
+        num_samples: dataset length.
+        batch_size: samples per batch on each rank (``B``).
+        world_size: number of ranks (``W``). Default 1.
+        rank: this rank, in ``[0, world_size)``. Default 0.
+        shuffle: permute every epoch (else the identity order). Default True.
+        seed: seed of the permutations, >= 0. Default 0.
+        drop_last: drop the ragged tail (True, default) or pad it (False).
+
+    Raises:
+        ValueError: an argument is out of range, or ``drop_last`` leaves no full batch.
     """
 
     def __init__(self, num_samples: int, batch_size: int, world_size: int = 1, rank: int = 0,
@@ -278,6 +305,7 @@ class DistributedBatchSampler:
         return self.num_samples // g if self.drop_last else math.ceil(self.num_samples / g)
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the epoch that ``iter(sampler)`` and :meth:`batches` (by default) use."""
         self.epoch = int(epoch)
 
     def order(self, epoch: int) -> np.ndarray:
@@ -289,8 +317,14 @@ class DistributedBatchSampler:
         return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples).astype(np.int64)
 
     def batches(self, epoch: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``(indices int64[B], valid bool[B])`` for each batch of this rank in ``epoch``
-        (default: the epoch set by :meth:`set_epoch`)."""
+        """This rank's batches of ``epoch``.
+
+        Args:
+            epoch: default: the epoch set by :meth:`set_epoch`.
+
+        Yields:
+            ``(indices int64[B], valid bool[B])`` per batch.
+        """
         epoch = self.epoch if epoch is None else epoch
         n = len(self)
         g = self.batch_size * self.world_size
@@ -323,6 +357,7 @@ class BatchIterable:
         return len(self.sampler)
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the epoch of the next pass."""
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -464,14 +499,26 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
     * any other map-style dataset of ``(input, target)``: a torch ``DataLoader``
       with the same batches, default collate and ``num_workers`` processes
       (default 0).
+
+    Args:
+        dataset: a :class:`CachedImageDataset` or any map-style dataset.
+        batch_size: samples per batch on this rank.
+        world_size, rank, shuffle, seed, drop_last: as :class:`DistributedBatchSampler`.
+        epoch: the epoch (variant and permutation). Default 0.
+        num_workers: loader threads (cache) or processes (other datasets); see above.
+
+    Returns:
+        A :class:`BatchIterable`: each iteration is one pass; ``len()`` is its batch count.
     """
     sampler = DistributedBatchSampler(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
     return BatchIterable(dataset, sampler, epoch, num_workers)
 
 
 def is_image_batch(x: torch.Tensor) -> bool:
-    """True for a uint8 ``[B, H, W, C]`` image batch (C = 1 or 3), the form
-    :func:`images_to_float` turns into model input on the device."""
+    """True for a uint8 ``[B, H, W, C]`` image batch (C = 1 or 3).
+
+    That is the form :func:`images_to_float` turns into model input on the device.
+    """
     return x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] in (1, 3)
 
 
@@ -480,9 +527,21 @@ def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std:
     """uint8 ``[B, H, W, C]`` -> ``(x / 255 - mean) / std`` as a contiguous ``[B, C, H, W]`` tensor.
 
     Runs on ``x``'s device (call it after moving the uint8 batch to the TPU: 4x
-    less to transfer, no host float work). ``flip=True`` mirrors a random half of
-    the batch horizontally using the device RNG. Arithmetic is float32, the result
-    is cast to ``dtype`` (e.g. ``torch.bfloat16``); no shape depends on the data.
+    less to transfer, no host float work). Arithmetic is float32; no shape depends
+    on the data.
+
+    Args:
+        x: the uint8 batch.
+        mean: per-channel mean on the 0-1 scale. Default ImageNet's.
+        std: per-channel standard deviation on the 0-1 scale. Default ImageNet's.
+        flip: mirror a random half of the batch horizontally (device RNG). Default False.
+        dtype: result dtype (e.g. ``torch.bfloat16``). Default ``torch.float32``.
+
+    Returns:
+        The normalised ``[B, C, H, W]`` tensor on ``x``'s device.
+
+    Raises:
+        ValueError: ``x`` is not 4-D, or ``mean``/``std`` do not have ``C`` values.
     """
     if x.dim() != 4:
         raise ValueError(f"expected a uint8 [B, H, W, C] batch, got shape {tuple(x.shape)}")

@@ -14,7 +14,7 @@ TPU or this process) and reports "not ready" when that fails.
 exact, pinned ``pip install`` line, or "ready"); ``--json`` prints the
 :class:`EnvInfo` fields as JSON and ``--root DIR`` reads a faked machine tree.
 
-Detection order (see DESIGN.md, "Platforms today"):
+Detection order:
 
 1. Kaggle: ``KAGGLE_KERNEL_RUN_TYPE`` / ``KAGGLE_URL_BASE`` or ``<root>/kaggle/input``.
 2. Colab: ``google.colab`` in ``sys.modules``; in a subprocess of a Colab kernel

@@ -272,8 +272,9 @@ class LRFinderResult:
         (None when confident). :func:`lr_find` also issues it as a warning.
     batch_size:
         The batch the answer is valid for: samples per optimizer step, i.e.
-        ``micro_batch_size * accum_steps``. A run whose global batch differs
-        (e.g. ``cores x per-core batch``) should scale the LR (the trainer does).
+        ``micro_batch_size * accum_steps``. ``fit(max_lr="find")`` measures at
+        its global batch (``accum_steps`` = the number of cores) and uses the
+        answer as is; only a ``max_lr`` number passed to ``fit`` is scaled.
     micro_batch_size, accum_steps:
         Samples per forward pass and micro-batches accumulated per step.
     optimizer:
@@ -459,9 +460,11 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         Micro-batches of ``batch_size`` accumulated per optimizer step (default
         1). With ``accum_steps=k`` the answer is for the global batch ``k *
         batch_size`` of a k-core run, including per-core BatchNorm statistics,
-        at k times the cost. The default is 1 because one sweep per per-core
-        batch plus the trainer's scaling rule (linear for SGD, square root for
-        Adam) is k times cheaper and is how the trainer consumes it.
+        at k times the cost. The default 1 answers for ``batch_size`` itself;
+        ``fit(max_lr="find")`` passes ``accum_steps`` = the number of cores it
+        launches, because an answer at the per-core batch scaled up by a rule
+        diverged where the one measured at the global batch trained
+        (docs/ARCHITECTURE.md, "Where the LR finder fits").
     rule:
         Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
         Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),

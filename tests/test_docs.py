@@ -1,0 +1,180 @@
+"""Everything README.md and docs/*.md name exists.
+
+Checked: repository file paths (``xla_utils/simulate.py``, ``scripts/...``, ``.ci/run``),
+links and their ``#anchors``, sections cited by name (``docs/BENCHMARKS.md "LR finder
+rules"``, also from the package's docstrings and ``.ci/run``), every ``tpu_cache_ds``
+sub-command and option (against the argparse parser of :mod:`xla_utils.cli`, both ways
+for the README's cache section), ``python -m xla_utils.*`` modules, and dotted names
+``xla_utils.x.y`` (resolved by import). Each check fails with the names that are missing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Files that cite documentation sections by name, besides the docs themselves.
+CITING = DOCS + sorted((ROOT / "xla_utils").rglob("*.py")) + [ROOT / ".ci" / "run"]
+TOP_LEVEL = ("xla_utils", "docs", "tests", "scripts", "notebooks", ".ci")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _prose(md: str) -> str:
+    """The markdown without its fenced code blocks."""
+    return FENCE.sub("", md)
+
+
+def _headings(md: str) -> list[str]:
+    return [m.group(1).strip() for m in re.finditer(r"^#{1,6}\s+(.*)$", _prose(md), re.M)]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces -> hyphens."""
+    s = re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower())
+    return s.replace(" ", "-")
+
+
+def _section(md: str, title_start: str) -> str:
+    """The text of the first ``##`` section whose title starts with ``title_start``."""
+    m = re.search(rf"^## {re.escape(title_start)}.*?$(.*?)(?=^## |\Z)", md, re.S | re.M)
+    assert m, f"README has no section starting {title_start!r}"
+    return m.group(1)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from xla_utils.cli import _parser
+
+    return _parser()
+
+
+def _subcommands() -> dict[str, set[str]]:
+    """tpu_cache_ds sub-command -> its option strings."""
+    parser = _build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {o for a in p._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+            for name, p in sub.choices.items()}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_file_paths_exist(doc):
+    prose = _prose(_text(doc))
+    pattern = r"(?<![\w/~.-])((?:%s)/(?:[\w./-]*\w/?)?)" % "|".join(re.escape(t) for t in TOP_LEVEL)
+    named = set(re.findall(pattern, prose)) | set(re.findall(r"(?<![\w/.-])(setup\.py|pyproject\.toml)\b", prose))
+    assert named, f"{doc.name} names no repository file: the pattern is broken"
+    missing = sorted(p for p in named if not (ROOT / p.rstrip("/")).exists())
+    assert missing == [], f"{doc.name} names files that do not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_and_anchors_exist(doc):
+    md = _text(doc)
+    missing = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _prose(md)):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            missing.append(target)
+        elif anchor and anchor not in {_slug(h) for h in _headings(_text(file))}:
+            missing.append(target)
+    assert missing == [], f"{doc.name} links to missing files or sections"
+
+
+def test_sections_cited_by_name_exist():
+    cited = 0
+    missing = []
+    for src in CITING:
+        for file, title in re.findall(r"([\w./-]+\.md)[,:]?\s*\(?\"([^\"]+)\"", _text(src)):
+            target = next((c for c in (ROOT / file, ROOT / "docs" / file, src.parent / file) if c.is_file()), None)
+            cited += 1
+            if target is None or not any(h.startswith(title) for h in _headings(_text(target))):
+                missing.append(f"{src.relative_to(ROOT)}: {file} \"{title}\"")
+    assert cited >= 3, "no section citations found: the pattern is broken"
+    assert missing == []
+
+
+def test_markdown_files_named_in_sources_exist():
+    # e.g. a docstring citing a DESIGN.md that the project does not have
+    missing = []
+    for src in CITING:
+        for name in set(re.findall(r"(?<![\w/.-])([\w./-]*[A-Z_]\w*\.md)\b", _text(src))):
+            if not any(c.is_file() for c in (ROOT / name, ROOT / "docs" / name, src.parent / name)):
+                missing.append(f"{src.relative_to(ROOT)}: {name}")
+    assert missing == []
+
+
+def test_tpu_cache_ds_commands_and_options_exist():
+    subs = _subcommands()
+    all_options = set().union(*subs.values())
+    bad = []
+    for doc in DOCS:
+        md = _text(doc)
+        for line in re.findall(r"tpu_cache_ds\s+([a-z][^\n`#]*)", md):  # a command, in code or prose
+            words = line.split()
+            if words[0] not in subs:
+                continue  # prose such as "tpu_cache_ds cache" / "tpu_cache_ds command"
+            bad += [f"{doc.name}: tpu_cache_ds {words[0]} {o}"
+                    for o in re.findall(r"(?<![\w-])--[a-z][a-z-]*", line) if o not in subs[words[0]]]
+        for inline in re.findall(r"`tpu_cache_ds ([a-z]+)\b", md):
+            if inline not in subs and inline not in ("command",):
+                bad.append(f"{doc.name}: sub-command {inline}")
+    cache_section = _section(_text(ROOT / "README.md"), "Cached dataset")
+    prose_options = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", cache_section))
+    bad += [f"README cache section: {o} is not an option" for o in sorted(prose_options - all_options)]
+    assert bad == []
+    undocumented = sorted(all_options - prose_options)
+    assert undocumented == [], "tpu_cache_ds options missing from README's cache section"
+
+
+def test_python_m_modules_exist():
+    named = set()
+    for doc in DOCS:
+        named |= set(re.findall(r"python3? -m (xla_utils(?:\.\w+)*)", _text(doc)))
+    assert "xla_utils.demo" in named and "xla_utils.cache" in named
+    missing = []
+    for name in sorted(named):
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            missing.append(name)
+        elif spec.submodule_search_locations is not None:  # a package: needs __main__
+            if importlib.util.find_spec(f"{name}.__main__") is None:
+                missing.append(f"{name} (no __main__)")
+        elif 'if __name__ == "__main__"' not in Path(spec.origin).read_text(encoding="utf-8"):
+            missing.append(f"{name} (not runnable)")
+    assert missing == []
+
+
+def _resolve(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):  # the longest importable module prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[n:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_dotted_names_resolve():
+    named = set()
+    for doc in DOCS:
+        named |= set(re.findall(r"(?<![\w.])(xla_utils(?:\.[A-Za-z_]\w*)+)", _text(doc)))
+    assert len(named) > 5
+    missing = sorted(n for n in named if not _resolve(n))
+    assert missing == []

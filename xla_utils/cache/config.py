@@ -1,0 +1,164 @@
+"""The cache config: every choice that decides the bytes of a cache."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["CacheConfig", "parse_size", "RESAMPLE_FILTERS"]
+
+# Small data sets still get this many shards so that every core has work.
+MIN_SHARDS = 16
+# Expected size of a q90 JPEG relative to raw pixels; fixes how many images a
+# JPEG shard holds so that shards come out near ``shard_size``.
+JPEG_RATIO_GUESS = 8
+# Names accepted by CacheConfig.resample (the images module maps them to Pillow filters).
+RESAMPLE_FILTERS = ("bilinear", "bicubic", "lanczos")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything that decides the bytes of a cache (its fingerprint covers all fields).
+
+    Attributes:
+        size: output size in pixels, ``int`` (square) or ``(height, width)``. Default 224.
+        variants: stored versions of each image (epoch ``e`` shows variant ``e % variants``).
+            Default 1.
+        augment: random-resized-crop (+ optional rotation/flip) variants; ``None`` means
+            ``variants > 1``. Plain variants (``False``) use ``resize``.
+        resize: plain variant: ``"crop"`` = shorter side to ``size`` then centre crop
+            (no distortion, default) or ``"stretch"`` = exact resize to ``size``.
+        scale: random crop area as a fraction of the image, ``(min, max)``. Default
+            ``(0.25, 1.0)``: milder than torchvision's 0.08 because few variants are stored.
+        ratio: random crop aspect ratio (width / height) range. Default ``(3/4, 4/3)``.
+        rotate: maximum absolute rotation in degrees (uniform, crops stay inside the
+            image). Default 0 (off).
+        flip: bake random horizontal flips into variants. Default False: flip on the
+            device with ``images_to_float(flip=True)`` instead, which costs nothing.
+        seed: seed for the per-(image, variant) random streams. Default 0.
+        codec: ``"raw"`` (uint8 pixels, fastest to load, default) or ``"jpeg"``
+            (about 8-10x smaller, to ship a cache as a Kaggle data set).
+        quality: JPEG quality for ``codec="jpeg"`` (4:2:0 chroma). Default 90.
+        shard_size: target shard size in bytes. Default 256 MiB.
+        resample: ``"bilinear"`` (torchvision's default, default), ``"bicubic"`` or
+            ``"lanczos"``; downscaling is always antialiased.
+        small: images smaller than ``size``: ``"upscale"`` (default; listed in the
+            manifest under ``upscaled``) or ``"skip"`` (listed under ``skipped``).
+        max_pixels: sources with more pixels (width x height, read from the header
+            before decoding) are skipped as decompression bombs. Default: Pillow's
+            limit, 89,478,485.
+        multilabel: CSV labels: ``None`` = multi-label iff some row has several
+            space-separated labels.
+    """
+
+    size: int | tuple[int, int] = 224
+    variants: int = 1
+    augment: bool | None = None
+    resize: str = "crop"
+    scale: tuple[float, float] = (0.25, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    rotate: float = 0.0
+    flip: bool = False
+    seed: int = 0
+    codec: str = "raw"
+    quality: int = 90
+    shard_size: int = 256 * 2**20
+    resample: str = "bilinear"
+    small: str = "upscale"
+    max_pixels: int = 89_478_485
+    multilabel: bool | None = None
+
+    def __post_init__(self) -> None:
+        h, w = parse_size(self.size)
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_("size", (h, w))
+        set_("scale", tuple(float(x) for x in self.scale))
+        set_("ratio", tuple(float(x) for x in self.ratio))
+        if self.augment is None:
+            set_("augment", self.variants > 1)
+        problems = []
+        if not isinstance(self.variants, int) or self.variants < 1:
+            problems.append(f"variants={self.variants!r} must be an int >= 1")
+        elif self.variants > 1 and not self.augment:
+            problems.append(f"variants={self.variants} with augment=False would store identical copies")
+        if self.resize not in ("crop", "stretch"):
+            problems.append(f"resize={self.resize!r} must be 'crop' or 'stretch'")
+        if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
+            problems.append(f"scale={self.scale!r} must be (min, max) with 0 < min <= max <= 1")
+        if len(self.ratio) != 2 or not 0 < self.ratio[0] <= self.ratio[1]:
+            problems.append(f"ratio={self.ratio!r} must be (min, max) with 0 < min <= max")
+        if not 0 <= self.rotate <= 45:
+            problems.append(f"rotate={self.rotate!r} must be between 0 and 45 degrees")
+        if self.codec not in ("raw", "jpeg"):
+            problems.append(f"codec={self.codec!r} must be 'raw' or 'jpeg'")
+        if not 1 <= self.quality <= 100:
+            problems.append(f"quality={self.quality!r} must be between 1 and 100")
+        if self.shard_size < 1:
+            problems.append(f"shard_size={self.shard_size!r} must be a positive number of bytes")
+        if self.resample not in RESAMPLE_FILTERS:
+            problems.append(f"resample={self.resample!r} must be one of {sorted(RESAMPLE_FILTERS)}")
+        if self.small not in ("upscale", "skip"):
+            problems.append(f"small={self.small!r} must be 'upscale' or 'skip'")
+        if self.max_pixels < 1:
+            problems.append(f"max_pixels={self.max_pixels!r} must be positive")
+        if problems:
+            raise ValueError("invalid CacheConfig: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a JSON-ready dict (tuples become lists), as stored in the manifest."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheConfig:
+        """The config of a manifest's ``config`` dict; unknown keys are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known})
+
+    def fingerprint(self) -> str:
+        """16 hex digits of the SHA-256 of :meth:`to_dict`: equal iff the configs are equal."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def sample_bytes(self) -> int:
+        """Raw bytes of one stored variant (H * W * 3)."""
+        return self.size[0] * self.size[1] * 3
+
+    def images_per_shard(self, num_items: int) -> int:
+        """Source items per shard for a source of ``num_items`` items.
+
+        ``shard_size`` bytes worth of images, but at least ``min(num_items, 16)`` shards
+        so that every core has work on small data sets.
+        """
+        per_image = self.variants * self.sample_bytes
+        if self.codec == "jpeg":
+            per_image = max(1, per_image // JPEG_RATIO_GUESS)
+        by_size = max(1, self.shard_size // per_image)
+        return max(1, min(by_size, math.ceil(num_items / MIN_SHARDS)))
+
+
+def parse_size(size: int | str | Sequence[int]) -> tuple[int, int]:
+    """Parse an image size.
+
+    Args:
+        size: ``224``, ``"224"``, ``"256x224"`` (HxW) or ``(256, 224)``.
+
+    Returns:
+        ``(height, width)`` in pixels.
+
+    Raises:
+        ValueError: a side is not a positive integer.
+    """
+    if isinstance(size, str):
+        parts = size.lower().replace("*", "x").split("x")
+        size = [int(p) for p in parts] if len(parts) > 1 else int(parts[0])
+    if isinstance(size, (int, np.integer)):
+        size = (int(size), int(size))
+    h, w = (int(s) for s in size)
+    if h < 1 or w < 1:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return h, w

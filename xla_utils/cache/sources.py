@@ -1,0 +1,303 @@
+"""Sources of a cache build: an image folder, a CSV of file names and labels, or a dataset.
+
+:func:`resolve_source` turns what the user passed into a :class:`Source`: the item
+count, labels, class list and a fingerprint (a rerun resumes only the same source).
+:func:`load_item` decodes one item (in a worker process).
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from PIL import Image
+
+from .config import CacheConfig
+from .errors import BuildError
+from .images import decode_source
+
+__all__ = ["IMAGE_EXTENSIONS", "Source", "resolve_source", "load_item"]
+
+IMAGE_EXTENSIONS = frozenset(
+    ".jpg .jpeg .jpe .jfif .png .bmp .gif .tif .tiff .webp .ppm .pgm .pbm .pnm".split()
+)
+
+
+@dataclass
+class Source:
+    """What a build reads: the items, their names and labels, and the source's fingerprint."""
+
+    kind: str  # "folder" | "csv" | "dataset"
+    description: str
+    num_items: int
+    paths: list[str] | None = None  # absolute file paths (folder / csv)
+    names: list[str] | None = None  # relative names for reports
+    labels: list[Any] | None = None  # int, list[int] (multi-label) or -1
+    errors: dict[int, str] = field(default_factory=dict)  # item -> reason it will be skipped
+    classes: list[str] | None = None
+    multilabel: bool = False
+    fingerprint: str = ""
+    ignored: list[str] = field(default_factory=list)
+    dataset: Any = None
+    unlabeled: bool = False  # no labels at all (a test set, or a flat folder without labels=)
+
+    def name(self, i: int) -> str:
+        """Item ``i``'s name in reports: its relative path or ``dataset[i]``."""
+        return self.names[i] if self.names is not None else f"dataset[{i}]"
+
+    def item_id(self, i: int) -> str:
+        """The id recorded for item ``i``: its path relative to the source folder,
+        the CSV's first-column value as written, or the dataset index."""
+        return self.names[i] if self.names is not None else str(i)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``source`` entry."""
+        d = {"kind": self.kind, "path": self.description, "num_items": self.num_items,
+             "fingerprint": self.fingerprint}
+        if self.ignored:
+            d["ignored_files"] = len(self.ignored)
+            d["ignored_examples"] = self.ignored[:10]
+        return d
+
+
+def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: CacheConfig,
+                   classes: Sequence[str] | None, unlabeled: bool = False) -> Source:
+    """The :class:`Source` of ``build_cache``'s arguments (see :func:`xla_utils.cache.build_cache`).
+
+    Raises:
+        BuildError: the source does not exist or contradicts the other arguments.
+        TypeError: ``source`` is neither a path nor a map-style dataset.
+    """
+    if unlabeled and labels_csv is not None:
+        raise BuildError("unlabeled=True (--unlabeled) and labels= (--labels) contradict each other: "
+                         "pass the test set's CSV of file names as the source instead")
+    if isinstance(source, (str, os.PathLike)):
+        p = Path(source).expanduser().resolve()
+        if labels_csv is not None:
+            if not p.is_dir():
+                raise BuildError(f"source {p} must be the image folder the CSV {labels_csv} refers to")
+            return _csv_source(Path(labels_csv).expanduser().resolve(), p, cfg, classes)
+        if p.is_file() and p.suffix.lower() in (".csv", ".tsv", ".txt"):
+            return _csv_source(p, p.parent, cfg, classes, unlabeled)
+        if p.is_dir():
+            return _folder_source(p, classes, unlabeled)
+        raise BuildError(f"source {p} is neither a folder nor a CSV file (does it exist?)")
+    if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
+        if labels_csv is not None:
+            raise BuildError("labels=FILE.csv only applies to folder sources")
+        return _dataset_source(source, classes, unlabeled)
+    raise TypeError(f"source must be a folder, a CSV file or a map-style dataset, got {type(source).__name__}")
+
+
+def _is_image_name(name: str) -> bool:
+    return Path(name).suffix.lower() in IMAGE_EXTENSIONS
+
+
+def _walk_files(root: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out.extend(Path(dirpath) / f for f in sorted(filenames) if not f.startswith("."))
+    return out
+
+
+def _folder_source(root: Path, classes: Sequence[str] | None, unlabeled: bool = False) -> Source:
+    subdirs = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    src = Source(kind="folder", description=str(root), num_items=0, paths=[], names=[], labels=[])
+    top_files = sorted(f for f in root.iterdir() if f.is_file() and not f.name.startswith("."))
+    if unlabeled:  # every image below root, sub-folders included; ids are relative paths
+        src.classes, src.unlabeled = (list(classes) if classes is not None else []), True
+        for f in _walk_files(root):
+            rel = f.relative_to(root).as_posix()
+            if _is_image_name(f.name):
+                src.paths.append(str(f))
+                src.names.append(rel)
+                src.labels.append(-1)
+            else:
+                src.ignored.append(rel)
+    elif subdirs:  # one sub-folder per class (torchvision ImageFolder layout)
+        src.classes = list(classes) if classes is not None else subdirs
+        index = {c: i for i, c in enumerate(src.classes)}
+        src.ignored = [f.name for f in top_files]
+        for d in subdirs:
+            for f in _walk_files(root / d):
+                rel = f.relative_to(root).as_posix()
+                if not _is_image_name(f.name):
+                    src.ignored.append(rel)
+                    continue
+                if d not in index:
+                    src.errors[len(src.paths)] = f"class folder {d!r} is not in the given classes"
+                src.paths.append(str(f))
+                src.names.append(rel)
+                src.labels.append(index.get(d, -1))
+    else:  # flat folder without labels=: unlabelled images, said loudly in the build summary
+        src.classes, src.unlabeled = (list(classes) if classes is not None else []), True
+        for f in top_files:
+            if _is_image_name(f.name):
+                src.paths.append(str(f))
+                src.names.append(f.name)
+                src.labels.append(-1)
+            else:
+                src.ignored.append(f.name)
+    return _finish_file_source(src)
+
+
+def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[str] | None,
+                unlabeled: bool = False) -> Source:
+    if not csv_path.is_file():
+        raise BuildError(f"labels CSV {csv_path} does not exist")
+    with open(csv_path, newline="", encoding="utf-8-sig") as f:
+        sample = f.read(4096)
+        f.seek(0)
+        delimiter = "\t" if sample.count("\t") > sample.count(",") else ","
+        rows = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
+    first = rows[0][0].strip() if rows else ""
+    if rows and not _csv_path(root, first).exists() and (
+            first.lower() in _HEADER_NAMES or (len(rows) > 1 and _csv_path(root, rows[1][0].strip()).exists())):
+        rows = rows[1:]  # a header such as "image,labels"
+    if not rows:
+        raise BuildError(f"labels CSV {csv_path} has no rows")
+    cells = [(r[0].strip(), r[1].strip() if len(r) > 1 and not unlabeled else "") for r in rows]
+    if unlabeled:  # a test set's CSV (e.g. sample_submission.csv): first column = file name / id
+        src = Source(kind="csv", description=str(csv_path), num_items=0, paths=[], names=[], labels=[],
+                      classes=list(classes) if classes is not None else [], unlabeled=True)
+        for rel, _ in cells:
+            src.paths.append(str(_csv_path(root, rel)))
+            src.names.append(rel)
+            src.labels.append(-1)
+        return _finish_file_source(src)
+    token_lists = [cell.split() for _, cell in cells]
+    multi = cfg.multilabel
+    if multi is None:
+        multi = any(len(t) > 1 for t in token_lists)
+    elif not multi:
+        for n, t in enumerate(token_lists):
+            if len(t) > 1:
+                raise BuildError(f"{csv_path} row {n + 1} has several labels {' '.join(t)!r} "
+                                 "but multilabel=False")
+    tokens = {t for ts in token_lists for t in ts}
+    if classes is not None:
+        class_list = list(classes)
+    elif tokens and all(t.isdigit() for t in tokens):
+        class_list = [str(i) for i in range(max(int(t) for t in tokens) + 1)]
+    else:
+        class_list = sorted(tokens)
+    index = {c: i for i, c in enumerate(class_list)}
+    src = Source(kind="csv", description=str(csv_path), num_items=0, paths=[], names=[], labels=[],
+                  classes=class_list, multilabel=multi)
+    for n, ((rel, _), ts) in enumerate(zip(cells, token_lists)):
+        p = _csv_path(root, rel)
+        unknown = [t for t in ts if t not in index]
+        if unknown:
+            src.errors[n] = f"label {unknown[0]!r} is not in the given classes"
+        if multi:
+            src.labels.append(sorted({index[t] for t in ts if t in index}))
+        else:
+            src.labels.append(index[ts[0]] if ts and ts[0] in index else -1)
+        src.paths.append(str(p))
+        src.names.append(rel)
+    return _finish_file_source(src)
+
+
+_HEADER_NAMES = {"path", "paths", "file", "filename", "file_name", "filepath", "fname", "image", "images",
+                 "image_id", "image_name", "img", "id", "name"}
+
+
+def _csv_path(root: Path, rel: str) -> Path:
+    p = root / rel
+    if not p.exists() and not p.suffix:  # CSVs often list ids without the extension
+        for ext in (".jpg", ".png", ".jpeg"):
+            if p.with_name(p.name + ext).exists():
+                return p.with_name(p.name + ext)
+    return p
+
+
+def _finish_file_source(src: Source) -> Source:
+    src.num_items = len(src.paths)
+    h = hashlib.sha256()
+    for name, path, label in zip(src.names, src.paths, src.labels):
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = -1
+        h.update(f"{name}\0{size}\0{label}\n".encode())
+    h.update(json.dumps([src.classes, src.multilabel, sorted(src.errors.items())]).encode())
+    # (src.unlabeled is not hashed: a flat folder built without unlabeled=True and
+    # rebuilt with it is the same cache, and the rerun finds it complete)
+    src.fingerprint = h.hexdigest()[:16]
+    return src
+
+
+def _dataset_source(ds: Any, classes: Sequence[str] | None, unlabeled: bool = False) -> Source:
+    desc = f"{type(ds).__module__}.{type(ds).__qualname__}"
+    if unlabeled:  # items are images, or tuples whose first element is the image
+        n = len(ds)
+        fp = hashlib.sha256(f"{desc}\0{n}\0unlabeled\0{list(classes or [])}".encode())
+        return Source(kind="dataset", description=desc, num_items=n, dataset=ds, unlabeled=True,
+                       classes=list(classes or []), fingerprint=fp.hexdigest()[:16])
+    if classes is None:
+        found = getattr(ds, "classes", None)
+        if isinstance(found, (list, tuple)) and all(isinstance(c, str) for c in found):
+            classes = found
+    n = len(ds)
+    multi = False
+    if n:  # the first item's label says single- or multi-label (and the multi-hot width)
+        try:
+            first = np.asarray(_as_numpy(ds[0][1]))
+        except Exception:
+            first = np.asarray(0)
+        multi = first.ndim == 1
+        if multi and classes is None:
+            classes = [str(i) for i in range(first.shape[0])]
+    fp = hashlib.sha256(f"{desc}\0{n}\0{multi}\0{list(classes) if classes is not None else None}".encode())
+    return Source(kind="dataset", description=desc, num_items=n, dataset=ds, multilabel=multi,
+                   classes=list(classes) if classes is not None else None, fingerprint=fp.hexdigest()[:16])
+
+
+def _as_numpy(x: Any) -> Any:
+    if hasattr(x, "detach"):  # a torch tensor from the user's dataset
+        return x.detach().cpu().numpy()
+    return x
+
+
+def _dataset_label(label: Any, multilabel: bool) -> int | list[int]:
+    """int-like -> int; a 1-D multi-hot vector -> sorted indices of its positives."""
+    arr = np.asarray(-1 if label is None else _as_numpy(label))
+    if arr.ndim == 0 and not multilabel:
+        return int(arr)
+    if arr.ndim == 1 and multilabel:
+        return [int(i) for i in np.flatnonzero(arr > 0.5)]
+    kind = "a multi-hot vector" if multilabel else "a class index"
+    raise ValueError(f"label of shape {arr.shape} is not {kind} like the first item's")
+
+
+
+def load_item(src: Source, cfg: CacheConfig, i: int) -> tuple[Image.Image, int | list[int], tuple[int, int]]:
+    """Decode source item ``i``.
+
+    Returns:
+        ``(RGB image, label, (width, height))``: the label is a class index (-1 =
+        unlabelled) or a list of class indices (multi-label); the size is the source's
+        in pixels.
+
+    Raises:
+        Exception: any failure of the item (bad file, user dataset error, unknown label).
+    """
+    if i in src.errors:
+        raise ValueError(src.errors[i])
+    if src.dataset is not None:
+        item = src.dataset[i]
+        if src.unlabeled:
+            img, wh = decode_source(item[0] if isinstance(item, (tuple, list)) and item else item, cfg)
+            return img, -1, wh
+        if not isinstance(item, (tuple, list)) or len(item) < 2:
+            raise ValueError(f"dataset items must be (image, label) pairs, got {type(item).__name__}")
+        img, wh = decode_source(item[0], cfg)
+        return img, _dataset_label(item[1], src.multilabel), wh
+    img, wh = decode_source(src.paths[i], cfg)
+    return img, src.labels[i], wh
