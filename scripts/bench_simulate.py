@@ -163,9 +163,12 @@ def main() -> None:
                 demo[name].append(_run_demo(root, tmp / f"demo-{rep}-{len(demo[name])}-{name[:3]}"))
                 print(f"demo rep {rep} {name}: {demo[name][-1]:.1f} s "
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
-    base_step = statistics.median(r["step_ms"] for r in rows["baseline"])
-    base_wall = statistics.median(r["wall_s"] for r in rows["baseline"])
-    print(f"\nmedians of {args.reps} ({args.cores} simulated cores, {args.epochs} epochs):")
+    if not args.reps:
+        rows = {}
+    else:
+        base_step = statistics.median(r["step_ms"] for r in rows["baseline"])
+        base_wall = statistics.median(r["wall_s"] for r in rows["baseline"])
+        print(f"\nmedians of {args.reps} ({args.cores} simulated cores, {args.epochs} epochs):")
     for name, rs in rows.items():
         step = statistics.median(r["step_ms"] for r in rs)
         wall = statistics.median(r["wall_s"] for r in rs)
