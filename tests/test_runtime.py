@@ -146,12 +146,12 @@ def test_compile_count_stable_and_report():
         dev = rt.device()
         w = torch.randn(4, 4).to(dev)
         counts = []
-        before = rt.metrics()
+        before = rt.xla_counters()
         for _ in range(6):
             w = torch.tanh(w @ w.T * 0.5)
             rt.sync()
-            counts.append(rt.metrics()["compiles"])
-        return counts, rt.metrics_report(before, rt.metrics(), steps=6)
+            counts.append(rt.xla_counters()["compiles"])
+        return counts, rt.xla_counters_report(before, rt.xla_counters(), steps=6)
 
     counts, report = rt.launch(job, simulate=2)
     assert counts[0] >= 1 and counts[-1] == counts[1]  # compiled once, then cached
@@ -192,7 +192,7 @@ def test_launch_after_runtime_initialised_refuses_tpu_fork_allows_simulation():
         torch_xla.device()  # initialises the runtime in this process
         # simulated replicas start from a clean interpreter: unaffected
         print("SIMULATED:", rt.launch(rt.world_size, simulate=2))
-        rt._TPU_PRESENT = True  # as on a TPU host, where launch forks this process
+        rt.STATE.tpu_present = True  # as on a TPU host, where launch forks this process
         try:
             rt.launch(print)
         except rt.RuntimeAlreadyInitializedError as e:

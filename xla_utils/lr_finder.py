@@ -32,6 +32,7 @@ import torch
 
 from . import runtime
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
+from .progress import progress_bar
 
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
@@ -635,14 +636,6 @@ def _micro_batches(cfg: _Config) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch += 1
 
 
-def _progress(total: int, show: bool):
-    """A fastprogress bar over range(total), or a plain range."""
-    if not show:
-        return range(total)
-    _, progress_bar = runtime.progress_bars()
-    return progress_bar(range(total), leave=False)
-
-
 def _sweep(cfg: _Config) -> LRFinderResult:
     dev = runtime.device()
     runtime.set_seed(cfg.seed)
@@ -686,10 +679,10 @@ def _sweep(cfg: _Config) -> LRFinderResult:
             return True
         return False
 
-    pb = _progress(cfg.num_it, cfg.show_progress)
+    pb = progress_bar(cfg.num_it, show=cfg.show_progress, leave=False)
     try:
         for i in pb:
-            before = runtime.metrics()["compiles"]
+            before = runtime.xla_counters()["compiles"]
             lr = cfg.start_lr * ratio ** (i / (cfg.num_it - 1))
             set_hparams(opt, lr)
             opt.zero_grad(set_to_none=True)
@@ -706,7 +699,7 @@ def _sweep(cfg: _Config) -> LRFinderResult:
             runtime.sync()
             lrs.append(float(opt.param_groups[0]["lr"]))
             stop = pending is not None and record(pending.item() / k)
-            compiles.append(runtime.metrics()["compiles"] - before)
+            compiles.append(runtime.xla_counters()["compiles"] - before)
             pending = total
             if hasattr(pb, "comment") and smoothed:
                 pb.comment = f"lr {lrs[len(smoothed) - 1]:.2e}  loss {smoothed[-1]:.4f}"

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
+from .progress import progress_bar
 
 __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS", "TPUChip",
            "CODES", "UTILIZATION"]
@@ -753,9 +754,8 @@ class _Job:
         per_step, texts, losses = [], [], []
         bar = range(self.steps)
         if self.verbose and runtime.is_master():
-            _, progress_bar = runtime.progress_bars()
-            bar = progress_bar(bar)
-        prev = runtime.metrics()
+            bar = progress_bar(self.steps)
+        prev = runtime.xla_counters()
         for i in bar:
             shapes.append({})
             t0 = time.perf_counter()
@@ -769,7 +769,7 @@ class _Job:
             texts.append(runtime.graph_text([loss] + params + state))
             runtime.sync()
             losses.append(loss.detach())
-            now = runtime.metrics()
+            now = runtime.xla_counters()
             d = {k: now[k] - prev[k] for k in ("compiles", "executions", "to_device", "to_host")}
             d["fallback_ops"] = {k: v - prev["fallback_ops"].get(k, 0)
                                  for k, v in now["fallback_ops"].items()

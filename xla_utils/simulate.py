@@ -69,6 +69,8 @@ ERROR_GRACE_S = 3.0
 _POLL_S = 0.05
 _WAIT_SLICE_S = 0.25  # how often a replica waiting in a collective checks on its peers
 _SEP = "\x1f"  # between the fields of an arrival record
+# Frames in this folder are xla_utils.runtime's (a call site is the frame before them).
+_RUNTIME_DIR = os.path.join("xla_utils", "runtime", "")
 
 
 class CollectiveError(RuntimeError):
@@ -273,7 +275,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     cores and return rank 0's result; used by ``runtime.launch(simulate=N)``.
 
     ``threads=True`` runs the replicas as threads of one job process on N XLA:CPU
-    devices (``runtime._simulate_threads``; only for code that synchronises
+    devices (``runtime.launcher.simulate_threads``; only for code that synchronises
     through ``runtime.sync``, i.e. xla_utils' own loops) instead of one process each.
 
     Raises ``runtime.ReplicaError`` (the root cause, preferred over replicas that
@@ -618,16 +620,16 @@ def _job_main(request: dict) -> None:
 
 
 def _thread_job(request: dict) -> None:
-    """A job whose replicas are threads of this process (``runtime._simulate_threads``)."""
+    """A job whose replicas are threads of this process (``runtime.launcher.simulate_threads``)."""
     _enter_caller_context(request)
     results = _StoreResults(request["port"], request["n"])
     try:
         import cloudpickle
 
-        from . import runtime
+        from .runtime import launcher
 
         fn, args = cloudpickle.loads(request["payload"])
-        runtime._simulate_threads(fn, args, request["n"], results)
+        launcher.simulate_threads(fn, args, request["n"], results)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             results.put(("error", -1, (traceback.format_exc(), type(exc).__name__)))
@@ -640,7 +642,7 @@ def _thread_job(request: dict) -> None:
 
 
 class _StoreResults:
-    """The ``results`` queue of ``runtime._simulate_threads``, posting to the
+    """The ``results`` queue of ``runtime.launcher.simulate_threads``, posting to the
     caller's store as the process replicas do. Each process (xmp.spawn forks
     one) opens its own connection."""
 
@@ -710,14 +712,14 @@ def _replica_main(r: int, request: dict) -> int:
     import cloudpickle
     import torch.distributed as dist
 
-    from . import runtime
+    from .runtime import launcher
 
     n = request["n"]
     store = dist.TCPStore("127.0.0.1", request["port"], is_master=False, timeout=_td(60))
     _World.rank, _World.size, _World.store, _World.shm = r, n, store, request["shm"]
     try:
         _patch_torch_xla(r, n)
-        runtime._enter_simulated_replica()
+        launcher.enter_simulated_replica()
         fn, args = cloudpickle.loads(request["payload"])
         if request["pass_index"]:
             args = (r, *args)
@@ -730,7 +732,7 @@ def _replica_main(r: int, request: dict) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
         if r == 0:
-            store.set("result", runtime._dumps_cpu(out))
+            store.set("result", launcher.dumps_cpu(out))
             _event(store, "result", r)
         store.set(f"finished/{r}", "1")
         _event(store, "finished", r)
@@ -797,13 +799,13 @@ def _call_site() -> tuple[str, str]:
     api, where = "collective", "?"
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
-        lib = ("torch_xla" in f.filename or f.filename.endswith(("xla_utils/simulate.py",
-                                                                  "xla_utils/runtime.py")))
+        lib = ("torch_xla" in f.filename or f.filename.endswith("xla_utils/simulate.py")
+               or _RUNTIME_DIR in f.filename)
         if not lib:
             where = f"{f.filename}:{f.lineno}"
             if i + 1 < len(frames):
                 nxt = frames[i + 1]
-                mod = "xla_utils.runtime" if nxt.filename.endswith("runtime.py") else "xm"
+                mod = "xla_utils.runtime" if _RUNTIME_DIR in nxt.filename else "xm"
                 api = f"{mod}.{nxt.name}"
             break
     return api, where

@@ -683,7 +683,7 @@ class OneCycleTrainer:
             runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + rk)
             model.train()
             t0 = time.perf_counter()
-            to_host0 = runtime.metrics()["to_host"]
+            to_host0 = runtime.xla_counters()["to_host"]
             # Device data, not torch.zeros(device=xla): a zeros *op* would make
             # each epoch's first step a different graph (one recompile).
             loss_sum = runtime.to_device(torch.zeros(()), dev)
@@ -724,7 +724,7 @@ class OneCycleTrainer:
                             break
             if stop_reason is not None:
                 break
-            to_host = runtime.metrics()["to_host"] - to_host0
+            to_host = runtime.xla_counters()["to_host"] - to_host0
             seconds = time.perf_counter() - t0
             record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": train_loss}
             if self.val_data is not None:
@@ -737,7 +737,7 @@ class OneCycleTrainer:
                     warns.append(msg)
             record.update(lr_max=max_lr, lr_last=lr_last,
                           images_per_s=steps_per_epoch * cfg.batch_size * ws / seconds,
-                          compiles=runtime.metrics()["compiles"],
+                          compiles=runtime.xla_counters()["compiles"],
                           host_reads_per_step=to_host / steps_per_epoch, seconds=seconds)
             history.append(record)
             if mb is not None:
@@ -1344,7 +1344,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False,
                                              drop_last=True)
         losses, per_step = [], []
-        first = prev = runtime.metrics()
+        first = prev = runtime.xla_counters()
         n = 0
         for x, y in loader:
             if n == steps:
@@ -1356,7 +1356,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             loss_t.backward()
             runtime.optimizer_step(opt, barrier=True)
             losses.append(float(loss_t.detach().cpu()))
-            now = runtime.metrics()
+            now = runtime.xla_counters()
             per_step.append({k: now[k] - prev[k] for k in
                              ("compiles", "executions", "to_device", "to_host")})
             prev = now
@@ -1367,7 +1367,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
               if v - first["fallback_ops"].get(k, 0) > 0}
         text = [f"debug_run on {runtime.backend()} device {dev}: {n} steps, "
                 f"losses {', '.join(f'{v:.4g}' for v in losses)}"]
-        text.append(runtime.metrics_report(first, prev, steps=n))
+        text.append(runtime.xla_counters_report(first, prev, steps=n))
         if n > 2 and any(s["compiles"] for s in per_step[2:]):
             bad = [i + 1 for i, s in enumerate(per_step) if i >= 2 and s["compiles"]]
             text.append(
