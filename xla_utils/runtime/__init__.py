@@ -55,6 +55,8 @@ from __future__ import annotations
 
 from ..progress import progress_bars
 from .counters import xla_counters, xla_counters_report
+# The underscored names are the package's internal API for the rest of xla_utils
+# (trainer, lr_finder, readiness, debug) and the tests; they are not public.
 from .launcher import ReplicaError, _launch, _prestart_simulation, launch
 from .state import STATE, RuntimeState
 from .transfer import device_prefetch, to_device
