@@ -462,7 +462,63 @@ def detect(
     vof = version_of or _metadata_version
     evidence: list[str] = []
     warnings: list[str] = []
+    plat, accelerator, gen, chips, num_devices, gpu = _detect_hardware(root, env, mods, evidence,
+                                                                       warnings)
+    versions = _detect_versions(vof, warnings)
+    pjrt = env.get("PJRT_DEVICE") or None
+    cpus = _cpu_count(root)
+    warnings += _setup_warnings(pjrt, accelerator, cpus, num_devices)
+    import_error = None
+    if check_import and version_of is None and versions["torch_xla"]:
+        ok, why = _probe_torch_xla_import()
+        if ok is False:
+            import_error = why
+        elif ok is None:
+            warnings.append(why + ".")
 
+    work = cwd or os.getcwd()
+    info = EnvInfo(
+        platform=plat,
+        accelerator=accelerator,
+        tpu_generation=gen if accelerator == "tpu" else None,
+        tpu_type=_tpu_type_name(gen, chips) if accelerator == "tpu" else None,
+        tpu_chips=chips,
+        num_devices=num_devices,
+        gpu_count=gpu[0],
+        gpu_name=gpu[1],
+        python=python or _platform.python_version(),
+        os=system or _platform.system(),
+        machine=machine or _platform.machine(),
+        **versions,
+        pjrt_device=pjrt,
+        cpus=cpus,
+        ram_gb=_ram_gb(root),
+        disk_free_gb=_disk_free_gb(work),
+        cwd=work,
+        root=root,
+        evidence=evidence,
+        warnings=warnings,
+        import_error=import_error,
+    )
+    adv = advise(info)
+    info.ready = adv.kind == "ready"
+    info.next_step = adv.message + (f": {adv.command}" if adv.command else "")
+    info.next_command = adv.command
+    return info
+
+
+
+def _detect_hardware(root: str, env: Mapping[str, str], mods: Mapping[str, Any],
+                     evidence: list[str], warnings: list[str]
+                     ) -> tuple[str, str, str | None, int, int, tuple[int, str | None]]:
+    """Platform and accelerator from the file system and environment.
+
+    Appends what it concluded from to ``evidence`` (and doubts to ``warnings``).
+
+    Returns:
+        ``(platform, accelerator, tpu_generation, tpu_chips, num_devices,
+        (gpu_count, gpu_name))``; ``accelerator`` is ``"tpu"``, ``"gpu"`` or ``"cpu"``.
+    """
     plat, why = _detect_platform(root, env, mods)
     if why:
         evidence.append(why)
@@ -489,7 +545,18 @@ def detect(
         num_devices = 1
     if plat is None:
         plat = "tpu-vm" if accelerator == "tpu" else "local"
+    return plat, accelerator, gen, chips, num_devices, (gpu_count, gpu_name)
 
+
+def _detect_versions(vof: VersionOf, warnings: list[str]) -> dict[str, Any]:
+    """Installed versions of torch, torchvision, torch_xla and libtpu, and
+    whether torch and torch_xla are a pair; a torchvision that does not match
+    torch is added to ``warnings``.
+
+    Returns:
+        The :class:`EnvInfo` fields ``torch``, ``torchvision``, ``torch_xla``,
+        ``libtpu`` and ``paired``.
+    """
     libtpu = None
     for dist in ("libtpu", "libtpu-nightly"):
         libtpu = vof(dist)
@@ -497,16 +564,20 @@ def detect(
             break
     torch_v, xla_v = vof("torch"), vof("torch_xla")
     tmm, xmm = _major_minor(torch_v), _major_minor(xla_v)
-    paired = bool(tmm and xmm and tmm == xmm)
-
     tv = vof("torchvision")
     tvmm = _major_minor(tv)
     if tmm and tvmm and tmm[0] == 2 and tvmm != (0, tmm[1] + 15):
         warnings.append(
             f"torchvision {tv} does not match torch {torch_v} (expected 0.{tmm[1] + 15}.x)."
         )
+    return {"torch": torch_v, "torchvision": tv, "torch_xla": xla_v, "libtpu": libtpu,
+            "paired": bool(tmm and xmm and tmm == xmm)}
 
-    pjrt = env.get("PJRT_DEVICE") or None
+
+def _setup_warnings(pjrt: str | None, accelerator: str, cpus: int | None,
+                    num_devices: int) -> list[str]:
+    """Warnings about ``PJRT_DEVICE`` against the hardware, and too few host CPUs."""
+    warnings = []
     if pjrt and pjrt.upper() == "TPU" and accelerator != "tpu":
         warnings.append(
             "PJRT_DEVICE=TPU is set but no TPU chip was found: libtpu would retry the "
@@ -514,55 +585,12 @@ def detect(
         )
     if pjrt and pjrt.upper() == "CPU" and accelerator == "tpu":
         warnings.append("PJRT_DEVICE=CPU on a TPU machine: XLA will run on the host CPU, not the TPU.")
-    cpus = _cpu_count(root)
     if accelerator in ("tpu", "gpu") and cpus is not None and cpus <= 4:
         warnings.append(
             f"only {cpus} vCPUs feed {num_devices} device(s): decoding/augmenting images on the "
             "host will starve the accelerator; build a uint8 cache (xla_utils.build_cache)."
         )
-
-    import_error = None
-    if check_import and version_of is None and xla_v:
-        ok, why = _probe_torch_xla_import()
-        if ok is False:
-            import_error = why
-        elif ok is None:
-            warnings.append(why + ".")
-
-    work = cwd or os.getcwd()
-    info = EnvInfo(
-        platform=plat,
-        accelerator=accelerator,
-        tpu_generation=gen if accelerator == "tpu" else None,
-        tpu_type=_tpu_type_name(gen, chips) if accelerator == "tpu" else None,
-        tpu_chips=chips,
-        num_devices=num_devices,
-        gpu_count=gpu_count,
-        gpu_name=gpu_name,
-        python=python or _platform.python_version(),
-        os=system or _platform.system(),
-        machine=machine or _platform.machine(),
-        torch=torch_v,
-        torchvision=tv,
-        torch_xla=xla_v,
-        libtpu=libtpu,
-        paired=paired,
-        pjrt_device=pjrt,
-        cpus=cpus,
-        ram_gb=_ram_gb(root),
-        disk_free_gb=_disk_free_gb(work),
-        cwd=work,
-        root=root,
-        evidence=evidence,
-        warnings=warnings,
-        import_error=import_error,
-    )
-    adv = advise(info)
-    info.ready = adv.kind == "ready"
-    info.next_step = adv.message + (f": {adv.command}" if adv.command else "")
-    info.next_command = adv.command
-    return info
-
+    return warnings
 
 # --------------------------------------------------------------------------
 # Advice
