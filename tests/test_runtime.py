@@ -282,3 +282,27 @@ def test_cpu_matmul_in_a_forked_job_after_the_caller_set_torch_threads():
                        timeout=280, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "result" in p.stdout
+
+
+def test_state_is_one_object_with_a_per_thread_backend_and_a_reset():
+    import threading
+
+    from xla_utils.runtime.state import RuntimeState
+
+    s = RuntimeState()
+    s.tpu_present, s.host_sum_calls, s.simulated_process = True, 3, True
+    s.local.backend = "xla"
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(s.local.backend))
+    t.start()
+    t.join()
+    assert seen == [None]  # each replica thread has its own backend
+    s.reset()
+    fresh = RuntimeState()
+    for name in fresh.__dataclass_fields__:
+        if name != "local":
+            assert getattr(s, name) == getattr(fresh, name), name
+    assert s.local.backend is None and not s.local.in_replica
+    # launch() records the in-process replica's backend in the shared STATE
+    assert rt.launch(lambda: (rt.STATE.local.backend, rt.STATE.local.in_replica)) == ("torch", True)
+    assert rt.STATE.local.backend is None

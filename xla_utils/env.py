@@ -470,12 +470,7 @@ def detect(
     warnings += _setup_warnings(pjrt, accelerator, cpus, num_devices)
     import_error = None
     if check_import and version_of is None and versions["torch_xla"]:
-        ok, why = _probe_torch_xla_import()
-        if ok is False:
-            import_error = why
-        elif ok is None:
-            warnings.append(why + ".")
-
+        import_error = _import_error(warnings)
     work = cwd or os.getcwd()
     info = EnvInfo(
         platform=plat,
@@ -572,6 +567,15 @@ def _detect_versions(vof: VersionOf, warnings: list[str]) -> dict[str, Any]:
         )
     return {"torch": torch_v, "torchvision": tv, "torch_xla": xla_v, "libtpu": libtpu,
             "paired": bool(tmm and xmm and tmm == xmm)}
+
+
+def _import_error(warnings: list[str]) -> str | None:
+    """Why ``import torch_xla`` fails in a subprocess (None when it works); a probe
+    that could not decide is added to ``warnings``."""
+    ok, why = _probe_torch_xla_import()
+    if ok is None:
+        warnings.append(why + ".")
+    return why if ok is False else None
 
 
 def _setup_warnings(pjrt: str | None, accelerator: str, cpus: int | None,
