@@ -29,6 +29,9 @@ Detection order (see DESIGN.md, "Platforms today"):
 4. NVIDIA GPUs: PCI vendor 0x10de with a display class, ``<root>/dev/nvidiaN``,
    ``<root>/proc/driver/nvidia/gpus/*``.
 """
+# Why one module of about 950 lines: detection, advice and setup share the facts
+# tables and EnvInfo below, and every part takes a faked root/environment for the
+# tests; each section is small functions (none over 80 lines).
 from __future__ import annotations
 
 import argparse
@@ -626,6 +629,44 @@ def _quote(spec: str) -> str:
     return f'"{spec}"' if any(c in spec for c in "[]*") else spec
 
 
+def _no_wheels_advice(info: EnvInfo, tmm: tuple[int, int] | None) -> Advice:
+    """Advice on an OS or CPU with no torch_xla wheels (plain PyTorch only)."""
+    if tmm is None:
+        return Advice(
+            "install-torch",
+            f"torch is not installed (torch_xla has no wheels for {info.os} {info.machine}; "
+            "xla_utils will run on plain PyTorch)",
+            "pip install torch torchvision",
+        )
+    return Advice(
+        "no-xla-wheels",
+        f"torch_xla has no wheels for {info.os} {info.machine}: no TPU or simulated XLA cores "
+        "here; xla_utils runs on plain PyTorch",
+        blocking=False,
+    )
+
+
+def _no_torch_advice(info: EnvInfo, py: tuple[int, int], xmm: tuple[int, int] | None,
+                     tpu: bool) -> Advice:
+    """Advice when torch is not installed (whatever torch_xla is)."""
+    if xmm in TORCH_XLA_WHEELS:
+        spec = f"torch=={xmm[0]}.{xmm[1]}.*"
+        return Advice(
+            "install-torch",
+            f"torch_xla {info.torch_xla} is installed but torch is not",
+            f'pip install "{spec}" "torchvision==0.{xmm[1] + 15}.*"',
+        )
+    pair = _newest_pair_for(py)
+    if pair is None:
+        return Advice(
+            "python-unsupported",
+            f"torch is not installed and torch_xla has no wheels for Python {py[0]}.{py[1]} "
+            "(3.10-3.13 only); use a venv with a supported Python",
+            _fresh_venv(py, tpu),
+        )
+    return Advice("install-torch", "torch and torch_xla are not installed", _pair_line(pair, tpu))
+
+
 def _install_advice(info: EnvInfo) -> Advice | None:
     """The torch / torch_xla / libtpu problem on this machine, or None."""
     tpu = info.accelerator == "tpu"
@@ -635,38 +676,9 @@ def _install_advice(info: EnvInfo) -> Advice | None:
     wheels_os = info.os == "Linux" and info.machine.lower() in ("x86_64", "amd64")
 
     if not wheels_os:
-        if tmm is None:
-            return Advice(
-                "install-torch",
-                f"torch is not installed (torch_xla has no wheels for {info.os} {info.machine}; "
-                "xla_utils will run on plain PyTorch)",
-                "pip install torch torchvision",
-            )
-        return Advice(
-            "no-xla-wheels",
-            f"torch_xla has no wheels for {info.os} {info.machine}: no TPU or simulated XLA cores "
-            "here; xla_utils runs on plain PyTorch",
-            blocking=False,
-        )
-
+        return _no_wheels_advice(info, tmm)
     if tmm is None:
-        if xmm in TORCH_XLA_WHEELS:
-            spec = f"torch=={xmm[0]}.{xmm[1]}.*"
-            return Advice(
-                "install-torch",
-                f"torch_xla {info.torch_xla} is installed but torch is not",
-                f'pip install "{spec}" "torchvision==0.{xmm[1] + 15}.*"',
-            )
-        pair = _newest_pair_for(py)
-        if pair is None:
-            return Advice(
-                "python-unsupported",
-                f"torch is not installed and torch_xla has no wheels for Python {py[0]}.{py[1]} "
-                "(3.10-3.13 only); use a venv with a supported Python",
-                _fresh_venv(py, tpu),
-            )
-        return Advice("install-torch", "torch and torch_xla are not installed", _pair_line(pair, tpu))
-
+        return _no_torch_advice(info, py, xmm, tpu)
     if tmm > LAST_TORCH_XLA:
         return Advice(
             "torch-too-new",
@@ -880,34 +892,7 @@ def setup(
     out(report(info))
 
     if install:
-        adv = _install_advice(info)
-        if adv is None:
-            out("setup(install=True): nothing to install.")
-        elif not adv.pip_args:
-            what = ("will not reinstall packages that are already installed" if adv.kind == "broken-import"
-                    else "will not install or change torch")
-            out(
-                f"setup(install=True) {what}; "
-                f"{adv.message}" + (f".\nRun yourself: {adv.command}" if adv.command else ".")
-            )
-        else:
-            cmd = [sys.executable, "-m", "pip", "install", *adv.pip_args]
-            out("running: " + " ".join(cmd))
-            result = (runner or _default_runner)(cmd)
-            rc = getattr(result, "returncode", result)
-            if rc not in (0, None):
-                out(f"pip failed (exit code {rc}); the command was: {' '.join(cmd)}")
-            else:
-                importlib.invalidate_caches()
-                _import_probes.clear()  # the files changed: probe the import again
-                info = detect(root, env, mods, version_of=version_of, check_import=True)
-                out(f"installed; next step now: {info.next_step}")
-                if "torch" in mods or "torch_xla" in mods:
-                    out(
-                        "torch is already imported in this kernel: restart the kernel "
-                        "(Colab: Runtime > Restart session; Kaggle: Run > Restart & clear cell outputs), "
-                        "then run xla_utils.setup() again."
-                    )
+        info = _install(info, runner, root, env, mods, version_of, out)
 
     if info.accelerator == "tpu":
         prepare_spawn(info, env)
@@ -919,6 +904,42 @@ def setup(
                 "effect until the kernel is restarted and setup() runs first."
             )
     info.pjrt_device = env.get("PJRT_DEVICE") or None
+    return info
+
+
+def _install(info: EnvInfo, runner: Callable[[list[str]], Any] | None, root: str,
+             env: Mapping[str, str], mods: Mapping[str, Any], version_of: VersionOf | None,
+             out: Callable[[str], None]) -> EnvInfo:
+    """``setup(install=True)``: pip-install what :func:`_install_advice` names, or say
+    why not; returns the environment detected again after an installation."""
+    adv = _install_advice(info)
+    if adv is None:
+        out("setup(install=True): nothing to install.")
+    elif not adv.pip_args:
+        what = ("will not reinstall packages that are already installed" if adv.kind == "broken-import"
+                else "will not install or change torch")
+        out(
+            f"setup(install=True) {what}; "
+            f"{adv.message}" + (f".\nRun yourself: {adv.command}" if adv.command else ".")
+        )
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", *adv.pip_args]
+        out("running: " + " ".join(cmd))
+        result = (runner or _default_runner)(cmd)
+        rc = getattr(result, "returncode", result)
+        if rc not in (0, None):
+            out(f"pip failed (exit code {rc}); the command was: {' '.join(cmd)}")
+        else:
+            importlib.invalidate_caches()
+            _import_probes.clear()  # the files changed: probe the import again
+            info = detect(root, env, mods, version_of=version_of, check_import=True)
+            out(f"installed; next step now: {info.next_step}")
+            if "torch" in mods or "torch_xla" in mods:
+                out(
+                    "torch is already imported in this kernel: restart the kernel "
+                    "(Colab: Runtime > Restart session; Kaggle: Run > Restart & clear cell outputs), "
+                    "then run xla_utils.setup() again."
+                )
     return info
 
 

@@ -50,39 +50,45 @@ ON_NAN = ("stop", "continue")
 class TrainerConfig:
     """Hyper-parameters of :class:`OneCycleTrainer` (all keyword arguments of it).
 
-    batch_size: samples per core per step (global batch = batch_size x cores). Default 32.
-    epochs: passes over the training data. Default 1.
-    max_lr: peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``), or
-        ``"find"`` to run the LR finder first. Default 1e-3.
-    optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` (any case; stored
-        lower-case) or a callable ``f(params, lr=..., weight_decay=...)``.
-        Default ``"adamw"``. An unknown name raises ``ValueError`` here.
-    weight_decay: default 0.0 (AdamW: decoupled).
-    pct_start, div_factor, final_div_factor, moms: one-cycle shape (torch
-        ``OneCycleLR`` defaults 0.3, 25, 1e4; momentum/beta1 0.95 -> 0.85 -> 0.95).
-    lr_scaling: how ``max_lr`` grows with the number of cores k: ``"linear"``
-        (x k, Goyal et al. 2017), ``"sqrt"`` (x sqrt k) or ``"none"``. Default
-        None = linear for SGD, sqrt for Adam/AdamW and callables.
-    bf16: run forward/backward under ``torch.autocast(dtype=bfloat16)``. Default False.
-    metrics: validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``, ``"f1"``);
-        None = accuracy (+top5 above 10 classes), F1 for multi-label data.
-    checkpoint_dir: write ``epoch_<nnn>-<run id>.pt`` after every epoch whose loss
-        is finite and ``final.pt`` (weights only) at the end of a run that was not
-        stopped; None = no files.
-        keep_checkpoints: this run's newest epoch files kept (default 2, >= 1);
-        files of other runs in the same folder are never deleted.
-    on_nan: what to do when the training loss read (every ``log_every`` steps
-        and at each epoch end) is NaN or infinite: ``"stop"`` (default) stops
-        there; the model keeps the weights of the last epoch that ended finite
-        (a host copy made at each epoch end) and ``History.stop_reason`` says
-        why. ``"continue"`` warns and trains on (no checkpoint is written for a
-        non-finite epoch).
-    seed: seeds data order and device RNG (flips, dropout). Default 0.
-    flip: random horizontal flip of uint8 image batches on the device. Default True.
-    mean, std: per-channel normalisation of uint8 images, in 0..1 units (ImageNet).
-    log_every: steps between loss reads for the progress bar (default 20; each
-        read waits for the device).
-    num_workers: host threads/processes assembling batches (None = automatic).
+    Attributes:
+        batch_size: Samples per core per step (global batch = batch_size x cores).
+            Default 32.
+        epochs: Passes over the training data. Default 1.
+        max_lr: Peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``),
+            or ``"find"`` to run the LR finder first. Default 1e-3.
+        optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` (any case; stored
+            lower-case) or a callable ``f(params, lr=..., weight_decay=...)``.
+            Default ``"adamw"``. An unknown name raises ``ValueError`` here.
+        weight_decay: Default 0.0 (AdamW: decoupled).
+        pct_start, div_factor, final_div_factor, moms: One-cycle shape (torch
+            ``OneCycleLR`` defaults 0.3, 25, 1e4; momentum/beta1 0.95 -> 0.85 -> 0.95).
+        lr_scaling: How ``max_lr`` grows with the number of cores k: ``"linear"``
+            (x k, Goyal et al. 2017), ``"sqrt"`` (x sqrt k) or ``"none"``. Default
+            None = linear for SGD, sqrt for Adam/AdamW and callables.
+        bf16: Run forward/backward under ``torch.autocast(dtype=bfloat16)``.
+            Default False.
+        metrics: Validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``,
+            ``"f1"``); None = accuracy (+top5 above 10 classes), F1 for
+            multi-label data.
+        checkpoint_dir: Write ``epoch_<nnn>-<run id>.pt`` after every epoch whose
+            loss is finite and ``final.pt`` (weights only) at the end of a run that
+            was not stopped; None (default) = no files.
+        keep_checkpoints: This run's newest epoch files kept (default 2, >= 1);
+            files of other runs in the same folder are never deleted.
+        seed: Seeds data order and device RNG (flips, dropout). Default 0.
+        flip: Random horizontal flip of uint8 image batches on the device.
+            Default True.
+        mean, std: Per-channel normalisation of uint8 images, in 0..1 units
+            (default ImageNet's).
+        log_every: Steps between loss reads for the progress bar (default 20;
+            each read waits for the device).
+        num_workers: Host threads/processes assembling batches (None = automatic).
+        on_nan: What to do when the training loss read (every ``log_every``
+            steps and at each epoch end) is NaN or infinite: ``"stop"``
+            (default) stops there; the model keeps the weights of the last epoch
+            that ended finite (a host copy made at each epoch end) and
+            ``History.stop_reason`` says why. ``"continue"`` warns and trains on
+            (no checkpoint is written for a non-finite epoch).
     """
 
     batch_size: int = 32
@@ -134,19 +140,25 @@ class TrainerConfig:
 
 @dataclass
 class History:
-    """What :meth:`OneCycleTrainer.fit` returns.
+    """What :meth:`OneCycleTrainer.fit` returns (``len``, indexing and ``str`` work too).
 
-    ``epochs`` holds one dict per epoch: ``epoch``, ``train_loss``, ``val_loss`` and
-    validation metrics (when ``val_data`` was given), ``lr_max`` (peak LR used),
-    ``lr_last`` (LR of the epoch's last step), ``images_per_s`` (global, this
-    epoch including any compilation), ``compiles`` (XLA compilations so far in
-    the run, cumulative), ``host_reads_per_step`` (device->host transfers per
-    training step in this process, all its replicas together: the progress-bar
-    loss reads), ``seconds``. ``state_dict`` is the final model state on the CPU
-    (after a stop: the last finite epoch's; empty when no epoch ended finite).
-    ``stop_reason`` is None for a complete run, else why it stopped early;
-    ``warnings`` lists what the run warned about (divergence, exploding
-    validation loss); ``run_id`` names this run's checkpoint files.
+    Attributes:
+        epochs: One dict per epoch: ``epoch``, ``train_loss``, ``val_loss`` and
+            validation metrics (when ``val_data`` was given), ``lr_max`` (peak LR
+            used), ``lr_last`` (LR of the epoch's last step), ``images_per_s``
+            (global, this epoch including any compilation), ``compiles`` (XLA
+            compilations so far in the run, cumulative), ``host_reads_per_step``
+            (device->host transfers per training step in this process, all its
+            replicas together: the progress-bar loss reads), ``seconds``.
+        world_size, global_batch: Cores and samples per step over all cores.
+        base_lr, max_lr: The LR given (or found) and the peak LR used.
+        lr_scaling, lr_note: The scaling rule and how ``max_lr`` came from ``base_lr``.
+        backend: ``"xla"`` or ``"torch"``.
+        state_dict: The final model state on the CPU (after a stop: the last
+            finite epoch's; empty when no epoch ended finite).
+        stop_reason: None for a complete run, else why it stopped early.
+        warnings: What the run warned about (divergence, exploding validation loss).
+        run_id: Names this run's checkpoint files.
     """
 
     epochs: list[dict[str, Any]]
@@ -197,25 +209,19 @@ def _fmt(v: Any) -> str:
 class OneCycleTrainer:
     """Train ``model`` with the one-cycle policy on all TPU cores.
 
-    Parameters
-    ----------
-    model:
-        An ``nn.Module`` or a zero-argument factory returning one. It is created
-        once, here in the calling process (seeded with ``seed``), and every
-        replica starts from exactly these weights.
-    loss:
-        ``loss(outputs, targets) -> scalar`` (e.g. ``nn.CrossEntropyLoss()``;
-        ``nn.BCEWithLogitsLoss()`` for multi-label). Validation uses its
-        per-sample form (``reduction="none"``) when it has one.
-    train_data, val_data:
-        A :class:`~xla_utils.data.CachedImageDataset` (uint8 batches, normalised
-        and flipped on the device) or any map-style dataset returning
-        ``(input, target)``.
-    train_step:
-        Optional hook ``train_step(model, (x, y), loss) -> loss tensor`` for
-        other problem types. ``eval_step(model, (x, y)) -> outputs`` likewise.
-    **config:
-        Any field of :class:`TrainerConfig` (batch_size, epochs, max_lr, ...).
+    Args:
+        model: An ``nn.Module`` or a zero-argument factory returning one. It is created
+            once, here in the calling process (seeded with ``seed``), and every
+            replica starts from exactly these weights.
+        loss: ``loss(outputs, targets) -> scalar`` (e.g. ``nn.CrossEntropyLoss()``;
+            ``nn.BCEWithLogitsLoss()`` for multi-label). Validation uses its
+            per-sample form (``reduction="none"``) when it has one.
+        train_data, val_data: A :class:`~xla_utils.data.CachedImageDataset` (uint8 batches,
+            normalised and flipped on the device) or any map-style dataset returning ``(input,
+            target)``.
+        train_step: Optional hook ``train_step(model, (x, y), loss) -> loss tensor`` for
+            other problem types. ``eval_step(model, (x, y)) -> outputs`` likewise.
+        **config: Any field of :class:`TrainerConfig` (batch_size, epochs, max_lr, ...).
     """
 
     def __init__(self, model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable,
@@ -294,25 +300,37 @@ class OneCycleTrainer:
             check: bool = False) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
-        ``simulate=N`` runs N simulated XLA:CPU cores (no TPU needed). ``max_lr``
-        overrides the configured one (``"find"`` runs the LR finder first).
-        ``resume`` continues an earlier run exactly at its next epoch: an epoch
-        checkpoint file, a folder (its newest good ``epoch_*.pt``) or ``"last"``
-        (the newest in ``checkpoint_dir``). The checkpoint's configuration is
-        compared with this one first; anything the schedule or optimizer state
-        depends on (optimizer, batch size, epochs, max_lr, cores, steps per
-        epoch, ...) must match, else :class:`ResumeError` lists every
-        difference. A corrupt file raises :class:`CheckpointError` naming the
-        newest good checkpoint beside it. ``debug=True`` runs :func:`debug_run`
-        instead (one core, a few steps, XLA report).
-
         Labels are checked against the model's output width and the dataset's
         classes before anything runs. ``self.model`` receives the weights only
         after the run: the final ones, or after a stop on a non-finite loss
         (``on_nan="stop"``) those of the last epoch that ended finite.
-        ``check=True`` first runs :meth:`check` and prints its report; it raises
-        :class:`~xla_utils.readiness.ReadinessError` (before any training or TPU
-        time) when the report has errors, and goes on after warnings.
+
+        Args:
+            cores: ``"all"`` (default) or 1.
+            simulate: Run N simulated XLA:CPU cores (no TPU needed); default None.
+            max_lr: Overrides the configured one (``"find"`` runs the LR finder
+                first); default None: the configured ``max_lr``.
+            resume: Continue an earlier run exactly at its next epoch: an epoch
+                checkpoint file, a folder (its newest good ``epoch_*.pt``) or
+                ``"last"`` (the newest in ``checkpoint_dir``). The checkpoint's
+                configuration is compared with this one first; anything the
+                schedule or optimizer state depends on (optimizer, batch size,
+                epochs, max_lr, cores, steps per epoch, ...) must match.
+            debug: Deprecated: use :meth:`debug` (returns its report instead of
+                training).
+            timeout: Seconds after which the replicas are killed (default none).
+            check: First run :meth:`check` and print its report; default False.
+
+        Returns:
+            The run's :class:`History`.
+
+        Raises:
+            ResumeError: ``resume`` cannot continue exactly; lists every difference.
+            CheckpointError: A corrupt checkpoint; names the newest good one beside it.
+            ~xla_utils.readiness.ReadinessError: ``check=True`` found errors (before
+                any training or TPU time; warnings only print).
+            ValueError: Labels outside the model's outputs, unlabelled data, or a
+                training set smaller than one global batch.
         """
         cfg = self.config
         runtime._prestart_simulation(simulate)
