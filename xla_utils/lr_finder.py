@@ -671,7 +671,8 @@ def _sweep(cfg: _Config) -> LRFinderResult:
     record, raw, smoothed = curve.record, curve.raw, curve.smoothed
     pending: torch.Tensor | None = None  # the last step's loss, still on the device
 
-    pb = progress_bar(cfg.num_it, show=cfg.show_progress, leave=False)
+    pb = progress_bar(cfg.num_it, show=cfg.show_progress,
+                      console=runtime.backend() == "xla", leave=False)
     try:
         for i in pb:
             before = runtime.xla_counters()["compiles"]

@@ -1,9 +1,9 @@
 """Progress bars (fastprogress), in one place for the whole package.
 
 A forked XLA replica cannot draw notebook widgets, so there the console bars are
-used (their text reaches the notebook through stdout). This module imports
-neither torch nor torch_xla; it asks :mod:`xla_utils.runtime` for the backend only
-when the caller does not say.
+used (their text reaches the notebook through stdout): callers in a replica pass
+``console=True``, which :func:`xla_utils.runtime.progress_bars` does for the
+calling replica's backend. This module imports neither torch nor the runtime.
 """
 from __future__ import annotations
 
@@ -12,32 +12,28 @@ from typing import Any, Callable
 __all__ = ["progress_bars", "progress_bar"]
 
 
-def progress_bars(console: bool | None = None) -> tuple[Callable, Callable]:
-    """``(master_bar, progress_bar)`` from fastprogress that can draw here.
+def progress_bars(console: bool = False) -> tuple[Callable, Callable]:
+    """``(master_bar, progress_bar)`` from fastprogress.
 
     Args:
-        console: Force console (text) bars; default ``None``: console bars in an
-            XLA replica, fastprogress' own choice elsewhere.
+        console: Force console (text) bars, as an XLA replica needs; default
+            False: fastprogress' own choice (widgets in a notebook).
     """
     from fastprogress import fastprogress as fp
 
-    if console is None:
-        from . import runtime
-
-        console = runtime.backend() == "xla"
     if console:
         return fp.force_console_behavior()
     return fp.master_bar, fp.progress_bar
 
 
-def progress_bar(total: int, *, show: bool = True, console: bool | None = None,
+def progress_bar(total: int, *, show: bool = True, console: bool = False,
                  leave: bool = True) -> Any:
     """A bar over ``range(total)``; a plain ``range(total)`` when ``show`` is False.
 
     Args:
         total: Number of items.
         show: Draw a bar (default True).
-        console: As in :func:`progress_bars`.
+        console: As in :func:`progress_bars` (default False).
         leave: Keep the bar on screen when it ends (default True).
     """
     if not show:

@@ -759,7 +759,7 @@ class _Job:
         per_step, texts, losses = [], [], []
         bar = range(self.steps)
         if self.verbose and runtime.is_master():
-            bar = progress_bar(self.steps)
+            bar = progress_bar(self.steps, console=runtime.backend() == "xla")
         prev = runtime.xla_counters()
         for i in bar:
             shapes.append({})

@@ -46,18 +46,23 @@ Layout
 ``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
 ``transfer``  ``to_device``, ``device_prefetch``.
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
-``launcher``  ``launch`` and the replica entry points :mod:`xla_utils.simulate`
-              calls back into.
-Dependencies run down this list; only ``launcher`` imports ``xla_utils.simulate``
-(lazily). Progress bars are :mod:`xla_utils.progress`.
+``replica``   the replica side of a launch: the job's and replicas' entry
+              points, which :mod:`xla_utils.simulate` calls into.
+``launcher``  ``launch``: TPU jobs, simulated jobs (through
+              :mod:`xla_utils.simulate`, imported lazily), or in-process.
+Dependencies run down this list, and ``simulate`` sits between ``replica`` and
+``launcher``: it never imports the launcher. Progress bars are :mod:`xla_utils.progress`.
 """
 from __future__ import annotations
 
-from ..progress import progress_bars
+from typing import Callable
+
+from .. import progress as _progress
 from .counters import xla_counters, xla_counters_report
 # The underscored names are the package's internal API for the rest of xla_utils
 # (trainer, lr_finder, readiness, debug) and the tests; they are not public.
-from .launcher import ReplicaError, _launch, _prestart_simulation, launch
+from .launcher import _launch, _prestart_simulation, launch
+from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .transfer import device_prefetch, to_device
 from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
@@ -97,3 +102,8 @@ __all__ = [
     "RuntimeState",
 ]
 
+
+def progress_bars() -> tuple[Callable, Callable]:
+    """``(master_bar, progress_bar)`` that can draw in the calling replica: console
+    bars in an XLA replica (see :mod:`xla_utils.progress`)."""
+    return _progress.progress_bars(console=backend() == "xla")
