@@ -14,7 +14,7 @@ ratio and the largest difference between the two prediction arrays.
 The hand-written loop is what a careful user writes from the torch_xla docs:
 a ``DataLoader`` over the cache, ``MpDeviceLoader``, outputs kept on the device
 and read once at the end. It is, with scripts/bench_trainer.py, the only code
-outside ``xla_utils/runtime.py`` that calls torch_xla, because it is the baseline.
+outside ``xla_utils/runtime/`` that calls torch_xla, because it is the baseline.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ device->host transfers per step.
 
 The hand-written loop is what a careful user writes from the torch_xla docs:
 ``MpDeviceLoader`` + ``xm.optimizer_step`` and no host reads inside the loop.
-It is the only code in this repository outside ``xla_utils/runtime.py`` that
+It is the only code in this repository outside ``xla_utils/runtime/`` that
 calls torch_xla, because it is the baseline.
 """
 from __future__ import annotations

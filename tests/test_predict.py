@@ -177,7 +177,7 @@ def test_bad_input_fails_before_any_device_time(caches, tmp_path, monkeypatch):
             t.predict(c64, **bad)
     with pytest.raises(ValueError, match="unlabelled cache.*labels="):
         t.evaluate(u37)
-    for fn in (lambda tr: tr.fit(), lambda tr: tr.find_lr(), lambda tr: tr.fit(debug=True)):
+    for fn in (lambda tr: tr.fit(), lambda tr: tr.find_lr(), lambda tr: tr.debug()):
         with pytest.raises(ValueError, match="train_data .*u37 is an unlabelled cache.*labels="):
             fn(_trainer(u37))
     tv = _trainer(c64)

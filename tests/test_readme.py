@@ -152,7 +152,7 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     # and several replica threads after that are a documented limit
     assert rt.launch(job, simulate=1) == 1
 
-    debug = _block("python", "fit(debug=True)")
+    debug = _block("python", "trainer.debug()")
     exec(compile(debug, "README:debug", "exec"), ns)
     assert ns["report"].steps >= 1 and "compilations" in ns["report"].report
 

@@ -146,12 +146,12 @@ def test_compile_count_stable_and_report():
         dev = rt.device()
         w = torch.randn(4, 4).to(dev)
         counts = []
-        before = rt.metrics()
+        before = rt.xla_counters()
         for _ in range(6):
             w = torch.tanh(w @ w.T * 0.5)
             rt.sync()
-            counts.append(rt.metrics()["compiles"])
-        return counts, rt.metrics_report(before, rt.metrics(), steps=6)
+            counts.append(rt.xla_counters()["compiles"])
+        return counts, rt.xla_counters_report(before, rt.xla_counters(), steps=6)
 
     counts, report = rt.launch(job, simulate=2)
     assert counts[0] >= 1 and counts[-1] == counts[1]  # compiled once, then cached
@@ -192,7 +192,7 @@ def test_launch_after_runtime_initialised_refuses_tpu_fork_allows_simulation():
         torch_xla.device()  # initialises the runtime in this process
         # simulated replicas start from a clean interpreter: unaffected
         print("SIMULATED:", rt.launch(rt.world_size, simulate=2))
-        rt._TPU_PRESENT = True  # as on a TPU host, where launch forks this process
+        rt.STATE.tpu_present = True  # as on a TPU host, where launch forks this process
         try:
             rt.launch(print)
         except rt.RuntimeAlreadyInitializedError as e:
@@ -282,3 +282,27 @@ def test_cpu_matmul_in_a_forked_job_after_the_caller_set_torch_threads():
                        timeout=280, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "result" in p.stdout
+
+
+def test_state_is_one_object_with_a_per_thread_backend_and_a_reset():
+    import threading
+
+    from xla_utils.runtime.state import RuntimeState
+
+    s = RuntimeState()
+    s.tpu_present, s.host_sum_calls, s.simulated_process = True, 3, True
+    s.local.backend = "xla"
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(s.local.backend))
+    t.start()
+    t.join()
+    assert seen == [None]  # each replica thread has its own backend
+    s.reset()
+    fresh = RuntimeState()
+    for name in fresh.__dataclass_fields__:
+        if name != "local":
+            assert getattr(s, name) == getattr(fresh, name), name
+    assert s.local.backend is None and not s.local.in_replica
+    # launch() records the in-process replica's backend in the shared STATE
+    assert rt.launch(lambda: (rt.STATE.local.backend, rt.STATE.local.in_replica)) == ("torch", True)
+    assert rt.STATE.local.backend is None

@@ -126,14 +126,14 @@ def _xla_compiles_per_step(opt_name):
     s = OneCycleSchedule(10, 1.0, moms=(1.0, 0.0, 1.0))
     compiles = []
     for step in range(s.total_steps):
-        before = runtime.metrics()["compiles"]
+        before = runtime.xla_counters()["compiles"]
         s.apply(opt, step)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         runtime.sync()
-        compiles.append(runtime.metrics()["compiles"] - before)
+        compiles.append(runtime.xla_counters()["compiles"] - before)
     return compiles
 
 

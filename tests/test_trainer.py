@@ -187,7 +187,7 @@ def test_debug_run_after_in_process_fit_does_not_hang(tmp_path):
                                   torch.nn.Flatten(), torch.nn.Linear(64, 3))
         t = OneCycleTrainer(net, torch.nn.CrossEntropyLoss(), ds, batch_size=4, epochs=1)
         t.fit()                       # in-process, plain torch: uses the OpenMP pool
-        rep = t.fit(debug=True)       # forks an XLA:CPU child that deep-copies the model
+        rep = t.debug()               # forks an XLA:CPU child that deep-copies the model
         print("DEBUG-STEPS", rep.steps)
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)

@@ -365,3 +365,18 @@ def test_tiny_dataset_error_names_trainer_fix_not_drop_last():
     assert "drop_last" not in msg
     with pytest.raises(ValueError, match=r"32 per core x 2 cores = 64.*batch_size=10 or lower"):
         OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=32).fit(simulate=2)
+
+
+def test_fit_debug_is_deprecated_in_favour_of_trainer_debug(monkeypatch):
+    train, _ = _digits(n_train=64)
+    t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16)
+    monkeypatch.setattr(OneCycleTrainer, "_debug", lambda self, steps=5: ("report", steps))
+    with pytest.warns(DeprecationWarning, match=r"trainer\.debug\(\)"):
+        assert t.fit(debug=True) == ("report", 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert t.debug(steps=3) == ("report", 3)
+    # debug() checks the inputs as fit() does, before any device time
+    t = OneCycleTrainer(_mlp(2), nn.CrossEntropyLoss(), train, batch_size=16)
+    with pytest.raises(ValueError, match="outside the model's 2 outputs"):
+        t.debug()

@@ -33,7 +33,7 @@ _EXPORTS = {
     "CachedImageDataset": "data",
     "OneCycleSchedule": "schedule",
     "OneCycleTrainer": "trainer",
-    "debug_run": "trainer",
+    "debug_run": "debug",
     "lr_find": "lr_finder",
     "LRFinderResult": "lr_finder",
     "launch": "runtime",

@@ -29,6 +29,9 @@ Detection order:
 4. NVIDIA GPUs: PCI vendor 0x10de with a display class, ``<root>/dev/nvidiaN``,
    ``<root>/proc/driver/nvidia/gpus/*``.
 """
+# Why one module of about 950 lines: detection, advice and setup share the facts
+# tables and EnvInfo below, and every part takes a faked root/environment for the
+# tests; each section is small functions (none over 80 lines).
 from __future__ import annotations
 
 import argparse
@@ -462,7 +465,58 @@ def detect(
     vof = version_of or _metadata_version
     evidence: list[str] = []
     warnings: list[str] = []
+    plat, accelerator, gen, chips, num_devices, gpu = _detect_hardware(root, env, mods, evidence,
+                                                                       warnings)
+    versions = _detect_versions(vof, warnings)
+    pjrt = env.get("PJRT_DEVICE") or None
+    cpus = _cpu_count(root)
+    warnings += _setup_warnings(pjrt, accelerator, cpus, num_devices)
+    import_error = None
+    if check_import and version_of is None and versions["torch_xla"]:
+        import_error = _import_error(warnings)
+    work = cwd or os.getcwd()
+    info = EnvInfo(
+        platform=plat,
+        accelerator=accelerator,
+        tpu_generation=gen if accelerator == "tpu" else None,
+        tpu_type=_tpu_type_name(gen, chips) if accelerator == "tpu" else None,
+        tpu_chips=chips,
+        num_devices=num_devices,
+        gpu_count=gpu[0],
+        gpu_name=gpu[1],
+        python=python or _platform.python_version(),
+        os=system or _platform.system(),
+        machine=machine or _platform.machine(),
+        **versions,
+        pjrt_device=pjrt,
+        cpus=cpus,
+        ram_gb=_ram_gb(root),
+        disk_free_gb=_disk_free_gb(work),
+        cwd=work,
+        root=root,
+        evidence=evidence,
+        warnings=warnings,
+        import_error=import_error,
+    )
+    adv = advise(info)
+    info.ready = adv.kind == "ready"
+    info.next_step = adv.message + (f": {adv.command}" if adv.command else "")
+    info.next_command = adv.command
+    return info
 
+
+
+def _detect_hardware(root: str, env: Mapping[str, str], mods: Mapping[str, Any],
+                     evidence: list[str], warnings: list[str]
+                     ) -> tuple[str, str, str | None, int, int, tuple[int, str | None]]:
+    """Platform and accelerator from the file system and environment.
+
+    Appends what it concluded from to ``evidence`` (and doubts to ``warnings``).
+
+    Returns:
+        ``(platform, accelerator, tpu_generation, tpu_chips, num_devices,
+        (gpu_count, gpu_name))``; ``accelerator`` is ``"tpu"``, ``"gpu"`` or ``"cpu"``.
+    """
     plat, why = _detect_platform(root, env, mods)
     if why:
         evidence.append(why)
@@ -489,7 +543,18 @@ def detect(
         num_devices = 1
     if plat is None:
         plat = "tpu-vm" if accelerator == "tpu" else "local"
+    return plat, accelerator, gen, chips, num_devices, (gpu_count, gpu_name)
 
+
+def _detect_versions(vof: VersionOf, warnings: list[str]) -> dict[str, Any]:
+    """Installed versions of torch, torchvision, torch_xla and libtpu, and
+    whether torch and torch_xla are a pair; a torchvision that does not match
+    torch is added to ``warnings``.
+
+    Returns:
+        The :class:`EnvInfo` fields ``torch``, ``torchvision``, ``torch_xla``,
+        ``libtpu`` and ``paired``.
+    """
     libtpu = None
     for dist in ("libtpu", "libtpu-nightly"):
         libtpu = vof(dist)
@@ -497,16 +562,29 @@ def detect(
             break
     torch_v, xla_v = vof("torch"), vof("torch_xla")
     tmm, xmm = _major_minor(torch_v), _major_minor(xla_v)
-    paired = bool(tmm and xmm and tmm == xmm)
-
     tv = vof("torchvision")
     tvmm = _major_minor(tv)
     if tmm and tvmm and tmm[0] == 2 and tvmm != (0, tmm[1] + 15):
         warnings.append(
             f"torchvision {tv} does not match torch {torch_v} (expected 0.{tmm[1] + 15}.x)."
         )
+    return {"torch": torch_v, "torchvision": tv, "torch_xla": xla_v, "libtpu": libtpu,
+            "paired": bool(tmm and xmm and tmm == xmm)}
 
-    pjrt = env.get("PJRT_DEVICE") or None
+
+def _import_error(warnings: list[str]) -> str | None:
+    """Why ``import torch_xla`` fails in a subprocess (None when it works); a probe
+    that could not decide is added to ``warnings``."""
+    ok, why = _probe_torch_xla_import()
+    if ok is None:
+        warnings.append(why + ".")
+    return why if ok is False else None
+
+
+def _setup_warnings(pjrt: str | None, accelerator: str, cpus: int | None,
+                    num_devices: int) -> list[str]:
+    """Warnings about ``PJRT_DEVICE`` against the hardware, and too few host CPUs."""
+    warnings = []
     if pjrt and pjrt.upper() == "TPU" and accelerator != "tpu":
         warnings.append(
             "PJRT_DEVICE=TPU is set but no TPU chip was found: libtpu would retry the "
@@ -514,55 +592,12 @@ def detect(
         )
     if pjrt and pjrt.upper() == "CPU" and accelerator == "tpu":
         warnings.append("PJRT_DEVICE=CPU on a TPU machine: XLA will run on the host CPU, not the TPU.")
-    cpus = _cpu_count(root)
     if accelerator in ("tpu", "gpu") and cpus is not None and cpus <= 4:
         warnings.append(
             f"only {cpus} vCPUs feed {num_devices} device(s): decoding/augmenting images on the "
             "host will starve the accelerator; build a uint8 cache (xla_utils.build_cache)."
         )
-
-    import_error = None
-    if check_import and version_of is None and xla_v:
-        ok, why = _probe_torch_xla_import()
-        if ok is False:
-            import_error = why
-        elif ok is None:
-            warnings.append(why + ".")
-
-    work = cwd or os.getcwd()
-    info = EnvInfo(
-        platform=plat,
-        accelerator=accelerator,
-        tpu_generation=gen if accelerator == "tpu" else None,
-        tpu_type=_tpu_type_name(gen, chips) if accelerator == "tpu" else None,
-        tpu_chips=chips,
-        num_devices=num_devices,
-        gpu_count=gpu_count,
-        gpu_name=gpu_name,
-        python=python or _platform.python_version(),
-        os=system or _platform.system(),
-        machine=machine or _platform.machine(),
-        torch=torch_v,
-        torchvision=tv,
-        torch_xla=xla_v,
-        libtpu=libtpu,
-        paired=paired,
-        pjrt_device=pjrt,
-        cpus=cpus,
-        ram_gb=_ram_gb(root),
-        disk_free_gb=_disk_free_gb(work),
-        cwd=work,
-        root=root,
-        evidence=evidence,
-        warnings=warnings,
-        import_error=import_error,
-    )
-    adv = advise(info)
-    info.ready = adv.kind == "ready"
-    info.next_step = adv.message + (f": {adv.command}" if adv.command else "")
-    info.next_command = adv.command
-    return info
-
+    return warnings
 
 # --------------------------------------------------------------------------
 # Advice
@@ -594,6 +629,44 @@ def _quote(spec: str) -> str:
     return f'"{spec}"' if any(c in spec for c in "[]*") else spec
 
 
+def _no_wheels_advice(info: EnvInfo, tmm: tuple[int, int] | None) -> Advice:
+    """Advice on an OS or CPU with no torch_xla wheels (plain PyTorch only)."""
+    if tmm is None:
+        return Advice(
+            "install-torch",
+            f"torch is not installed (torch_xla has no wheels for {info.os} {info.machine}; "
+            "xla_utils will run on plain PyTorch)",
+            "pip install torch torchvision",
+        )
+    return Advice(
+        "no-xla-wheels",
+        f"torch_xla has no wheels for {info.os} {info.machine}: no TPU or simulated XLA cores "
+        "here; xla_utils runs on plain PyTorch",
+        blocking=False,
+    )
+
+
+def _no_torch_advice(info: EnvInfo, py: tuple[int, int], xmm: tuple[int, int] | None,
+                     tpu: bool) -> Advice:
+    """Advice when torch is not installed (whatever torch_xla is)."""
+    if xmm in TORCH_XLA_WHEELS:
+        spec = f"torch=={xmm[0]}.{xmm[1]}.*"
+        return Advice(
+            "install-torch",
+            f"torch_xla {info.torch_xla} is installed but torch is not",
+            f'pip install "{spec}" "torchvision==0.{xmm[1] + 15}.*"',
+        )
+    pair = _newest_pair_for(py)
+    if pair is None:
+        return Advice(
+            "python-unsupported",
+            f"torch is not installed and torch_xla has no wheels for Python {py[0]}.{py[1]} "
+            "(3.10-3.13 only); use a venv with a supported Python",
+            _fresh_venv(py, tpu),
+        )
+    return Advice("install-torch", "torch and torch_xla are not installed", _pair_line(pair, tpu))
+
+
 def _install_advice(info: EnvInfo) -> Advice | None:
     """The torch / torch_xla / libtpu problem on this machine, or None."""
     tpu = info.accelerator == "tpu"
@@ -603,38 +676,9 @@ def _install_advice(info: EnvInfo) -> Advice | None:
     wheels_os = info.os == "Linux" and info.machine.lower() in ("x86_64", "amd64")
 
     if not wheels_os:
-        if tmm is None:
-            return Advice(
-                "install-torch",
-                f"torch is not installed (torch_xla has no wheels for {info.os} {info.machine}; "
-                "xla_utils will run on plain PyTorch)",
-                "pip install torch torchvision",
-            )
-        return Advice(
-            "no-xla-wheels",
-            f"torch_xla has no wheels for {info.os} {info.machine}: no TPU or simulated XLA cores "
-            "here; xla_utils runs on plain PyTorch",
-            blocking=False,
-        )
-
+        return _no_wheels_advice(info, tmm)
     if tmm is None:
-        if xmm in TORCH_XLA_WHEELS:
-            spec = f"torch=={xmm[0]}.{xmm[1]}.*"
-            return Advice(
-                "install-torch",
-                f"torch_xla {info.torch_xla} is installed but torch is not",
-                f'pip install "{spec}" "torchvision==0.{xmm[1] + 15}.*"',
-            )
-        pair = _newest_pair_for(py)
-        if pair is None:
-            return Advice(
-                "python-unsupported",
-                f"torch is not installed and torch_xla has no wheels for Python {py[0]}.{py[1]} "
-                "(3.10-3.13 only); use a venv with a supported Python",
-                _fresh_venv(py, tpu),
-            )
-        return Advice("install-torch", "torch and torch_xla are not installed", _pair_line(pair, tpu))
-
+        return _no_torch_advice(info, py, xmm, tpu)
     if tmm > LAST_TORCH_XLA:
         return Advice(
             "torch-too-new",
@@ -848,34 +892,7 @@ def setup(
     out(report(info))
 
     if install:
-        adv = _install_advice(info)
-        if adv is None:
-            out("setup(install=True): nothing to install.")
-        elif not adv.pip_args:
-            what = ("will not reinstall packages that are already installed" if adv.kind == "broken-import"
-                    else "will not install or change torch")
-            out(
-                f"setup(install=True) {what}; "
-                f"{adv.message}" + (f".\nRun yourself: {adv.command}" if adv.command else ".")
-            )
-        else:
-            cmd = [sys.executable, "-m", "pip", "install", *adv.pip_args]
-            out("running: " + " ".join(cmd))
-            result = (runner or _default_runner)(cmd)
-            rc = getattr(result, "returncode", result)
-            if rc not in (0, None):
-                out(f"pip failed (exit code {rc}); the command was: {' '.join(cmd)}")
-            else:
-                importlib.invalidate_caches()
-                _import_probes.clear()  # the files changed: probe the import again
-                info = detect(root, env, mods, version_of=version_of, check_import=True)
-                out(f"installed; next step now: {info.next_step}")
-                if "torch" in mods or "torch_xla" in mods:
-                    out(
-                        "torch is already imported in this kernel: restart the kernel "
-                        "(Colab: Runtime > Restart session; Kaggle: Run > Restart & clear cell outputs), "
-                        "then run xla_utils.setup() again."
-                    )
+        info = _install(info, runner, root, env, mods, version_of, out)
 
     if info.accelerator == "tpu":
         prepare_spawn(info, env)
@@ -887,6 +904,42 @@ def setup(
                 "effect until the kernel is restarted and setup() runs first."
             )
     info.pjrt_device = env.get("PJRT_DEVICE") or None
+    return info
+
+
+def _install(info: EnvInfo, runner: Callable[[list[str]], Any] | None, root: str,
+             env: Mapping[str, str], mods: Mapping[str, Any], version_of: VersionOf | None,
+             out: Callable[[str], None]) -> EnvInfo:
+    """``setup(install=True)``: pip-install what :func:`_install_advice` names, or say
+    why not; returns the environment detected again after an installation."""
+    adv = _install_advice(info)
+    if adv is None:
+        out("setup(install=True): nothing to install.")
+    elif not adv.pip_args:
+        what = ("will not reinstall packages that are already installed" if adv.kind == "broken-import"
+                else "will not install or change torch")
+        out(
+            f"setup(install=True) {what}; "
+            f"{adv.message}" + (f".\nRun yourself: {adv.command}" if adv.command else ".")
+        )
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", *adv.pip_args]
+        out("running: " + " ".join(cmd))
+        result = (runner or _default_runner)(cmd)
+        rc = getattr(result, "returncode", result)
+        if rc not in (0, None):
+            out(f"pip failed (exit code {rc}); the command was: {' '.join(cmd)}")
+        else:
+            importlib.invalidate_caches()
+            _import_probes.clear()  # the files changed: probe the import again
+            info = detect(root, env, mods, version_of=version_of, check_import=True)
+            out(f"installed; next step now: {info.next_step}")
+            if "torch" in mods or "torch_xla" in mods:
+                out(
+                    "torch is already imported in this kernel: restart the kernel "
+                    "(Colab: Runtime > Restart session; Kaggle: Run > Restart & clear cell outputs), "
+                    "then run xla_utils.setup() again."
+                )
     return info
 
 

@@ -32,6 +32,7 @@ import torch
 
 from . import runtime
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
+from .progress import progress_bar
 
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
@@ -246,47 +247,34 @@ def assess(lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[flo
 class LRFinderResult:
     """What :func:`lr_find` measured.
 
-    Attributes
-    ----------
-    lrs:
-        Learning rate of every completed optimizer step, float64[n].
-    losses:
-        Raw training loss of each step (mean over its batch; NaN/inf kept as
-        recorded), float64[n].
-    smoothed:
-        Exponentially smoothed, bias-corrected loss (``beta``), float64[n]; NaN
-        from the first non-finite raw loss on.
-    suggestions:
-        ``{rule: lr}`` for every rule in :data:`RULES` (NaN when the sweep was
-        too short to say).
-    rule, suggestion:
-        The rule used for the answer and its LR (``suggestions[rule]``).
-    planned_steps:
-        Optimizer steps of the one-cycle run the answer is for (what the
-        ``"budget"`` rule assumed; the default rule does not depend on it);
-        None when unknown (``"budget"`` then assumes a run of at least
-        ``BUDGET_STEPS`` = 1000 steps).
-    confident, warning:
-        ``confident`` is False when the curve gave no trustworthy answer (flat,
-        noisy, or stopped too early, see :func:`assess`); ``warning`` says why
-        (None when confident). :func:`lr_find` also issues it as a warning.
-    batch_size:
-        The batch the answer is valid for: samples per optimizer step, i.e.
-        ``micro_batch_size * accum_steps``. ``fit(max_lr="find")`` measures at
-        its global batch (``accum_steps`` = the number of cores) and uses the
-        answer as is; only a ``max_lr`` number passed to ``fit`` is scaled.
-    micro_batch_size, accum_steps:
-        Samples per forward pass and micro-batches accumulated per step.
-    optimizer:
-        Name of the optimizer class the sweep used (e.g. ``"SGD"``).
-    stop_reason:
-        ``"num_it"`` (the sweep ran to ``end_lr``), ``"diverged"`` (smoothed loss
-        above ``diverge_factor`` x best) or ``"nan"`` (a non-finite loss).
-    backend, device:
-        Where it ran (``"xla"``/``"torch"``, e.g. ``"xla:0"``, ``"cpu"``).
-    compiles:
-        XLA graph compilations during each step, int[n] (zeros on plain torch);
-        after the first two steps they should be 0.
+    Attributes:
+        lrs: Learning rate of every completed optimizer step, float64[n].
+        losses: Raw training loss of each step (mean over its batch; NaN/inf kept as
+            recorded), float64[n].
+        smoothed: Exponentially smoothed, bias-corrected loss (``beta``), float64[n]; NaN
+            from the first non-finite raw loss on.
+        suggestions: ``{rule: lr}`` for every rule in :data:`RULES` (NaN when the sweep was
+            too short to say).
+        rule, suggestion: The rule used for the answer and its LR (``suggestions[rule]``).
+        planned_steps: Optimizer steps of the one-cycle run the answer is for (what the
+            ``"budget"`` rule assumed; the default rule does not depend on it);
+            None when unknown (``"budget"`` then assumes a run of at least
+            ``BUDGET_STEPS`` = 1000 steps).
+        confident, warning: ``confident`` is False when the curve gave no trustworthy answer (flat,
+            noisy, or stopped too early, see :func:`assess`); ``warning`` says why
+            (None when confident). :func:`lr_find` also issues it as a warning.
+        batch_size: The batch the answer is valid for: samples per optimizer step, i.e.
+            ``micro_batch_size * accum_steps``. ``fit(max_lr="find")`` measures at
+            its global batch (``accum_steps`` = the number of cores) and uses the
+            answer as is; only a ``max_lr`` number passed to ``fit`` is scaled.
+        micro_batch_size, accum_steps: Samples per forward pass and micro-batches accumulated
+            per step.
+        optimizer: Name of the optimizer class the sweep used (e.g. ``"SGD"``).
+        stop_reason: ``"num_it"`` (the sweep ran to ``end_lr``), ``"diverged"`` (smoothed loss
+            above ``diverge_factor`` x best) or ``"nan"`` (a non-finite loss).
+        backend, device: Where it ran (``"xla"``/``"torch"``, e.g. ``"xla:0"``, ``"cpu"``).
+        compiles: XLA graph compilations during each step, int[n] (zeros on plain torch);
+            after the first two steps they should be 0.
     """
 
     lrs: np.ndarray
@@ -415,76 +403,55 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             timeout: float | None = None) -> LRFinderResult:
     """LR range test on one core; returns an :class:`LRFinderResult`.
 
-    Parameters
-    ----------
-    model:
-        An ``nn.Module`` or a zero-argument factory returning one. Its weights
-        are the starting point; they are unchanged afterwards.
-    loss:
-        ``loss(model_output, target) -> scalar tensor``, mean over the batch
-        (e.g. ``nn.CrossEntropyLoss()``).
-    data:
-        Map-style dataset (e.g. :class:`xla_utils.CachedImageDataset`), batched
-        with :func:`xla_utils.data.iterate_batches` (shuffled, last partial
-        batch dropped, several passes if ``num_it`` needs them). uint8 NHWC
-        image batches are converted on the device with
-        :func:`xla_utils.data.images_to_float` (ImageNet mean/std).
-    batch_size:
-        Samples per forward pass on the one core: use the per-core batch of the
-        run you plan.
-    optimizer:
-        ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"`` or a callable, as
-        :func:`xla_utils.optim.make_optimizer`. The finder builds its own, so an
-        existing optimizer of yours is never touched; its momentum stays at the
-        optimizer's default during the sweep.
-    start_lr, end_lr, num_it:
-        The sweep: step ``i`` of ``num_it`` uses
-        ``start_lr * (end_lr/start_lr) ** (i/(num_it-1))`` (defaults 1e-7, 10, 100).
-    planned_steps, epochs:
-        The one-cycle run you plan, as optimizer steps or as epochs over
-        ``data`` (``epochs * (len(data) // (batch_size * accum_steps))`` steps);
-        give at most one. Recorded in ``result.planned_steps`` and used by the
-        ``"budget"`` rule (:func:`suggest_budget`), which scales its answer down
-        for runs shorter than 1000 steps. The default rule does not depend on
-        it: on the benchmark every such scaling made the worst case worse.
-        None (default): unknown. ``fit(max_lr="find")`` passes its own.
-    weight_decay:
-        Passed to the optimizer (default 0.0); use the value of the real run.
-    beta:
-        Smoothing of the loss, ``avg = beta*avg + (1-beta)*loss``, bias corrected
-        (default 0.98).
-    diverge_factor:
-        Stop when the smoothed loss exceeds this multiple of its best value so
-        far (default 4). A NaN or infinite loss stops the sweep too.
-    accum_steps:
-        Micro-batches of ``batch_size`` accumulated per optimizer step (default
-        1). With ``accum_steps=k`` the answer is for the global batch ``k *
-        batch_size`` of a k-core run, including per-core BatchNorm statistics,
-        at k times the cost. The default 1 answers for ``batch_size`` itself;
-        ``fit(max_lr="find")`` passes ``accum_steps`` = the number of cores it
-        launches, because an answer at the per-core batch scaled up by a rule
-        diverged where the one measured at the global batch trained
-        (docs/ARCHITECTURE.md, "Where the LR finder fits").
-    rule:
-        Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
-        Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),
-        picked by its worst case over 27 problems, see ``docs/BENCHMARKS.md``
-        "LR finder rules"; every rule's answer is in ``result.suggestions``.
-    seed:
-        Seeds the data order and the finder's RNGs (dropout, augmentation);
-        default 0. Your own RNG state is restored afterwards.
-    shuffle, num_workers:
-        Passed to :func:`xla_utils.data.iterate_batches`.
-    batch_tfm:
-        ``batch_tfm(x) -> x`` applied to each input batch on the device instead
-        of the default (uint8 NHWC -> normalised float NCHW, else unchanged).
-    show_progress:
-        A fastprogress bar (console style in the forked XLA child). Default True.
-    simulate:
-        ``1`` runs on one simulated XLA:CPU device (tests and debugging without a
-        TPU); see :func:`xla_utils.runtime.launch`.
-    timeout:
-        Seconds before a forked run is killed (``TimeoutError``); default none.
+    Args:
+        model: An ``nn.Module`` or a zero-argument factory returning one. Its weights
+            are the starting point; they are unchanged afterwards.
+        loss: ``loss(model_output, target) -> scalar tensor``, mean over the batch
+            (e.g. ``nn.CrossEntropyLoss()``).
+        data: Map-style dataset (e.g. :class:`xla_utils.CachedImageDataset`), batched
+            with :func:`xla_utils.data.iterate_batches` (shuffled, last partial
+            batch dropped, several passes if ``num_it`` needs them). uint8 NHWC
+            image batches are converted on the device with
+            :func:`xla_utils.data.images_to_float` (ImageNet mean/std).
+        batch_size: Samples per forward pass on the one core: use the per-core batch of the
+            run you plan.
+        optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"`` or a callable, as
+            :func:`xla_utils.optim.make_optimizer`. The finder builds its own, so an
+            existing optimizer of yours is never touched; its momentum stays at the
+            optimizer's default during the sweep.
+        start_lr, end_lr, num_it: The sweep: step ``i`` of ``num_it`` uses
+            ``start_lr * (end_lr/start_lr) ** (i/(num_it-1))`` (defaults 1e-7, 10, 100).
+        planned_steps, epochs: The one-cycle run you plan, as optimizer steps or as epochs over
+            ``data`` (``epochs * (len(data) // (batch_size * accum_steps))`` steps);
+            give at most one. Recorded in ``result.planned_steps`` and used by the
+            ``"budget"`` rule (:func:`suggest_budget`), which scales its answer down
+            for runs shorter than 1000 steps. The default rule does not depend on
+            it: on the benchmark every such scaling made the worst case worse.
+            None (default): unknown. ``fit(max_lr="find")`` passes its own.
+        weight_decay: Passed to the optimizer (default 0.0); use the value of the real run.
+        beta: Smoothing of the loss, ``avg = beta*avg + (1-beta)*loss``, bias corrected
+            (default 0.98).
+        diverge_factor: Stop when the smoothed loss exceeds this multiple of its best value so
+            far (default 4). A NaN or infinite loss stops the sweep too.
+        accum_steps: Micro-batches of ``batch_size`` accumulated per optimizer step (default
+            1). With ``accum_steps=k`` the answer is for the global batch ``k *
+            batch_size`` of a k-core run, including per-core BatchNorm statistics,
+            at k times the cost. ``fit(max_lr="find")`` measures this way, with k its
+            number of cores, so its answer needs no scaling rule on top. The default 1
+            answers for the per-core batch.
+        rule: Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
+            Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),
+            picked by its worst case over 27 problems, see ``docs/BENCHMARKS.md``
+            "LR finder rules"; every rule's answer is in ``result.suggestions``.
+        seed: Seeds the data order and the finder's RNGs (dropout, augmentation);
+            default 0. Your own RNG state is restored afterwards.
+        shuffle, num_workers: Passed to :func:`xla_utils.data.iterate_batches`.
+        batch_tfm: ``batch_tfm(x) -> x`` applied to each input batch on the device instead
+            of the default (uint8 NHWC -> normalised float NCHW, else unchanged).
+        show_progress: A fastprogress bar (console style in the forked XLA child). Default True.
+        simulate: ``1`` runs on one simulated XLA:CPU device (tests and debugging without a
+            TPU); see :func:`xla_utils.runtime.launch`.
+        timeout: Seconds before a forked run is killed (``TimeoutError``); default none.
 
     Loss reads: the step's loss stays on the device; after each step boundary
     the host reads the *previous* step's loss (already computed, so reading it
@@ -501,26 +468,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     runtime._prestart_simulation(simulate)
-    if not 0 < start_lr < end_lr:
-        raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr!r}, {end_lr!r}")
-    if num_it < 2:
-        raise ValueError(f"num_it must be >= 2, got {num_it!r}")
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps must be >= 1, got {accum_steps!r}")
-    if not 0.0 <= beta < 1.0:
-        raise ValueError(f"beta must be in [0, 1), got {beta!r}")
-    if diverge_factor <= 1.0:
-        raise ValueError(f"diverge_factor must be > 1, got {diverge_factor!r}")
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if epochs is not None:
-        if planned_steps is not None:
-            raise ValueError("give planned_steps or epochs, not both")
-        if not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
-        planned_steps = max(epochs * (len(data) // (batch_size * accum_steps)), 1)
-    if planned_steps is not None and (not isinstance(planned_steps, int) or planned_steps < 1):
-        raise ValueError(f"planned_steps must be a positive int, got {planned_steps!r}")
+    planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
+                                 beta, diverge_factor, rule, planned_steps, epochs)
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
                   weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
                   num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
@@ -541,6 +490,35 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                       f"{res.rule}) is not trustworthy: look at result.plot() and pick max_lr "
                       "yourself", RuntimeWarning, stacklevel=2)
     return res
+
+
+
+def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num_it: int,
+                 accum_steps: int, beta: float, diverge_factor: float, rule: str,
+                 planned_steps: int | None, epochs: int | None) -> int | None:
+    """Refuse invalid :func:`lr_find` arguments (``ValueError``); return the planned
+    optimizer steps (from ``epochs`` over ``data`` when given)."""
+    if not 0 < start_lr < end_lr:
+        raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr!r}, {end_lr!r}")
+    if num_it < 2:
+        raise ValueError(f"num_it must be >= 2, got {num_it!r}")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be >= 1, got {accum_steps!r}")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+    if diverge_factor <= 1.0:
+        raise ValueError(f"diverge_factor must be > 1, got {diverge_factor!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if epochs is not None:
+        if planned_steps is not None:
+            raise ValueError("give planned_steps or epochs, not both")
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+        planned_steps = max(epochs * (len(data) // (batch_size * accum_steps)), 1)
+    if planned_steps is not None and (not isinstance(planned_steps, int) or planned_steps < 1):
+        raise ValueError(f"planned_steps must be a positive int, got {planned_steps!r}")
+    return planned_steps
 
 
 def _replica(cfg: _Config) -> LRFinderResult:
@@ -638,12 +616,36 @@ def _micro_batches(cfg: _Config) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch += 1
 
 
-def _progress(total: int, show: bool):
-    """A fastprogress bar over range(total), or a plain range."""
-    if not show:
-        return range(total)
-    _, progress_bar = runtime.progress_bars()
-    return progress_bar(range(total), leave=False)
+class _Curve:
+    """The sweep's loss curve: raw and smoothed losses, and when to stop.
+
+    Args:
+        beta: Smoothing, ``avg = beta*avg + (1-beta)*loss``, bias corrected.
+        diverge_factor: Stop when the smoothed loss exceeds this multiple of its best.
+    """
+
+    def __init__(self, beta: float, diverge_factor: float) -> None:
+        self.beta, self.diverge_factor = beta, diverge_factor
+        self.raw: list[float] = []
+        self.smoothed: list[float] = []
+        self.avg, self.best = 0.0, math.inf
+        self.stop_reason = "num_it"
+
+    def record(self, loss_value: float) -> bool:
+        """Add one step's loss; True when the sweep must stop."""
+        self.raw.append(loss_value)
+        if not math.isfinite(loss_value) or self.stop_reason == "nan":
+            self.smoothed.append(math.nan)
+            self.stop_reason = "nan"
+            return True
+        self.avg = self.beta * self.avg + (1 - self.beta) * loss_value
+        sm = self.avg / (1 - self.beta ** len(self.raw))
+        self.smoothed.append(sm)
+        self.best = min(self.best, sm)
+        if sm > self.diverge_factor * self.best:
+            self.stop_reason = "diverged"
+            return True
+        return False
 
 
 def _sweep(cfg: _Config) -> LRFinderResult:
@@ -665,34 +667,16 @@ def _sweep(cfg: _Config) -> LRFinderResult:
     ratio = cfg.end_lr / cfg.start_lr
 
     lrs: list[float] = []
-    raw: list[float] = []
-    smoothed: list[float] = []
     compiles: list[int] = []
-    avg, best = 0.0, math.inf
-    stop_reason = "num_it"
+    curve = _Curve(cfg.beta, cfg.diverge_factor)
+    record, raw, smoothed = curve.record, curve.raw, curve.smoothed
     pending: torch.Tensor | None = None  # the last step's loss, still on the device
 
-    def record(loss_value: float) -> bool:
-        """Add one step's loss; True when the sweep must stop."""
-        nonlocal avg, best, stop_reason
-        raw.append(loss_value)
-        if not math.isfinite(loss_value) or stop_reason == "nan":
-            smoothed.append(math.nan)
-            stop_reason = "nan"
-            return True
-        avg = cfg.beta * avg + (1 - cfg.beta) * loss_value
-        sm = avg / (1 - cfg.beta ** len(raw))
-        smoothed.append(sm)
-        best = min(best, sm)
-        if sm > cfg.diverge_factor * best:
-            stop_reason = "diverged"
-            return True
-        return False
-
-    pb = _progress(cfg.num_it, cfg.show_progress)
+    pb = progress_bar(cfg.num_it, show=cfg.show_progress,
+                      console=runtime.backend() == "xla", leave=False)
     try:
         for i in pb:
-            before = runtime.metrics()["compiles"]
+            before = runtime.xla_counters()["compiles"]
             lr = cfg.start_lr * ratio ** (i / (cfg.num_it - 1))
             set_hparams(opt, lr)
             opt.zero_grad(set_to_none=True)
@@ -709,7 +693,7 @@ def _sweep(cfg: _Config) -> LRFinderResult:
             runtime.sync()
             lrs.append(float(opt.param_groups[0]["lr"]))
             stop = pending is not None and record(pending.item() / k)
-            compiles.append(runtime.metrics()["compiles"] - before)
+            compiles.append(runtime.xla_counters()["compiles"] - before)
             pending = total
             if hasattr(pb, "comment") and smoothed:
                 pb.comment = f"lr {lrs[len(smoothed) - 1]:.2e}  loss {smoothed[-1]:.4f}"
@@ -729,6 +713,6 @@ def _sweep(cfg: _Config) -> LRFinderResult:
         lrs=lrs_a, losses=np.asarray(raw, dtype=np.float64), smoothed=sm_a,
         suggestions=suggestions, rule=cfg.rule, suggestion=suggestions[cfg.rule],
         batch_size=cfg.batch_size * k, micro_batch_size=cfg.batch_size, accum_steps=k,
-        optimizer=type(opt).__name__, stop_reason=stop_reason, backend=runtime.backend(),
+        optimizer=type(opt).__name__, stop_reason=curve.stop_reason, backend=runtime.backend(),
         device=str(dev), compiles=np.asarray(compiles, dtype=np.int64),
         planned_steps=cfg.planned_steps)

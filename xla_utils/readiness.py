@@ -21,6 +21,11 @@ Everything is measured, not guessed from source text:
 The caller's process never touches the XLA runtime, and the caller's model,
 optimizer and RNG states are left exactly as they were: all of it happens in the
 forked child. The package exports :func:`check` as ``xla_utils.check``.
+
+Why one module of about 1,200 lines: the child's measurement (counters, the
+dispatch recorder) and the findings read and write one measurement dict whose
+keys are private to this check; split apart, that format would be spread over
+several files with no other reader.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
+from .progress import progress_bar
 
 __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS", "TPUChip",
            "CODES", "UTILIZATION"]
@@ -753,9 +759,8 @@ class _Job:
         per_step, texts, losses = [], [], []
         bar = range(self.steps)
         if self.verbose and runtime.is_master():
-            _, progress_bar = runtime.progress_bars()
-            bar = progress_bar(bar)
-        prev = runtime.metrics()
+            bar = progress_bar(self.steps, console=runtime.backend() == "xla")
+        prev = runtime.xla_counters()
         for i in bar:
             shapes.append({})
             t0 = time.perf_counter()
@@ -769,7 +774,7 @@ class _Job:
             texts.append(runtime.graph_text([loss] + params + state))
             runtime.sync()
             losses.append(loss.detach())
-            now = runtime.metrics()
+            now = runtime.xla_counters()
             d = {k: now[k] - prev[k] for k in ("compiles", "executions", "to_device", "to_host")}
             d["fallback_ops"] = {k: v - prev["fallback_ops"].get(k, 0)
                                  for k, v in now["fallback_ops"].items()
@@ -902,13 +907,42 @@ def _gib(n: float) -> str:
 
 
 def _findings(meas: dict[str, Any], chip: TPUChip) -> list[Finding]:
+    """Every finding the measurements of one check support, errors first."""
+    found: list[Finding] = []
+    found += _recompile_findings(meas)
+    found += _op_findings(meas)
+    found += _dtype_findings(meas)
+
+    # padding ----------------------------------------------------------------
+    if meas.get("matmuls"):
+        f = _padding_finding(meas["matmuls"], meas["batch_rows"], chip)
+        if f is not None:
+            found.append(f)
+
+    # memory -----------------------------------------------------------------
+    if meas.get("activation_bytes") is not None:
+        found.append(_memory_finding(meas, chip))
+
+    # input_bound --------------------------------------------------------------
+    if meas.get("loader") is not None:
+        found.append(_input_finding(meas, chip))
+
+    if meas.get("cpu_error"):
+        found.append(Finding(
+            "memory", "info",
+            f"the CPU analysis pass failed ({meas['cpu_error']}), so activation memory, FLOPs, "
+            "padding and intermediate dtypes were not measured; the XLA counters above still were.",
+            "make the model run on the CPU too (it must for this check), or read the other findings."))
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    found.sort(key=lambda f: order[f.severity])
+    return found
+
+
+def _recompile_findings(meas: dict[str, Any]) -> list[Finding]:
+    """Steps after the first that compiled a new graph, and what changed."""
     found: list[Finding] = []
     per_step = meas["per_step"]
     steady = per_step[1:]
-    n_steady = max(len(steady), 1)
-    places = meas.get("op_places") or {}
-
-    # recompile ------------------------------------------------------------
     bad = [i + 2 for i, s in enumerate(steady) if s["compiles"]]
     if bad:
         why = []
@@ -939,8 +973,15 @@ def _findings(meas: dict[str, Any], chip: TPUChip) -> list[Finding]:
             "keep every shape and Python value in the step fixed: pad or drop ragged batches, use "
             "fixed crop/resize sizes (or a few buckets), no step counters or random sizes inside "
             "forward, never let a scalar hit exactly 0 or 1, no Python branches on tensor values."))
+    return found
 
-    # fallbacks, dynamic shapes and host syncs ------------------------------
+
+def _op_findings(meas: dict[str, Any]) -> list[Finding]:
+    """Dynamic shapes, CPU-fallback ops and host syncs inside the step."""
+    found: list[Finding] = []
+    steady = meas["per_step"][1:]
+    n_steady = max(len(steady), 1)
+    places = meas.get("op_places") or {}
     fb_total: Counter = Counter()
     for s in steady:
         fb_total.update(s["fallback_ops"])
@@ -986,8 +1027,12 @@ def _findings(meas: dict[str, Any], chip: TPUChip) -> list[Finding]:
             "keep values on the device inside the step: no .item(), float(t), print(t), or Python "
             "`if`/`while` on tensors; accumulate metrics as tensors and read them every N steps "
             "(the trainer's log_every), check for NaN after the epoch."))
+    return found
 
-    # dtypes -----------------------------------------------------------------
+
+def _dtype_findings(meas: dict[str, Any]) -> list[Finding]:
+    """float64 and float16 in parameters, inputs or intermediate results."""
+    found: list[Finding] = []
     lowp = meas.get("low_precision") or {}
     ir_lowp = meas.get("ir_low_precision") or {}
     for dtype, code, fix in (
@@ -1018,29 +1063,6 @@ def _findings(meas: dict[str, Any], chip: TPUChip) -> list[Finding]:
                 "TPUs have no native float16: XLA converts around every op"
             found.append(Finding(code, "warning", f"{dtype} in " + "; ".join(parts) + f". {slow}.",
                                  fix))
-
-    # padding ----------------------------------------------------------------
-    if meas.get("matmuls"):
-        f = _padding_finding(meas["matmuls"], meas["batch_rows"], chip)
-        if f is not None:
-            found.append(f)
-
-    # memory -----------------------------------------------------------------
-    if meas.get("activation_bytes") is not None:
-        found.append(_memory_finding(meas, chip))
-
-    # input_bound --------------------------------------------------------------
-    if meas.get("loader") is not None:
-        found.append(_input_finding(meas, chip))
-
-    if meas.get("cpu_error"):
-        found.append(Finding(
-            "memory", "info",
-            f"the CPU analysis pass failed ({meas['cpu_error']}), so activation memory, FLOPs, "
-            "padding and intermediate dtypes were not measured; the XLA counters above still were.",
-            "make the model run on the CPU too (it must for this check), or read the other findings."))
-    order = {s: i for i, s in enumerate(SEVERITIES)}
-    found.sort(key=lambda f: order[f.severity])
     return found
 
 

@@ -69,6 +69,8 @@ ERROR_GRACE_S = 3.0
 _POLL_S = 0.05
 _WAIT_SLICE_S = 0.25  # how often a replica waiting in a collective checks on its peers
 _SEP = "\x1f"  # between the fields of an arrival record
+# Frames in this folder are xla_utils.runtime's (a call site is the frame before them).
+_RUNTIME_DIR = os.path.join("xla_utils", "runtime", "")
 
 
 class CollectiveError(RuntimeError):
@@ -273,7 +275,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     cores and return rank 0's result; used by ``runtime.launch(simulate=N)``.
 
     ``threads=True`` runs the replicas as threads of one job process on N XLA:CPU
-    devices (``runtime._simulate_threads``; only for code that synchronises
+    devices (``runtime.replica.simulate_threads``; only for code that synchronises
     through ``runtime.sync``, i.e. xla_utils' own loops) instead of one process each.
 
     Raises ``runtime.ReplicaError`` (the root cause, preferred over replicas that
@@ -282,7 +284,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     import cloudpickle
     import torch.distributed as dist
 
-    from . import runtime
+    from .runtime.replica import ReplicaError
 
     import shutil
     import tempfile
@@ -309,7 +311,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     result, got_result = None, False
     finished: set[int] = set()
     exited: dict[int, int] = {}
-    first_error: runtime.ReplicaError | None = None
+    first_error: ReplicaError | None = None
     error_deadline = None
     try:
         while True:
@@ -323,7 +325,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                     finished.add(r)
                 elif kind == "error":
                     tb, exc_type, secondary = pickle.loads(store.get(f"error/{r}"))
-                    err = runtime.ReplicaError(r, tb, exc_type)
+                    err = ReplicaError(r, tb, exc_type)
                     err._secondary = secondary
                     if first_error is None or (getattr(first_error, "_secondary", False)
                                                and not secondary):
@@ -340,7 +342,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                                    "a crash, os._exit, or the kernel's out-of-memory killer")
                             store.set("abort", f"replica {r} died ({why})")
                             if first_error is None or getattr(first_error, "_secondary", False):
-                                first_error = runtime.ReplicaError(r, msg, "ProcessDied")
+                                first_error = ReplicaError(r, msg, "ProcessDied")
                             if error_deadline is None:
                                 error_deadline = time.monotonic() + ERROR_GRACE_S
             if first_error is None and got_result and len(finished) == n:
@@ -354,7 +356,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                 raise TimeoutError(f"launch() timed out after {timeout} s; all replicas were killed")
             if job_gone:
                 if first_error is None:
-                    first_error = runtime.ReplicaError(
+                    first_error = ReplicaError(
                         -1, "the simulated job process was killed (signal or out of memory) "
                         "before its replicas reported", "ProcessDied")
                 break
@@ -375,7 +377,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     if first_error is not None:
         raise first_error
     if not got_result:
-        raise runtime.ReplicaError(0, "replica 0 exited without returning a result", "ProcessDied")
+        raise ReplicaError(0, "replica 0 exited without returning a result", "ProcessDied")
     return result
 
 
@@ -510,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.cores < 1:
         p.error("--cores must be >= 1")
-    from .runtime import ReplicaError
+    from .runtime.replica import ReplicaError
 
     try:
         return run_script(ns.script, cores=ns.cores, args=ns.args, timeout=ns.timeout)
@@ -545,7 +547,7 @@ def _zygote_main(fd: int) -> None:
         import torch_xla.distributed.xla_multiprocessing  # noqa: F401
         import torch_xla.runtime  # noqa: F401
 
-        from . import runtime  # noqa: F401
+        from .runtime import replica  # noqa: F401
     except BaseException as exc:
         _send(sock, ("error", f"{type(exc).__name__}: {exc}"))
         raise
@@ -618,16 +620,16 @@ def _job_main(request: dict) -> None:
 
 
 def _thread_job(request: dict) -> None:
-    """A job whose replicas are threads of this process (``runtime._simulate_threads``)."""
+    """A job whose replicas are threads of this process (``runtime.replica.simulate_threads``)."""
     _enter_caller_context(request)
     results = _StoreResults(request["port"], request["n"])
     try:
         import cloudpickle
 
-        from . import runtime
+        from .runtime import replica
 
         fn, args = cloudpickle.loads(request["payload"])
-        runtime._simulate_threads(fn, args, request["n"], results)
+        replica.simulate_threads(fn, args, request["n"], results)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             results.put(("error", -1, (traceback.format_exc(), type(exc).__name__)))
@@ -640,7 +642,7 @@ def _thread_job(request: dict) -> None:
 
 
 class _StoreResults:
-    """The ``results`` queue of ``runtime._simulate_threads``, posting to the
+    """The ``results`` queue of ``runtime.replica.simulate_threads``, posting to the
     caller's store as the process replicas do. Each process (xmp.spawn forks
     one) opens its own connection."""
 
@@ -710,14 +712,14 @@ def _replica_main(r: int, request: dict) -> int:
     import cloudpickle
     import torch.distributed as dist
 
-    from . import runtime
+    from .runtime import replica
 
     n = request["n"]
     store = dist.TCPStore("127.0.0.1", request["port"], is_master=False, timeout=_td(60))
     _World.rank, _World.size, _World.store, _World.shm = r, n, store, request["shm"]
     try:
         _patch_torch_xla(r, n)
-        runtime._enter_simulated_replica()
+        replica.enter_simulated_replica()
         fn, args = cloudpickle.loads(request["payload"])
         if request["pass_index"]:
             args = (r, *args)
@@ -730,7 +732,7 @@ def _replica_main(r: int, request: dict) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
         if r == 0:
-            store.set("result", runtime._dumps_cpu(out))
+            store.set("result", replica.dumps_cpu(out))
             _event(store, "result", r)
         store.set(f"finished/{r}", "1")
         _event(store, "finished", r)
@@ -797,13 +799,13 @@ def _call_site() -> tuple[str, str]:
     api, where = "collective", "?"
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
-        lib = ("torch_xla" in f.filename or f.filename.endswith(("xla_utils/simulate.py",
-                                                                  "xla_utils/runtime.py")))
+        lib = ("torch_xla" in f.filename or f.filename.endswith("xla_utils/simulate.py")
+               or _RUNTIME_DIR in f.filename)
         if not lib:
             where = f"{f.filename}:{f.lineno}"
             if i + 1 < len(frames):
                 nxt = frames[i + 1]
-                mod = "xla_utils.runtime" if nxt.filename.endswith("runtime.py") else "xm"
+                mod = "xla_utils.runtime" if _RUNTIME_DIR in nxt.filename else "xm"
                 api = f"{mod}.{nxt.name}"
             break
     return api, where

@@ -1,0 +1,268 @@
+"""Epoch checkpoints of :class:`~xla_utils.trainer.OneCycleTrainer`: write, find, read, resume.
+
+An epoch checkpoint (``epoch_<nnn>-<run id>.pt``) holds the model and optimizer
+state, the history and everything the one-cycle schedule needs to continue the
+run exactly; ``final.pt`` holds weights only. Reading never touches a device.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import runtime
+
+__all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
+           "model_with_weights"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is corrupt, truncated or not an epoch checkpoint."""
+
+
+class ResumeError(ValueError):
+    """A checkpoint cannot be continued exactly with this trainer's configuration."""
+
+
+_CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size", "steps_per_epoch"}
+
+
+# Config fields the optimizer state and the one-cycle schedule depend on: a
+# resumed run with any of them changed would not continue the same run.
+_RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_factor",
+                 "final_div_factor", "moms", "lr_scaling", "mean", "std")
+
+
+def _epoch_of(path: Path) -> int | None:
+    """Epoch number in an ``epoch_<nnn>[-<run id>].pt`` file name."""
+    head = path.name[len("epoch_"):].split("-", 1)[0].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _optimizer_name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    return f"callable {getattr(spec, '__module__', '?')}.{getattr(spec, '__qualname__', repr(spec))}"
+
+
+def _read_checkpoint(path: Path, mmap: bool = False) -> dict:
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not an xla_utils epoch "
+                              "checkpoint")
+    return ckpt
+
+
+def _newest_good_checkpoint(directory: Path, exclude: Path | None = None) -> tuple[Path, dict] | None:
+    """The most recently written epoch checkpoint in ``directory`` that loads
+    (memory-mapped, so tensors are not read), with its contents."""
+    files = [p for p in directory.glob("epoch_*.pt") if p.is_file()
+             and (exclude is None or p.resolve() != exclude.resolve())]
+    files.sort(key=lambda p: (p.stat().st_mtime, _epoch_of(p) or 0, p.name), reverse=True)
+    for p in files:
+        try:
+            ckpt = _read_checkpoint(p, mmap=True)
+        except Exception:
+            try:  # e.g. the legacy non-zip format cannot be memory-mapped
+                ckpt = _read_checkpoint(p)
+            except Exception:
+                continue
+        if not _CKPT_KEYS - set(ckpt):
+            return p, ckpt
+    return None
+
+
+def _load_checkpoint(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = _read_checkpoint(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        size = path.stat().st_size
+        good = _newest_good_checkpoint(path.parent, exclude=path)
+        beside = (f"The newest good checkpoint beside it is {good[0]} (epoch {good[1]['epoch']}): "
+                  f"fit(resume={str(good[0])!r})" if good is not None else
+                  f"No good epoch checkpoint is beside it in {path.parent}.")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({size} bytes; {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'}), e.g. a copy or "
+            f"upload that did not finish. {beside}") from None
+    missing = _CKPT_KEYS - set(ckpt)
+    if missing:
+        raise CheckpointError(f"{path} is not an xla_utils epoch checkpoint (missing "
+                              f"{sorted(missing)}); final.pt holds weights only: load it with "
+                              "model.load_state_dict(torch.load(path))")
+    return ckpt
+
+
+def _run_epoch_file(path: Path, doing: str) -> Path:
+    """``epoch_003.pt`` named the pre-run-id way: the newest run's epoch 3 file beside it."""
+    if path.exists() or _epoch_of(path) is None or "-" in path.name:
+        return path
+    runs = sorted(path.parent.glob(f"{path.stem}-*.pt"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        return path
+    print(f"{path.name} does not exist; {doing} {runs[-1].name}, the newest "
+          f"epoch {_epoch_of(path)} checkpoint in {path.parent}", flush=True)
+    return runs[-1]
+
+
+def resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, dict]:
+    """``resume`` is a file, a folder, or ``"last"`` (the configured
+    ``checkpoint_dir``); a folder means its newest good epoch checkpoint."""
+    if isinstance(resume, str) and resume == "last":
+        if checkpoint_dir is None:
+            raise ValueError("resume='last' needs checkpoint_dir=...; or pass a checkpoint file")
+        resume = checkpoint_dir
+    path = _run_epoch_file(Path(resume), "resuming from")
+    if path.is_dir():
+        good = _newest_good_checkpoint(path)
+        if good is None:
+            raise FileNotFoundError(f"no readable epoch checkpoint (epoch_*.pt) in {path}")
+        path = good[0]
+        print(f"resuming from {path}, the newest good checkpoint in {path.parent}", flush=True)
+    return path, _load_checkpoint(path)
+
+
+def _ckpt_optimizer(ckpt: dict) -> str | None:
+    """The optimizer name a checkpoint was written with (inferred for old ones)."""
+    if "optimizer_name" in ckpt:
+        return ckpt["optimizer_name"]
+    groups = ckpt["optimizer"].get("param_groups") or [{}]
+    if "decoupled" in groups[0]:
+        return "adamw" if groups[0]["decoupled"] else "adam"
+    if "momentum" in groups[0] and "betas" not in groups[0]:
+        return "sgd"
+    return None
+
+
+def check_resume(path: Path, ckpt: dict, cfg: Any, model: torch.nn.Module,
+                  max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> None:
+    """Compare a checkpoint with the new run before anything is loaded; refuse
+    (one error listing every difference) what would not continue exactly, and
+    say what was kept and what changed."""
+    old = dict(ckpt.get("config", {}))
+    new = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"}
+    fixed: list[str] = []
+
+    def differs(a: Any, b: Any) -> bool:
+        norm = (lambda v: tuple(v) if isinstance(v, (list, tuple)) else v)
+        return norm(a) != norm(b)
+
+    for k in _RESUME_FIXED:
+        if k in old and differs(old[k], new[k]):
+            fixed.append(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now")
+    was_opt, now_opt = _ckpt_optimizer(ckpt), _optimizer_name(cfg.optimizer)
+    if was_opt is not None and was_opt != now_opt:
+        fixed.append(f"optimizer: {was_opt!r} in the checkpoint, {now_opt!r} now")
+    if world is None:
+        pass  # checked in the replica, where the world size is known
+    elif ckpt["world_size"] != world:
+        fixed.append(f"cores: {ckpt['world_size']} in the checkpoint, {world} now")
+    elif ckpt["steps_per_epoch"] != steps_per_epoch:
+        fixed.append(f"steps per epoch: {ckpt['steps_per_epoch']} in the checkpoint, "
+                     f"{steps_per_epoch} now (the training set has changed size)")
+    want = cfg.max_lr if max_lr is None else max_lr
+    if want != "find" and not math.isclose(float(want), ckpt["base_lr"], rel_tol=1e-9):
+        fixed.append(f"max_lr: {ckpt['base_lr']:.6g} in the checkpoint, {want!r} now")
+    mine = model.state_dict()
+    theirs = ckpt["model"]
+    missing = [k for k in mine if k not in theirs]
+    extra = [k for k in theirs if k not in mine]
+    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(mine[k].shape)}" for k in mine
+              if k in theirs and hasattr(theirs[k], "shape") and theirs[k].shape != mine[k].shape]
+    if missing or extra or shapes:
+        fixed.append("model: the checkpoint's weights do not fit this model ("
+                     + "; ".join(filter(None, [
+                         f"missing {missing[:5]}" if missing else "",
+                         f"unexpected {extra[:5]}" if extra else "",
+                         f"shapes {shapes[:5]}" if shapes else ""])) + ")")
+    if fixed:
+        raise ResumeError(
+            f"cannot resume from {path} (epoch {ckpt['epoch']}): the optimizer state and the "
+            "one-cycle schedule would not continue exactly, because\n  " + "\n  ".join(fixed)
+            + "\nEither change these back to continue that run, or start a new schedule from "
+            "its weights: trainer.model.load_state_dict(torch.load(path)['model']), then "
+            "fit() without resume.")
+    changed = [f"{k} {old[k]!r} -> {new[k]!r}" for k in new
+               if k in old and k not in _RESUME_FIXED and k != "max_lr" and differs(old[k], new[k])]
+    total = old.get("epochs", cfg.epochs)
+    print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
+          f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
+          + (" (found by lr_find)" if want == "find" else "")
+          + f", optimizer {now_opt}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
+          "its schedule, "
+          "optimizer state and history"
+          + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
+
+
+def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """A copy of ``model`` with the weights of ``final.pt`` or an epoch checkpoint."""
+    path = _run_epoch_file(Path(path), "using")
+    if not path.is_file():
+        raise FileNotFoundError(f"weights={str(path)!r} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise ValueError(f"weights={str(path)!r} cannot be read ({type(exc).__name__}: {exc}); "
+                         "the file is corrupt or truncated, or not a torch checkpoint") from None
+    state = obj["model"] if isinstance(obj, dict) and isinstance(obj.get("model"), dict) else obj
+    if not isinstance(state, dict):
+        raise ValueError(f"weights={str(path)!r} holds a {type(state).__name__}, not a state dict "
+                         "or an xla_utils checkpoint")
+    net = copy.deepcopy(model)
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(f"weights={str(path)!r} do not fit this trainer's model: {exc}") from None
+    return net
+
+
+def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any, *, epoch: int,
+                    history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
+                    steps_per_epoch: int, run_id: str, host_state: dict | None,
+                    initial_loss: float | None) -> None:
+    """Write this run's epoch checkpoint from every replica; keep its newest files.
+
+    Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
+    ``cfg.checkpoint_dir`` (through :func:`xla_utils.runtime.save`), then the
+    master deletes this run's older epoch files beyond ``cfg.keep_checkpoints``.
+
+    Args:
+        model, opt: The replica's model and optimizer.
+        cfg: The trainer's :class:`~xla_utils.trainer.TrainerConfig`.
+        epoch: Epochs completed (1-based number of the epoch just ended).
+        history: The per-epoch records so far.
+        base_lr: ``max_lr`` for ``lr_world`` cores, as given or found.
+        lr_world: The world size ``base_lr`` is meant for.
+        world_size: This run's world size.
+        steps_per_epoch: Optimizer steps per epoch.
+        run_id: Names this run's files.
+        host_state: A host copy of the weights to save instead of the model's.
+        initial_loss: The untrained model's loss at the run's first step.
+    """
+    directory = Path(cfg.checkpoint_dir)
+    state = {
+        "model": host_state if host_state is not None else model.state_dict(),
+        "optimizer": opt.state_dict(), "epoch": epoch,
+        "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": world_size,
+        "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
+        "optimizer_name": _optimizer_name(cfg.optimizer),
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
+    }
+    runtime.save(state, directory / f"epoch_{epoch:03d}-{run_id}.pt")
+    if runtime.is_master():
+        # Only this run's files, ranked by epoch number: a rerun into the same
+        # folder never deletes another run's checkpoints, nor its own newest.
+        mine = sorted((_epoch_of(p), p) for p in directory.glob(f"epoch_*-{run_id}.pt")
+                      if _epoch_of(p) is not None)
+        for _, p in mine[:-cfg.keep_checkpoints]:
+            p.unlink(missing_ok=True)

@@ -1,0 +1,148 @@
+"""Single-core debug mode: a few plain training steps on ONE core, explained.
+
+Reached as :meth:`OneCycleTrainer.debug() <xla_utils.trainer.OneCycleTrainer.debug>`
+(the trainer's model, loss, data, optimizer and normalisation) or as
+:func:`debug_run` with explicit arguments. The report counts compilations, graph
+executions and host transfers per step and names CPU-fallback ops.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import runtime
+from .data import images_to_float, is_image_batch
+from .inputs import check_targets
+from .loop import default_eval_step, default_train_step
+from .optim import make_optimizer, resolve_optimizer
+
+__all__ = ["DebugReport", "debug_run"]
+
+
+@dataclass
+class DebugReport:
+    """What :func:`debug_run` measured.
+
+    Attributes:
+        backend: ``"xla"`` or ``"torch"``.
+        steps: Steps run.
+        losses: The loss of every step.
+        per_step: The counter deltas (``compiles``, ``executions``,
+            ``to_device``, ``to_host``) of every step.
+        fallback_ops: ``{"aten::op": count}`` run on the host CPU.
+        report: The explanation as text (also ``str(report)``).
+    """
+
+    backend: str
+    steps: int
+    losses: list[float]
+    per_step: list[dict[str, Any]]
+    fallback_ops: dict[str, int]
+    report: str
+
+    def __str__(self) -> str:
+        return self.report
+
+
+def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable, data,
+              batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
+              train_step: Callable | None = None, prepare: Callable | None = None,
+              print_report: bool = True, eval_step: Callable | None = None) -> DebugReport:
+    """Run a few plain training steps on ONE core and explain what XLA did.
+
+    A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
+    ends with ``xm.optimizer_step(opt, barrier=True)``, so an error surfaces at
+    the step that caused it. Afterwards it reports compilations, graph
+    executions, host transfers and CPU-fallback ops per step. It runs in a
+    forked child (on a TPU, or on one XLA:CPU device when there is none), so the
+    notebook can still launch all cores afterwards. Class labels are checked
+    against the model's output width first.
+
+    Args:
+        model: An ``nn.Module`` or a zero-argument factory returning one.
+        loss: ``loss(outputs, targets) -> scalar``.
+        data: A map-style dataset of ``(input, target)``.
+        batch_size: Samples per step (default 8).
+        steps: Steps to run (default 5: 2 to warm up, the rest must not compile).
+        optimizer: A name (any case) or a callable, as for the trainer (default ``"sgd"``).
+        lr: Constant learning rate (default 1e-3).
+        train_step: ``train_step(model, (x, y), loss) -> loss tensor``; default
+            ``loss(model(x), y)``.
+        prepare: Turns an input batch on the device into model input; default:
+            uint8 NHWC images are normalised with ImageNet mean/std
+            (``trainer.debug()`` passes the trainer's).
+        print_report: Print the report (default True).
+        eval_step: ``eval_step(model, (x, y)) -> outputs`` for the label check;
+            default ``model(x)``.
+    """
+    optimizer = resolve_optimizer(optimizer)
+    module = model if isinstance(model, torch.nn.Module) else model()
+
+    def to_input(x: torch.Tensor) -> torch.Tensor:
+        if prepare is not None:
+            return prepare(x)
+        return images_to_float(x) if is_image_batch(x) else x
+
+    check_targets(module, loss, data, "data", to_input, eval_step or default_eval_step)
+    step_fn = train_step or default_train_step
+    simulate = None if runtime._tpu_present() else 1
+    if simulate is not None and not runtime.xla_available():
+        simulate = None  # no torch_xla: the same loop on plain torch
+
+    def job() -> DebugReport:
+        return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
+                            batch_size=batch_size, steps=steps)
+
+    rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None, sim_threads=True)
+    if print_report:
+        print(rep.report, flush=True)
+    return rep
+
+
+def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
+                 to_input: Callable, *, optimizer: Any, lr: float, batch_size: int,
+                 steps: int) -> DebugReport:
+    """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each."""
+    dev = runtime.device()
+    net = copy.deepcopy(module).to(dev)
+    opt = make_optimizer(optimizer, net.parameters(), lr=lr)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False,
+                                         drop_last=True)
+    losses, per_step = [], []
+    first = prev = runtime.xla_counters()
+    n = 0
+    for x, y in loader:
+        if n == steps:
+            break
+        x, y = runtime.to_device((x, y), dev)
+        x = to_input(x)
+        opt.zero_grad(set_to_none=True)
+        loss_t = step_fn(net, (x, y), loss)
+        loss_t.backward()
+        runtime.optimizer_step(opt, barrier=True)
+        losses.append(float(loss_t.detach().cpu()))
+        now = runtime.xla_counters()
+        per_step.append({k: now[k] - prev[k] for k in
+                         ("compiles", "executions", "to_device", "to_host")})
+        prev = now
+        n += 1
+    if n == 0:
+        raise ValueError(f"data gave no full batch of {batch_size}; lower batch_size")
+    fb = {k: v - first["fallback_ops"].get(k, 0) for k, v in prev["fallback_ops"].items()
+          if v - first["fallback_ops"].get(k, 0) > 0}
+    text = [f"debug_run on {runtime.backend()} device {dev}: {n} steps, "
+            f"losses {', '.join(f'{v:.4g}' for v in losses)}",
+            runtime.xla_counters_report(first, prev, steps=n)]
+    if n > 2 and any(s["compiles"] for s in per_step[2:]):
+        bad = [i + 1 for i, s in enumerate(per_step) if i >= 2 and s["compiles"]]
+        text.append(
+            f"Steps {bad} compiled again after warm-up: the graph changes between steps "
+            "(a ragged last batch, a varying input shape, a Python scalar of exactly 0 or 1, "
+            ".item() or a Python condition on a tensor inside the step).")
+    elif n > 2:
+        text.append("Steps 3.. reused the compiled graph: no recompilation.")
+    return DebugReport(backend=runtime.backend(), steps=n, losses=losses, per_step=per_step,
+                       fallback_ops=fb, report="\n".join(text))

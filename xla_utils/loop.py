@@ -1,0 +1,526 @@
+"""The training loop as plain functions with explicit arguments (as timm's ``train.py``).
+
+:meth:`OneCycleTrainer.fit <xla_utils.trainer.OneCycleTrainer.fit>` runs, in every
+replica, :func:`set_up`, then per epoch :func:`train_one_epoch`, :func:`evaluate`
+and :func:`~xla_utils.checkpoint.save_checkpoint`; ``predict`` and ``evaluate``
+share :func:`replica_model`, :func:`prepare_input`, :func:`loader` and
+:func:`metric_accumulator` with it.
+
+Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
+over replicas) and one ``runtime.sync()``. The loss is accumulated on the device
+and read only every ``log_every`` steps; validation metrics are device sums
+reduced once per pass. Every rank gets the same number of full batches
+(training drops the ragged tail of the global shuffle; validation pads and
+masks), so after the first epoch nothing compiles again.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from . import runtime
+from .data import images_to_float, is_image_batch, iterate_batches
+from .metrics import MetricAccumulator, resolve_metrics
+from .optim import make_optimizer
+from .schedule import OneCycleSchedule
+
+__all__ = ["default_train_step", "default_eval_step", "prepare_input", "replica_model", "loader",
+           "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch", "evaluate",
+           "metric_accumulator", "exploded", "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
+           "InferencePlan", "activate", "inference_pass", "gather_predictions", "inference_metrics"]
+
+# An epoch loss this many times the untrained model's is reported as exploding.
+VAL_LOSS_EXPLODES = 10.0
+
+
+def default_train_step(model: torch.nn.Module, batch: tuple, loss_fn: Callable) -> torch.Tensor:
+    """``loss_fn(model(x), y)``: the trainer's default ``train_step``."""
+    x, y = batch
+    return loss_fn(model(x), y)
+
+
+def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """``model(x)``: the trainer's default ``eval_step``."""
+    x, _ = batch
+    return model(x)
+
+
+def prepare_input(x: torch.Tensor, cfg: Any, train: bool) -> torch.Tensor:
+    """Model input from a device batch: uint8 images are normalised with
+    ``cfg.mean`` / ``cfg.std`` (and flipped when ``train and cfg.flip``); other
+    inputs are returned unchanged."""
+    if is_image_batch(x):
+        return images_to_float(x, cfg.mean, cfg.std, flip=train and cfg.flip)
+    return x
+
+
+def replica_model(model: torch.nn.Module, dev: torch.device,
+                  state_dict: dict | None = None) -> torch.nn.Module:
+    """This replica's model on ``dev``, optionally loaded with ``state_dict`` first.
+
+    Simulated replica threads share Python objects, and in-process (torch
+    backend) the caller's model must stay untouched until success: both get
+    their own copy. A forked replica owns its process's model already.
+    """
+    if runtime.is_simulated() or runtime.backend() == "torch":
+        model = copy.deepcopy(model)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model.to(dev)
+
+
+def loader(data, cfg: Any, *, world_size: int, rank: int, epoch: int, train: bool):
+    """This rank's batches of ``data`` for one epoch: shuffled full batches for
+    training (ragged tail dropped), padded and masked ones otherwise."""
+    return iterate_batches(data, cfg.batch_size, world_size=world_size, rank=rank, shuffle=train,
+                           seed=cfg.seed, epoch=epoch, drop_last=train,
+                           num_workers=cfg.num_workers)
+
+
+def scale_lr(lr: float, world_size: int, rule: str) -> float:
+    """``lr`` for ``world_size`` cores under ``rule`` (linear, sqrt or none)."""
+    factor = {"linear": world_size, "sqrt": math.sqrt(world_size), "none": 1.0}[rule]
+    return lr * factor
+
+
+def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy that later in-place updates of ``state`` cannot reach."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+@dataclass
+class Setup:
+    """What :func:`set_up` prepared in one replica for a fit run.
+
+    Attributes:
+        model, opt, sched: The replica's model (on ``device``), optimizer and
+            one-cycle schedule (driven per optimizer step).
+        world_size, rank, device: This replica's world.
+        base_lr: ``max_lr`` for ``lr_world`` cores, as given or found.
+        lr_world: The world size ``base_lr`` is meant for.
+        max_lr: The peak LR of this run (``base_lr`` scaled to ``world_size``).
+        rule: The LR scaling rule (linear, sqrt or none).
+        lr_note: How ``max_lr`` came from ``base_lr``, in words.
+        steps_per_epoch: Optimizer steps per epoch on every rank.
+        start_epoch: First epoch to run (0, or the resumed checkpoint's epoch).
+        history: Per-epoch records so far (the resumed checkpoint's).
+        autocast: The forward/backward autocast context (bf16 when configured).
+    """
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: OneCycleSchedule
+    world_size: int
+    rank: int
+    device: torch.device
+    base_lr: float
+    lr_world: int
+    max_lr: float
+    rule: str
+    lr_note: str
+    steps_per_epoch: int
+    start_epoch: int
+    history: list[dict[str, Any]]
+    autocast: Any
+
+
+@dataclass
+class TrainState:
+    """What changes over a fit run in one replica.
+
+    Attributes:
+        step: Optimizer steps done (counting resumed epochs).
+        initial_loss: The untrained model's loss at the run's first step, the
+            yardstick for "the loss exploded" warnings.
+        finite_state: Host copy of the weights of the last epoch that ended
+            finite (master only, ``on_nan="stop"``); what the caller gets if a
+            later epoch diverges.
+        stop_reason: Why the run stopped early (``None``: it did not).
+        diverged: Whether the training loss was read non-finite.
+        warnings: What the run warned about.
+    """
+
+    step: int
+    initial_loss: float | None
+    finite_state: dict[str, torch.Tensor] | None = None
+    stop_reason: str | None = None
+    diverged: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+
+def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
+           ckpt: dict | None) -> Setup:
+    """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
+
+    Args:
+        model: The trainer's model (copied where replicas share objects).
+        cfg: The trainer's :class:`~xla_utils.trainer.TrainerConfig`.
+        train_data: The training dataset (sets the steps per epoch).
+        base_lr: ``max_lr`` for ``lr_world`` cores.
+        lr_world: The world size ``base_lr`` is meant for (1, or the world
+            ``lr_find`` measured for).
+        ckpt: A checkpoint to resume from, or ``None``.
+
+    Raises:
+        ResumeError: The checkpoint's world size or steps per epoch differ from
+            this run's (the schedule would not continue exactly).
+    """
+    from .checkpoint import ResumeError
+
+    ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
+    model = replica_model(model, dev, None if ckpt is None else ckpt["model"])
+    rule = cfg.scaling_rule
+    max_lr = scale_lr(base_lr, ws, rule) / scale_lr(1.0, lr_world, rule)
+    how = f"{rule} scaling" if lr_world == 1 else \
+        f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
+    runtime.master_print(
+        f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core = "
+        f"{ws * cfg.batch_size} global batch; max_lr {base_lr:.3g} x "
+        f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})")
+    opt = make_optimizer(cfg.optimizer, model.parameters(), lr=max_lr / cfg.div_factor,
+                         weight_decay=cfg.weight_decay)
+    steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True))
+    sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
+                             pct_start=cfg.pct_start, div_factor=cfg.div_factor,
+                             final_div_factor=cfg.final_div_factor, moms=cfg.moms)
+    history: list[dict[str, Any]] = []
+    start_epoch = 0
+    if ckpt is not None:
+        # fit() compared against the planned world; this is the actual one.
+        if (ckpt["world_size"], ckpt["steps_per_epoch"]) != (ws, steps_per_epoch):
+            raise ResumeError(
+                f"checkpoint was written with {ckpt['world_size']} cores and "
+                f"{ckpt['steps_per_epoch']} steps/epoch; this run has {ws} and "
+                f"{steps_per_epoch}: the one-cycle schedule would not continue exactly")
+        opt.load_state_dict(ckpt["optimizer"])
+        start_epoch, history = ckpt["epoch"], list(ckpt["history"])
+    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    return Setup(model=model, opt=opt, sched=sched, world_size=ws, rank=rk, device=dev,
+                 base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
+                 steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
+                 autocast=autocast)
+
+
+@dataclass
+class EpochResult:
+    """What :func:`train_one_epoch` measured.
+
+    Attributes:
+        train_loss: Mean training loss over all replicas at the epoch's last
+            read (NaN when never read).
+        lr_last: LR of the epoch's last step.
+        to_host: Device->host transfers in this process during the epoch.
+        seconds: Wall time of the epoch's training steps.
+    """
+
+    train_loss: float
+    lr_last: float
+    to_host: int
+    seconds: float
+
+
+def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *, cfg: Any,
+                    train_step: Callable, loss_fn: Callable, progress: Any = None) -> EpochResult:
+    """Run one training epoch in this replica.
+
+    On a non-finite loss read the divergence warning is recorded in ``state``;
+    with ``cfg.on_nan == "stop"`` the epoch ends there and ``state.stop_reason``
+    says why.
+
+    Args:
+        epoch: 0-based epoch number.
+        s: The replica's :class:`Setup`.
+        state: The run's :class:`TrainState` (``step``, ``initial_loss``,
+            divergence are updated).
+        batches: This rank's host batches ``(x, y, valid)`` for the epoch.
+        cfg: The trainer's configuration.
+        train_step: ``train_step(model, (x, y), loss_fn) -> loss tensor``.
+        loss_fn: The loss.
+        progress: A progress bar over the steps (master only), or ``None``.
+
+    Returns:
+        The epoch's :class:`EpochResult`.
+    """
+    spe, model, opt = s.steps_per_epoch, s.model, s.opt
+    runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
+    model.train()
+    t0 = time.perf_counter()
+    to_host0 = runtime.xla_counters()["to_host"]
+    # Device data, not torch.zeros(device=xla): a zeros *op* would make each
+    # epoch's first step a different graph (one recompile).
+    loss_sum = runtime.to_device(torch.zeros(()), s.device)
+    lr_last = s.sched.lr(state.step)
+    train_loss = math.nan
+    it = runtime.device_prefetch(batches)
+    for i, (x, y, _valid) in zip(progress if progress is not None else range(spe), it):
+        x = prepare_input(x, cfg, train=True)
+        lr_last = s.sched.apply(opt, state.step)
+        opt.zero_grad(set_to_none=True)
+        with s.autocast:
+            loss = train_step(model, (x, y), loss_fn)
+        loss.backward()
+        runtime.optimizer_step(opt)
+        loss_sum = loss_sum + loss.detach().float()
+        runtime.sync()
+        state.step += 1
+        if state.step == 1:
+            state.initial_loss = runtime.all_reduce(float(loss.detach().float().cpu()), op="mean")
+        if (i + 1) % cfg.log_every == 0 or i + 1 == spe:
+            # Every rank reads and the mean is exchanged on the host, so all
+            # ranks see the same value and stop at the same step.
+            train_loss = runtime.all_reduce(float(loss_sum.cpu()) / (i + 1), op="mean")
+            if progress is not None:
+                seen = (i + 1) * cfg.batch_size * s.world_size
+                progress.comment = (f"loss {train_loss:.4f}  "
+                                    f"{seen / (time.perf_counter() - t0):.0f} img/s")
+            if not math.isfinite(train_loss) and not state.diverged:
+                state.diverged = True
+                msg = divergence_message(cfg, train_loss, epoch, i + 1, s, lr_last,
+                                         state.finite_state is not None)
+                runtime.master_print(msg)
+                state.warnings.append(msg)
+                if cfg.on_nan == "stop":
+                    state.stop_reason = msg
+                    break
+    return EpochResult(train_loss=train_loss, lr_last=lr_last,
+                       to_host=runtime.xla_counters()["to_host"] - to_host0,
+                       seconds=time.perf_counter() - t0)
+
+
+def divergence_message(cfg: Any, value: float, epoch: int, step: int, s: Setup, lr: float,
+                       kept_finite: bool) -> str:
+    """The warning for a non-finite training loss read at ``step`` of ``epoch``
+    (0-based), saying what happens next and how to fix it."""
+    msg = (f"train_loss became {value} in epoch {epoch + 1} by step {step}/{s.steps_per_epoch} "
+           f"(LR then {lr:.3g}; peak max_lr {s.max_lr:.3g} from max_lr {s.base_lr:.3g}). ")
+    if cfg.on_nan == "stop":
+        if kept_finite:
+            kept = f"keeps the weights of epoch {epoch} (the last finite ones, a host copy)"
+        elif s.start_epoch:
+            kept = ("is unchanged (no epoch of this fit ended finite; the resumed "
+                    "checkpoint holds the last finite weights)")
+        else:
+            kept = "is unchanged (no epoch ended finite)"
+        msg += (f"Training stopped (on_nan='stop'); trainer.model {kept}; no checkpoint "
+                "was written for it. ")
+    else:
+        msg += "Training goes on (on_nan='continue'); no checkpoint is written for non-finite epochs. "
+    return msg + (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
+                  "fit(max_lr='find') pick it; check inputs, targets and the loss for "
+                  "inf/NaN (log of 0, division by 0)"
+                  + ("; with bf16=True try bf16=False" if cfg.bf16 else "") + ".")
+
+
+def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torch.Tensor,
+                       dev: torch.device) -> MetricAccumulator:
+    """A device-side accumulator of the configured metrics ``names`` (``None``:
+    the defaults for the problem), sized from a first output/target pair."""
+    multilabel = y.dtype.is_floating_point and y.dim() == 2
+    resolved = resolve_metrics(names, multilabel, out.shape[1] if out.dim() == 2 else None)
+    return MetricAccumulator(resolved, loss_fn, dev)
+
+
+def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Callable,
+             eval_step: Callable, autocast: Any, dev: torch.device) -> dict[str, float]:
+    """Validation loss and metrics of ``model`` over this rank's ``batches``,
+    reduced over all replicas.
+
+    Args:
+        model: The replica's model (set to eval mode here).
+        batches: This rank's padded host batches ``(x, y, valid)``.
+        cfg: The trainer's configuration (``metrics``, normalisation).
+        loss_fn, eval_step: The trainer's loss and ``eval_step``.
+        autocast: The autocast context of the run.
+        dev: The replica's device.
+
+    Raises:
+        ValueError: ``batches`` yielded nothing.
+    """
+    model.eval()
+    acc = None
+    with torch.no_grad():
+        for x, y, valid in runtime.device_prefetch(batches):
+            with autocast:
+                out = eval_step(model, (prepare_input(x, cfg, train=False), y))
+            if acc is None:
+                acc = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
+            acc.update(out, y, valid)
+            runtime.sync()
+    if acc is None:
+        raise ValueError("val_data yielded no batch")
+    return acc.compute()
+
+
+def exploded(key: str, value: float | None, initial: float | None, epoch: int) -> str | None:
+    """A warning when an epoch's loss is non-finite (validation) or more than
+    ``VAL_LOSS_EXPLODES`` times the untrained model's loss at the first step."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        if key == "train_loss":
+            return None  # the divergence message covers it
+        why = f"is {value}"
+    elif initial is not None and math.isfinite(initial) and initial > 0 \
+            and value > VAL_LOSS_EXPLODES * initial:
+        why = (f"is {value / initial:.3g}x the untrained model's loss at the first step "
+               f"({initial:.4g})")
+    else:
+        return None
+    return (f"{key} {value:.4g} at epoch {epoch} {why}: training is diverging. Lower max_lr "
+            "(or use fit(max_lr='find')), check the data and labels"
+            + (", add weight_decay" if key == "val_loss" else "") + ".")
+
+
+def epoch_line(r: dict[str, Any]) -> str:
+    parts = [f"epoch {r['epoch']}", f"train_loss {r['train_loss']:.4f}"]
+    for k in ("val_loss", "accuracy", "f1"):
+        if k in r:
+            parts.append(f"{k} {r[k]:.4f}")
+    parts += [f"{r['images_per_s']:.0f} img/s", f"{r['compiles']} compiles"]
+    return "  ".join(parts)
+
+
+@dataclass
+class InferencePlan:
+    """What one :func:`inference_pass` runs (built and checked on the host by the trainer).
+
+    Attributes:
+        data: The dataset (a cache, or ``(x, y)`` pairs).
+        n: Its length (predictions beyond it are padding).
+        views: ``(stored variant, mirrored)`` of each TTA view, in order.
+        batch_size: Per core.
+        activation: ``"softmax"``, ``"sigmoid"`` or ``None``.
+        model: The model to run (the trainer's, or one with other weights).
+        labelled: Compute metrics (``evaluate``) instead of predictions.
+        tta: Number of views averaged.
+    """
+
+    data: Any
+    n: int
+    views: list[tuple[int, bool]]
+    batch_size: int
+    activation: str | None
+    model: torch.nn.Module
+    labelled: bool
+    tta: int
+
+
+def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """Apply ``activation`` (sigmoid for a single output column) to model outputs."""
+    if activation is None:
+        return out
+    if activation == "sigmoid" or out.shape[1] == 1:
+        return torch.sigmoid(out)
+    return torch.softmax(out, dim=1)
+
+
+def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eval_step: Callable,
+                   world_size: int, rank: int, dev: torch.device
+                   ) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Run every TTA view of ``plan`` over this rank's share of the data.
+
+    Every view is one pass in dataset order over this rank's share of the padded
+    index list; per batch the activation output is added to a device
+    accumulator (one graph for every batch and view: the mirror flag is device
+    data).
+
+    Returns:
+        ``(acc, targets)``: per batch the summed activations of all views, and
+        (when ``plan.labelled``) per batch the ``(y, valid)`` device tensors.
+    """
+    ws, rk, bs = world_size, rank, plan.batch_size
+    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    mirror = any(f for _, f in plan.views)
+    batches = iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
+                              drop_last=False, num_workers=cfg.num_workers)
+    nb = len(batches)
+    acc: list[torch.Tensor | None] = [None] * nb
+    targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+    zeros = None
+    _, progress_bar = runtime.progress_bars()
+    total = nb * len(plan.views)
+    pb = progress_bar(range(total)) if runtime.is_master() else None
+
+    def steps():
+        for variant, flip in plan.views:
+            flag = runtime.to_device(torch.tensor(flip), dev) if mirror else None
+            for k, (x, y, valid) in enumerate(runtime.device_prefetch(
+                    iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
+                                    epoch=variant, drop_last=False, num_workers=cfg.num_workers))):
+                yield k, flag, x, y, valid
+
+    t0 = time.perf_counter()
+    it = steps()
+    with torch.no_grad():
+        for done, (_, (k, flag, x, y, valid)) in enumerate(
+                zip(pb if pb is not None else range(total), it), 1):
+            x = prepare_input(x, cfg, train=False)
+            if flag is not None:
+                x = torch.where(flag, x.flip(3), x)
+            with autocast:
+                out = eval_step(model, (x, y))
+            out = out.float()
+            if out.dim() == 1:
+                out = out.unsqueeze(1)
+            p = activate(out, plan.activation)
+            if zeros is None:  # device data, so the first view's steps use the same graph
+                zeros = runtime.to_device(torch.zeros(tuple(p.shape)), dev)
+            acc[k] = (zeros if acc[k] is None else acc[k]) + p
+            if plan.labelled and len(targets) < nb:
+                targets.append((y.clone(), valid.clone()))  # loader buffers are reused
+            runtime.sync()
+            if pb is not None and (done % cfg.log_every == 0 or done == total):
+                pb.comment = f"{done * bs * ws / (time.perf_counter() - t0):.0f} img/s"
+    it.close()
+    return acc, targets
+
+
+def gather_predictions(acc: list[torch.Tensor], plan: InferencePlan, *, world_size: int,
+                       rank: int, dev: torch.device) -> np.ndarray | None:
+    """All ranks' predictions in dataset order, on the master (``None`` elsewhere).
+
+    One all_reduce of a zero-filled ``[batches, world, batch, C]`` tensor, where
+    each rank fills its own slots, gathers the predictions exactly.
+    """
+    ws = world_size
+    local = torch.stack(acc)  # [nb, B, C]
+    if plan.tta > 1:
+        local = local / plan.tta
+    if ws > 1:
+        mine = runtime.to_device(torch.arange(ws) == rank, dev).view(1, ws, 1, 1)
+        local = runtime.all_reduce(torch.where(mine, local.unsqueeze(1), local.new_zeros(())))
+    runtime.sync()
+    if not runtime.is_master():
+        return None
+    c = local.shape[-1]
+    return local.cpu().numpy().reshape(-1, c)[:plan.n].astype(np.float32, copy=False)
+
+
+def inference_metrics(acc: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]],
+                      plan: InferencePlan, *, cfg: Any, loss_fn: Callable,
+                      dev: torch.device) -> dict[str, float]:
+    """Loss and metrics of the (TTA-averaged) predictions ``acc`` against ``targets``.
+
+    With ``tta > 1`` the averaged probabilities are turned back into the logits
+    the loss expects: ``log(mean softmax)`` or ``logit(mean sigmoid)``.
+    """
+    metrics = None
+    for out, (y, valid) in zip(acc, targets):
+        if plan.tta > 1:  # averaged probabilities -> the logits the loss expects
+            p = out / plan.tta
+            if plan.activation == "sigmoid":
+                p = p.clamp(1e-7, 1 - 1e-7)
+                out = torch.log(p) - torch.log1p(-p)
+            else:
+                out = torch.log(p.clamp_min(1e-30))
+        if metrics is None:
+            metrics = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
+        metrics.update(out, y, valid)
+        runtime.sync()
+    return metrics.compute()

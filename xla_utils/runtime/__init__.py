@@ -1,0 +1,109 @@
+"""The one package that talks to torch_xla.
+
+Everything else in xla_utils asks this package for the device, world size, rank,
+step boundary (``sync``), gradient-averaging optimizer step, reductions, saving
+and launching. Keeping every torch_xla call here means one place to adapt when
+the API moves (``xm.xla_device`` -> ``torch_xla.device``, ``xm.mark_step`` ->
+``torch_xla.sync``, and the announced TorchTPU successor).
+
+Backends
+--------
+``"xla"``   torch_xla devices: TPU cores, or ``simulate=N`` XLA:CPU devices.
+``"torch"`` plain PyTorch on one CUDA device or the CPU, world size 1. Used when
+            no TPU is present and no simulation was asked for, and whenever
+            torch_xla is missing.
+
+Inside :func:`launch` each replica knows its backend. Outside it, the backend is
+``"xla"`` on a TPU machine (calling :func:`device` then initialises the XLA
+runtime in this process, after which :func:`launch` can no longer spawn) and
+``"torch"`` elsewhere.
+
+Simulated cores
+---------------
+Simulated jobs start from a clean interpreter (see :mod:`xla_utils.simulate`), in
+one of two ways:
+
+- ``launch(fn, simulate=N)`` runs N replica *processes*, each with one XLA:CPU
+  device. Inside them torch_xla's world queries and collectives are the
+  simulated world's, so any torch_xla idiom works and this module calls
+  torch_xla exactly as on a TPU.
+- xla_utils' own loops (``fit``, ``predict``, ``evaluate``, ``lr_find``, ``check``)
+  run N replica *threads* of one process on N XLA:CPU devices
+  (``CPU_NUM_DEVICES=N``): one compilation instead of N, so much faster on a
+  small host (docs/BENCHMARKS.md). That only works because these loops
+  synchronise solely through :func:`sync`: threads compiling the same graph
+  concurrently would get different collective op ids ("Expected N threads to
+  join the rendezvous"), so in thread simulation every :func:`sync` first meets
+  the other replicas at a ``threading.Barrier`` and then compiles/launches the
+  graph under one lock (execution stays asynchronous, so the collective itself
+  still runs concurrently and cannot deadlock on the lock).
+
+Layout
+------
+``state``     :data:`~.state.STATE`, the one state object (per-thread backend
+              inside), with ``reset()`` for tests.
+``xla``       the lazy torch_xla import and its error message; TPU probe.
+``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
+``transfer``  ``to_device``, ``device_prefetch``.
+``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
+``replica``   the replica side of a launch: the job's and replicas' entry
+              points, which :mod:`xla_utils.simulate` calls into.
+``launcher``  ``launch``: TPU jobs, simulated jobs (through
+              :mod:`xla_utils.simulate`, imported lazily), or in-process.
+Dependencies run down this list, and ``simulate`` sits between ``replica`` and
+``launcher``: it never imports the launcher. Progress bars are :mod:`xla_utils.progress`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .. import progress as _progress
+from .counters import xla_counters, xla_counters_report
+# The underscored names are the package's internal API for the rest of xla_utils
+# (trainer, lr_finder, readiness, debug) and the tests; they are not public.
+from .launcher import _launch, _prestart_simulation, launch
+from .replica import ReplicaError
+from .state import STATE, RuntimeState
+from .transfer import device_prefetch, to_device
+from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
+                    master_print, optimizer_step, rank, rendezvous, save, set_seed, sync,
+                    world_size)
+from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, load_xla as _load_xla,
+                  tpu_present as _tpu_present, xla_available,
+                  xla_runtime_initialized as _xla_runtime_initialized)
+
+__all__ = [
+    "XLAUnavailableError",
+    "RuntimeAlreadyInitializedError",
+    "ReplicaError",
+    "xla_available",
+    "backend",
+    "device",
+    "world_size",
+    "rank",
+    "local_rank",
+    "is_master",
+    "is_simulated",
+    "sync",
+    "optimizer_step",
+    "all_reduce",
+    "master_print",
+    "rendezvous",
+    "save",
+    "to_device",
+    "device_prefetch",
+    "xla_counters",
+    "xla_counters_report",
+    "progress_bars",
+    "set_seed",
+    "launch",
+    "graph_text",
+    "STATE",
+    "RuntimeState",
+]
+
+
+def progress_bars() -> tuple[Callable, Callable]:
+    """``(master_bar, progress_bar)`` that can draw in the calling replica: console
+    bars in an XLA replica (see :mod:`xla_utils.progress`)."""
+    return _progress.progress_bars(console=backend() == "xla")

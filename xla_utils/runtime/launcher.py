@@ -1,0 +1,216 @@
+"""Launch: run a function on every replica (TPU cores, simulated cores, or here).
+
+``launch`` on a TPU forks one job process into
+:func:`~xla_utils.runtime.replica.job_main`, which ``xmp.spawn``s the replicas;
+simulated jobs are started by :mod:`xla_utils.simulate` from its clean
+interpreter. Without a TPU and without simulation, ``fn`` runs in-process on the
+torch backend. Only this module imports :mod:`xla_utils.simulate` (lazily); the
+replica side (:mod:`~xla_utils.runtime.replica`) never does.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue as queue_mod
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from .replica import ReplicaError, job_main
+from .state import STATE
+from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_available,
+                  xla_runtime_initialized)
+
+__all__ = ["launch"]
+
+# After the first replica error, how long the others get to report before the
+# whole job is killed.
+ERROR_GRACE_S = 3.0
+
+
+def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
+           simulate: int | None = None, timeout: float | None = None) -> Any:
+    """Run ``fn(*args)`` on every core and return the master replica's result.
+
+    On a TPU the replicas run in a forked child process (``xmp.spawn`` with
+    ``start_method='fork'``, so functions and models defined in a notebook
+    work). Simulated replicas are processes forked from a clean interpreter;
+    ``fn`` and ``args`` reach them through cloudpickle (notebook functions,
+    lambdas and models work too). Either way the calling process stays free of
+    XLA runtime state and can launch again later. Without a TPU and without
+    ``simulate`` (or without torch_xla), ``fn`` runs here, in-process, on one
+    CUDA device or the CPU with world size 1.
+
+    On a multi-host TPU pod slice run the same script on every host (e.g.
+    ``gcloud compute tpus tpu-vm ssh ... --worker=all --command "python
+    train.py"``); ranks and world size are global.
+
+    Args:
+        fn: The replica function; called as ``fn(*args)`` on every replica.
+        *args: Its arguments.
+        cores: ``"all"`` (default) for every TPU core of this host, or ``1``.
+        simulate: Run on N simulated XLA:CPU cores (world size N) instead of a
+            TPU, e.g. ``simulate=8`` to exercise 8-core code without TPU quota.
+            Needs torch_xla. With ``cores=1`` a single XLA:CPU device is used.
+            Replica code may use :mod:`xla_utils.runtime` or torch_xla's own
+            idioms (``xm.all_reduce``, ``xm.optimizer_step``, ``MpDeviceLoader``,
+            ``xm.mesh_reduce``, ...); see :mod:`xla_utils.simulate`. Default
+            ``None``: no simulation.
+        timeout: Seconds after which the job is killed (default: none).
+
+    Returns:
+        What ``fn`` returned on rank 0 (device tensors arrive as CPU tensors).
+
+    Raises:
+        ReplicaError: An exception in any replica, carrying that replica's
+            traceback; the other replicas are killed rather than left hanging.
+        TimeoutError: ``timeout`` passed; every replica was killed.
+        RuntimeAlreadyInitializedError: On a TPU, this process already
+            initialised the XLA runtime and can no longer fork replicas.
+        XLAUnavailableError: ``simulate`` without a working torch_xla.
+    """
+    return _launch(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
+
+
+def _prestart_simulation(simulate: int | None) -> None:
+    """Start the simulation's clean interpreter in the background when a launch
+    with ``simulate`` is coming (see :func:`xla_utils.simulate.prestart`)."""
+    if simulate is not None and xla_available():
+        from .. import simulate as sim
+
+        sim.prestart()
+
+
+def _launch(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
+            timeout: float | None, sim_threads: bool) -> Any:
+    """:func:`launch`; ``sim_threads=True`` simulates cores as threads of one
+    process (xla_utils' own loops, which synchronise only through :func:`sync`;
+    see :mod:`xla_utils.runtime`)."""
+    if cores not in ("all", 1):
+        raise ValueError(f"cores must be 'all' or 1, got {cores!r} (TPUs run 1 or all cores)")
+    if simulate is not None and (not isinstance(simulate, int) or simulate < 1):
+        raise ValueError(f"simulate must be a positive int (number of XLA:CPU devices), got {simulate!r}")
+    use_xla = simulate is not None or (tpu_present() and xla_available())
+    if use_xla:
+        load_xla()  # clear XLAUnavailableError before forking
+        # Simulated replicas start from a clean interpreter: this process's XLA
+        # state does not matter to them. A TPU launch forks this process.
+        if simulate is None and xla_runtime_initialized():
+            raise RuntimeAlreadyInitializedError(
+                "this process has already initialised the XLA runtime (something called "
+                "torch_xla.device(), xm.xla_device(), xr.world_size() or moved a tensor "
+                "to XLA outside launch()), so it cannot spawn replicas any more. Fix: "
+                "restart the kernel/process and keep every XLA call inside the function "
+                "passed to launch() (or OneCycleTrainer.fit / lr_find, which do that)."
+            )
+        return _launch_xla(fn, args, cores=cores, simulate=simulate, timeout=timeout,
+                           sim_threads=sim_threads)
+    # torch backend, in-process
+    prev = STATE.local.backend, STATE.local.in_replica
+    STATE.local.backend, STATE.local.in_replica = "torch", True
+    try:
+        return fn(*args)
+    finally:
+        STATE.local.backend, STATE.local.in_replica = prev
+
+
+def _launch_xla(fn, args, *, cores, simulate, timeout, sim_threads) -> Any:
+    if simulate is not None:
+        from .. import simulate as sim
+
+        return sim.run_replicas(fn, tuple(args), 1 if cores == 1 else simulate, timeout=timeout,
+                                threads=sim_threads)
+    return _launch_tpu(fn, args, cores=cores, timeout=timeout)
+
+
+def _launch_tpu(fn, args, *, cores, timeout) -> Any:
+    """Fork one job process that ``xmp.spawn``s the TPU replicas; collect the result."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    job = ctx.Process(target=job_main, args=(fn, args, cores, results),
+                      name="xla_utils-launch", daemon=False)
+    # Flush so that buffered notebook output is not duplicated by the fork.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    job.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    first_error: ReplicaError | None = None
+    error_deadline = None
+    result: Any = None
+    got_result = False
+    finished: set[int] = set()
+    try:
+        while True:
+            try:
+                kind, r, payload = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                kind = None
+            if kind == "result":
+                result, got_result = pickle.loads(payload), True
+            elif kind == "error":
+                tb, exc_type = payload
+                if first_error is None:
+                    first_error = ReplicaError(r, tb, exc_type)
+                if error_deadline is None:
+                    error_deadline = time.monotonic() + ERROR_GRACE_S
+            elif kind == "finished":
+                finished.add(r)
+                # Every replica's fn has returned: the job has nothing left to do
+                # but tear down the XLA runtime, which can crash natively at exit
+                # ("pure virtual method called") under load. Do not wait for it.
+                if got_result and first_error is None and len(finished) == payload:
+                    break
+            elif kind == "done":
+                break
+            if kind is None and not job.is_alive():
+                # drain anything sent just before exit
+                with contextlib.suppress(queue_mod.Empty):
+                    while True:
+                        kind, r, payload = results.get(timeout=0.5)
+                        if kind == "result":
+                            result, got_result = pickle.loads(payload), True
+                        elif kind == "error" and first_error is None:
+                            first_error = ReplicaError(r, *payload)
+                break
+            now = time.monotonic()
+            if error_deadline is not None and now > error_deadline:
+                break
+            if deadline is not None and now > deadline:
+                _kill(job)
+                raise TimeoutError(f"launch() timed out after {timeout} s; all replicas were killed")
+    except KeyboardInterrupt:
+        _kill(job)
+        raise
+    if job.is_alive():
+        job.join(timeout=0.5 if first_error is not None or finished else ERROR_GRACE_S)
+    if job.is_alive():
+        _kill(job)
+    if first_error is not None:
+        raise first_error
+    if job.exitcode not in (0, None) and not got_result:
+        raise _died(job.exitcode)
+    return result
+
+
+def _died(exitcode: int) -> ReplicaError:
+    """The error for a job process that exited with ``exitcode`` and no traceback."""
+    sig = -exitcode if exitcode < 0 else None
+    why = f"killed by signal {signal.Signals(sig).name}" if sig else f"exit code {exitcode}"
+    hint = " (SIGKILL usually means the host ran out of memory)" if sig == signal.SIGKILL else ""
+    return ReplicaError(-1, f"the replica process died ({why}){hint} without a Python traceback",
+                        "ProcessDied")
+
+
+def _kill(job) -> None:
+    """Kill the job process and everything it started (its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(job.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        job.kill()
+    job.join(timeout=5)
+
+

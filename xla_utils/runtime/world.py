@@ -1,0 +1,250 @@
+"""The calling replica's world: backend, device, ranks, the step boundary, collectives, save.
+
+Every function asks :data:`~xla_utils.runtime.state.STATE` which backend the
+calling thread's replica has (see :mod:`xla_utils.runtime`); on the torch backend
+the world has one replica and collectives are no-ops.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterable
+
+from .state import STATE, SimGroup
+from .xla import load_xla, tpu_present, xla_available
+
+__all__ = ["backend", "is_simulated", "device", "world_size", "rank", "local_rank", "is_master",
+           "sync", "optimizer_step", "all_reduce", "master_print", "rendezvous", "save",
+           "set_seed", "graph_text", "BARRIER_TIMEOUT_S"]
+
+# Seconds a thread-simulated replica waits at a step boundary for the others. A
+# replica that is still compiling a large graph can legitimately lag, so this is
+# long; it only exists so that a dead replica can never hang the rest forever.
+BARRIER_TIMEOUT_S = float(os.environ.get("XLA_UTILS_BARRIER_TIMEOUT", "600"))
+
+
+def backend() -> str:
+    """``"xla"`` or ``"torch"`` for the calling replica (see :mod:`xla_utils.runtime`)."""
+    if STATE.local.backend is not None:
+        return STATE.local.backend
+    if STATE.simulated_process:
+        return "xla"
+    return "xla" if tpu_present() and xla_available() else "torch"
+
+
+def is_simulated() -> bool:
+    """True inside a ``launch(..., simulate=N)`` replica."""
+    return STATE.simulated_process or (STATE.sim is not None and backend() == "xla")
+
+
+def device():
+    """The calling replica's device (``torch.device``)."""
+    import torch
+
+    if backend() == "xla":
+        x = load_xla()
+        tx = x["torch_xla"]
+        return tx.device() if hasattr(tx, "device") else x["xm"].xla_device()
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def world_size() -> int:
+    """Number of replicas over all hosts (1 on the torch backend)."""
+    if backend() != "xla":
+        return 1
+    return int(load_xla()["xr"].world_size())
+
+
+def rank() -> int:
+    """Global rank of the calling replica, 0 .. world_size()-1."""
+    if backend() != "xla":
+        return 0
+    return int(load_xla()["xr"].global_ordinal())
+
+
+def local_rank() -> int:
+    """Rank of the calling replica on this host."""
+    if backend() != "xla":
+        return 0
+    return int(load_xla()["xr"].local_ordinal())
+
+
+def is_master() -> bool:
+    """True on global rank 0."""
+    return rank() == 0
+
+
+def sync() -> None:
+    """End the step: compile (if new) and launch the pending XLA graph.
+
+    Every replica must call it the same number of times. In thread simulation
+    it also meets the other replicas first (see :mod:`xla_utils.runtime`). No-op
+    on the torch backend.
+    """
+    if backend() != "xla":
+        return
+    x = load_xla()
+    tx = x["torch_xla"]
+    do_sync = tx.sync if hasattr(tx, "sync") else x["xm"].mark_step
+    sim = STATE.sim
+    if sim is None:
+        do_sync()
+        return
+    sim_wait(sim)
+    with sim.lock:
+        do_sync()
+
+
+def sim_wait(sim: SimGroup) -> None:
+    """Meet the other replica threads of a thread-simulated job.
+
+    Raises:
+        RuntimeError: another replica failed, or ``BARRIER_TIMEOUT_S`` passed.
+    """
+    try:
+        sim.barrier.wait(timeout=BARRIER_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        raise RuntimeError(
+            "another simulated replica failed or timed out at a step boundary; "
+            "this replica stops too"
+        ) from None
+
+
+def optimizer_step(optimizer, barrier: bool = False) -> None:
+    """Average gradients over replicas, then ``optimizer.step()``.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer``.
+        barrier: Also end the step (the single-core debug idiom
+            ``xm.optimizer_step(opt, barrier=True)``); default False: call
+            :func:`sync` yourself.
+    """
+    if backend() != "xla":
+        optimizer.step()
+        return
+    xm = load_xla()["xm"]
+    if STATE.sim is not None and barrier:
+        xm.optimizer_step(optimizer)
+        sync()
+    else:
+        xm.optimizer_step(optimizer, barrier=barrier)
+
+
+def all_reduce(value, op: str = "sum"):
+    """Sum or mean of a tensor or a Python number over all replicas.
+
+    Tensors are reduced lazily on the device (no host sync; the result is
+    materialised at the next :func:`sync`). Python numbers are reduced on the
+    host and returned as a float; call it from every replica, outside hot loops.
+
+    Args:
+        value: A tensor or a Python number.
+        op: ``"sum"`` (default) or ``"mean"``.
+    """
+    import torch
+
+    if op not in ("sum", "mean"):
+        raise ValueError(f"all_reduce op must be 'sum' or 'mean', got {op!r}")
+    n = world_size()
+    if not isinstance(value, torch.Tensor):
+        total = _host_sum(float(value)) if n > 1 else float(value)
+        return total / n if op == "mean" else total
+    if n > 1:
+        value = load_xla()["xm"].all_reduce(load_xla()["xm"].REDUCE_SUM, value)
+    return value / n if op == "mean" else value
+
+
+def _host_sum(v: float) -> float:
+    sim = STATE.sim
+    if sim is not None and backend() == "xla":
+        # Threads of one process: exchange through memory, no XLA graph (a
+        # rank-dependent scalar would give each replica a different graph).
+        r = rank()
+        sim.values[r] = v
+        sim_wait(sim)
+        total = math.fsum(sim.values[i] for i in range(sim.n))
+        sim_wait(sim)  # nobody overwrites values before all have read them
+        return total
+    STATE.host_sum_calls += 1
+    return float(load_xla()["xm"].mesh_reduce(f"xla_utils.sum.{STATE.host_sum_calls}", v,
+                                              math.fsum))
+
+
+def master_print(*args, **kwargs) -> None:
+    """``print`` on global rank 0 only (flushes)."""
+    if is_master():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def rendezvous(tag: str) -> None:
+    """All replicas meet here before any goes on."""
+    if backend() != "xla" or world_size() == 1:
+        return
+    if STATE.sim is not None:
+        sim_wait(STATE.sim)
+        return
+    load_xla()["xm"].rendezvous(tag)
+
+
+def save(obj: Any, path: str | os.PathLike) -> None:
+    """Checkpoint from every replica: all sync, the master writes, all meet.
+
+    Call it on every rank (never inside ``if is_master()``). Tensors are moved to
+    the CPU; the file is written to ``path + '.tmp'`` and renamed, so a crash
+    never leaves a half-written checkpoint under ``path``.
+    """
+    import torch
+
+    path = Path(path)
+    sync()
+    if is_master():
+        cpu_obj = _to_cpu(obj)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(cpu_obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    rendezvous(f"xla_utils.save:{path}")
+
+
+def _to_cpu(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy, torch and (on XLA) the device RNG of this replica."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    if STATE.sim is None:  # the host RNG is shared by simulated threads
+        torch.manual_seed(seed)
+    if backend() == "xla":
+        load_xla()["xm"].set_rng_state(int(seed), device=device())
+
+
+def graph_text(tensors: Iterable[Any]) -> str:
+    """The pending XLA IR of ``tensors`` as text ("" on the torch backend).
+
+    Call it before :func:`sync`; it neither compiles nor executes anything.
+    Comparing it between steps names what changed when a step compiles again.
+    """
+    if backend() != "xla":
+        return ""
+    return load_xla()["torch_xla"]._XLAC._get_xla_tensors_text(list(tensors))
