@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from .runtime import launch
     from .schedule import OneCycleSchedule
     from .submission import write_submission
-    from .trainer import OneCycleTrainer, debug_run
+    from .debug import debug_run
+    from .trainer import OneCycleTrainer
 
 # public name -> module that defines it (keep in step with the TYPE_CHECKING imports above;
 # tests/test_import.py checks that they agree)
