@@ -1,7 +1,14 @@
 """Simulated TPU cores: N XLA:CPU replica processes with host collectives.
 
-``launch(fn, simulate=N)``, ``OneCycleTrainer.fit(simulate=N)`` and the runner below
-run N replicas, each a process of its own with one XLA:CPU device. torch_xla's
+Why one module of about 1,200 lines: the caller side (zygote, launch, runner) and
+the replica side (patched torch_xla, host collectives) speak one private protocol
+(the request dict, the store's keys and events); keeping both halves beside each
+other keeps that protocol in one place.
+
+``launch(fn, simulate=N)`` and the runner below run N replicas, each a process of
+its own with one XLA:CPU device. (xla_utils' own loops, ``fit``/``predict``/
+``evaluate``/``lr_find``/``check``, run ``threads=True`` jobs instead: N replica
+threads of one job process, see ``runtime._simulate_threads``.) torch_xla's
 collectives (``xm.all_reduce``, ``all_gather``, ``reduce_scatter``, ``rendezvous``,
 ``mesh_reduce``, ``collective_broadcast`` and, through them, ``optimizer_step``,
 ``reduce_gradients``, ``broadcast_master_param``) and its world queries
