@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["progress_bars", "progress_bar"]
+__all__ = ["progress_bars", "progress_bar", "update_bar"]
 
 
 def progress_bars(console: bool = False) -> tuple[Callable, Callable]:
@@ -40,3 +40,21 @@ def progress_bar(total: int, *, show: bool = True, console: bool = False,
         return range(total)
     _, bar = progress_bars(console)
     return bar(range(total), leave=leave)
+
+
+def update_bar(total: int, *, console: bool = False) -> Any:
+    """A bar the caller advances itself (``bar.update(n)``, ``bar.comment = ...``),
+    shown at 0 at once; None when fastprogress is not installed (the cache
+    builder runs without it).
+
+    Args:
+        total: Number of items.
+        console: As in :func:`progress_bars` (default False).
+    """
+    try:
+        _, bar_cls = progress_bars(console)
+    except ImportError:
+        return None
+    bar = bar_cls(range(total), total=total)
+    bar.update(0)
+    return bar

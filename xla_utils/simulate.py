@@ -8,7 +8,7 @@ other keeps that protocol in one place.
 ``launch(fn, simulate=N)`` and the runner below run N replicas, each a process of
 its own with one XLA:CPU device. (xla_utils' own loops, ``fit``/``predict``/
 ``evaluate``/``lr_find``/``check``, run ``threads=True`` jobs instead: N replica
-threads of one job process, see ``runtime._simulate_threads``.) torch_xla's
+threads of one job process, see ``runtime.replica.simulate_threads``.) torch_xla's
 collectives (``xm.all_reduce``, ``all_gather``, ``reduce_scatter``, ``rendezvous``,
 ``mesh_reduce``, ``collective_broadcast`` and, through them, ``optimizer_step``,
 ``reduce_gradients``, ``broadcast_master_param``) and its world queries
@@ -313,61 +313,9 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
         del store  # see the note in the finally clause below
         shutil.rmtree(shm, ignore_errors=True)
         raise
-    deadline = None if timeout is None else time.monotonic() + timeout
-    events = _EventReader(store)
-    result, got_result = None, False
-    finished: set[int] = set()
-    exited: dict[int, int] = {}
-    first_error: ReplicaError | None = None
-    error_deadline = None
+    watch = _JobWatch(store, n)
     try:
-        while True:
-            # Look before reading: everything a job wrote before it ended is then
-            # read below, in this same pass (reading first would race its exit).
-            job_gone = not _pid_alive(job)
-            for kind, r, value in events.poll():
-                if kind == "result":
-                    result, got_result = pickle.loads(store.get("result")), True
-                elif kind == "finished":
-                    finished.add(r)
-                elif kind == "error":
-                    tb, exc_type, secondary = pickle.loads(store.get(f"error/{r}"))
-                    err = ReplicaError(r, tb, exc_type)
-                    err._secondary = secondary
-                    if first_error is None or (getattr(first_error, "_secondary", False)
-                                               and not secondary):
-                        first_error = err
-                    if error_deadline is None:
-                        error_deadline = time.monotonic() + ERROR_GRACE_S
-                elif kind == "exit":
-                    exited[r] = value
-                    if value != 0 and r not in finished:
-                        reported = first_error is not None and first_error.rank == r
-                        if not reported:
-                            why = _describe_status(value)
-                            msg = (f"replica {r} died abruptly ({why}) without a Python traceback: "
-                                   "a crash, os._exit, or the kernel's out-of-memory killer")
-                            store.set("abort", f"replica {r} died ({why})")
-                            if first_error is None or getattr(first_error, "_secondary", False):
-                                first_error = ReplicaError(r, msg, "ProcessDied")
-                            if error_deadline is None:
-                                error_deadline = time.monotonic() + ERROR_GRACE_S
-            if first_error is None and got_result and len(finished) == n:
-                break
-            if len(exited) == n:
-                break
-            now = time.monotonic()
-            if error_deadline is not None and now > error_deadline:
-                break
-            if deadline is not None and now > deadline:
-                raise TimeoutError(f"launch() timed out after {timeout} s; all replicas were killed")
-            if job_gone:
-                if first_error is None:
-                    first_error = ReplicaError(
-                        -1, "the simulated job process was killed (signal or out of memory) "
-                        "before its replicas reported", "ProcessDied")
-                break
-            time.sleep(_POLL_S)
+        _watch_job(watch, job, timeout)
     except BaseException:
         _kill_job(job)
         raise
@@ -376,16 +324,102 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
         # that keeps this frame alive would otherwise leave the store to the
         # cyclic garbage collector, which may run it in a process the caller forks
         # later (a cache build's worker), where its destructor crashes.
-        events.store = None
-        del store, events
+        watch.store = watch.events.store = None
+        del store
         shutil.rmtree(shm, ignore_errors=True)
     _kill_job(job)
     zygote.drain()
-    if first_error is not None:
-        raise first_error
-    if not got_result:
+    if watch.first_error is not None:
+        raise watch.first_error
+    if not watch.got_result:
         raise ReplicaError(0, "replica 0 exited without returning a result", "ProcessDied")
-    return result
+    return watch.result
+
+
+def _watch_job(watch: "_JobWatch", job: int, timeout: float | None) -> None:
+    """Follow the job's events until it is over; ``TimeoutError`` after ``timeout`` s."""
+    from .runtime.replica import ReplicaError
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        # Look before reading: everything a job wrote before it ended is then
+        # read below, in this same pass (reading first would race its exit).
+        job_gone = not _pid_alive(job)
+        watch.read()
+        if watch.over():
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"launch() timed out after {timeout} s; all replicas were killed")
+        if job_gone:
+            if watch.first_error is None:
+                watch.first_error = ReplicaError(
+                    -1, "the simulated job process was killed (signal or out of memory) "
+                    "before its replicas reported", "ProcessDied")
+            return
+        time.sleep(_POLL_S)
+
+
+class _JobWatch:
+    """What the caller has learnt from a running job's store events."""
+
+    def __init__(self, store, n: int) -> None:
+        self.store, self.n = store, n
+        self.events = _EventReader(store)
+        self.result, self.got_result = None, False
+        self.finished: set[int] = set()
+        self.exited: dict[int, int] = {}
+        self.first_error = None  # runtime ReplicaError: the root cause once known
+        self.error_deadline: float | None = None
+
+    def read(self) -> None:
+        for kind, r, value in self.events.poll():
+            if kind == "result":
+                self.result, self.got_result = pickle.loads(self.store.get("result")), True
+            elif kind == "finished":
+                self.finished.add(r)
+            elif kind == "error":
+                self._on_error(r)
+            elif kind == "exit":
+                self._on_exit(r, value)
+
+    def over(self) -> bool:
+        """All replicas finished, all exited, or the grace after the first error ran out."""
+        if self.first_error is None and self.got_result and len(self.finished) == self.n:
+            return True
+        if len(self.exited) == self.n:
+            return True
+        return self.error_deadline is not None and time.monotonic() > self.error_deadline
+
+    def _blame(self, err) -> None:
+        """Keep the root cause: a replica's own error replaces a secondary one (a
+        replica that stopped only because a peer failed)."""
+        if self.first_error is None or (getattr(self.first_error, "_secondary", False)
+                                        and not getattr(err, "_secondary", False)):
+            self.first_error = err
+        if self.error_deadline is None:
+            self.error_deadline = time.monotonic() + ERROR_GRACE_S
+
+    def _on_error(self, r: int) -> None:
+        from .runtime.replica import ReplicaError
+
+        tb, exc_type, secondary = pickle.loads(self.store.get(f"error/{r}"))
+        err = ReplicaError(r, tb, exc_type)
+        err._secondary = secondary
+        self._blame(err)
+
+    def _on_exit(self, r: int, value: int) -> None:
+        from .runtime.replica import ReplicaError
+
+        self.exited[r] = value
+        if value == 0 or r in self.finished:
+            return
+        if self.first_error is not None and self.first_error.rank == r:
+            return  # it reported its error before dying
+        why = _describe_status(value)
+        self.store.set("abort", f"replica {r} died ({why})")
+        self._blame(ReplicaError(r, f"replica {r} died abruptly ({why}) without a Python "
+                                 "traceback: a crash, os._exit, or the kernel's out-of-memory "
+                                 "killer", "ProcessDied"))
 
 
 class _EventReader:
@@ -1074,8 +1108,6 @@ def _to_device(cpu_tensors: list, device) -> list:
 
 def _patch_torch_xla(rank: int, n: int) -> None:
     """Make this process's torch_xla report and reduce over the simulated world."""
-    import torch
-    import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
@@ -1091,111 +1123,123 @@ def _patch_torch_xla(rank: int, n: int) -> None:
             setattr(xm, name, value)
     if n == 1:
         return  # torch_xla's own collectives are no-ops on one device
-
-    orig_rendezvous = xm.rendezvous
-
-    def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
-        _check_groups(groups, "xm.all_reduce")
-        single = isinstance(inputs, torch.Tensor)
-        tensors = [inputs] if single else list(inputs)
-        if not tensors:
-            return inputs
-        cpu = _host_all_reduce(reduce_type, tensors, scale,
-                               f"all_reduce:{reduce_type}|{scale}|{_sig(tensors)}")
-        t4 = time.perf_counter()
-        dev = tensors[0].device
-        moved = _to_device(cpu, dev)
-        if single:
-            return moved[0]
-        with torch.no_grad():
-            for t, m in zip(tensors, moved):
-                t.copy_(m)
-        if _PROF is not None:
-            _PROF[-1] += (t4 - _PROF[-1][1], time.perf_counter() - t4, time.perf_counter())
-        return inputs
-
-    def all_gather(value, dim=0, groups=None, output=None, pin_layout=True, channel_id=None,
-                   use_global_device_ids=None):
-        _check_groups(groups, "xm.all_gather")
-        single = isinstance(value, torch.Tensor)
-        tensors = [value] if single else list(value)
-        _materialize()
-        cpu = [t.detach().to("cpu").contiguous() for t in tensors]
-        seq = _arrive("all_gather", f"{dim}|{_sig(tensors)}", cpu)
-        results = [torch.cat(_collect(seq, i, c), dim=dim if dim >= 0 else c.dim() + dim)
-                   for i, c in enumerate(cpu)]
-        moved = _to_device(results, tensors[0].device)
-        if output is not None:
-            outs = [output] if single else list(output)
-            with torch.no_grad():
-                for o, m in zip(outs, moved):
-                    o.copy_(m)
-            return output
-        return moved[0] if single else moved
-
-    def reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, groups=None,
-                       output=None, pin_layout=True, channel_id=None,
-                       use_global_device_ids=None):
-        _check_groups(groups, "xm.reduce_scatter")
-        if shard_count != n:
-            raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}) on {n} simulated "
-                             f"cores: shard_count must equal the world size ({n})")
-        single = isinstance(input, torch.Tensor)
-        tensors = [input] if single else list(input)
-        reduced = _host_all_reduce(
-            reduce_type, tensors, scale,
-            f"reduce_scatter:{reduce_type}|{scale}|{scatter_dim}|{_sig(tensors)}")
-        shards = [torch.chunk(c, n, dim=scatter_dim)[rank].contiguous() for c in reduced]
-        moved = _to_device(shards, tensors[0].device)
-        if output is not None:
-            outs = [output] if single else list(output)
-            with torch.no_grad():
-                for o, m in zip(outs, moved):
-                    o.copy_(m)
-            return output
-        return moved[0] if single else moved
-
-    def rendezvous(tag, payload=b"", replicas=[]):  # noqa: B006 (torch_xla's signature)
-        if replicas and sorted(replicas) != list(range(n)):
-            raise NotImplementedError(
-                f"xm.rendezvous(replicas={replicas}): only a rendezvous of all replicas is "
-                "supported (as on PJRT)")
-        if not isinstance(payload, bytes):
-            raise TypeError(f"`payload` must be bytes, not {type(payload)}")
-        torch_xla.sync()  # as torch_xla's rendezvous does
-        seq = _arrive("rendezvous", "")
-        store = _World.store
-        store.set(f"rdv/{seq}/{rank}", payload)
-        keys = [f"rdv/{seq}/{k}" for k in range(n)]
-        store.wait(keys)
-        out = _multi_get(store, keys)
-        # rdv/seq/rank is freed when this rank reaches its next collective,
-        # after everyone has read it (they all arrive there only after reading).
-        _World.pending_delete = f"rdv/{seq}/{rank}"
-        return out
-
-    rendezvous.__wrapped__ = orig_rendezvous
-
-    def unsupported(api: str, alternative: str):
-        def fail(*args, **kwargs):
-            raise NotImplementedError(
-                f"{api} is not simulated on XLA:CPU replicas (it needs a real device mesh); "
-                f"{alternative}")
-        return fail
-
-    xm.all_to_all = unsupported("xm.all_to_all", "use xm.all_gather and slice instead")
-    xm.collective_permute = unsupported("xm.collective_permute",
-                                        "use xm.all_gather and pick the source rank's part")
-    xm.send = unsupported("xm.send", "use xm.all_gather (or xm.rendezvous for bytes)")
-    xm.recv = unsupported("xm.recv", "use xm.all_gather (or xm.rendezvous for bytes)")
-    xr.use_spmd = unsupported("xr.use_spmd (SPMD)", "simulate the multi-process "
-                              "(xmp.spawn) form of the code, or run SPMD on a real TPU")
-    xm.all_reduce = all_reduce
-    xm.all_gather = all_gather
-    xm.reduce_scatter = reduce_scatter
-    xm.rendezvous = rendezvous
-    xm.xla_rendezvous = lambda payload=b"", ordinals=None, tag=None: rendezvous(
+    _sim_rendezvous.__wrapped__ = xm.rendezvous
+    xm.all_to_all = _unsupported("xm.all_to_all", "use xm.all_gather and slice instead")
+    xm.collective_permute = _unsupported("xm.collective_permute",
+                                         "use xm.all_gather and pick the source rank's part")
+    xm.send = _unsupported("xm.send", "use xm.all_gather (or xm.rendezvous for bytes)")
+    xm.recv = _unsupported("xm.recv", "use xm.all_gather (or xm.rendezvous for bytes)")
+    xr.use_spmd = _unsupported("xr.use_spmd (SPMD)", "simulate the multi-process "
+                               "(xmp.spawn) form of the code, or run SPMD on a real TPU")
+    xm.all_reduce = _sim_all_reduce
+    xm.all_gather = _sim_all_gather
+    xm.reduce_scatter = _sim_reduce_scatter
+    xm.rendezvous = _sim_rendezvous
+    xm.xla_rendezvous = lambda payload=b"", ordinals=None, tag=None: _sim_rendezvous(
         tag or "", payload, ordinals or [])
+
+
+def _unsupported(api: str, alternative: str) -> Callable[..., Any]:
+    def fail(*args, **kwargs):
+        raise NotImplementedError(
+            f"{api} is not simulated on XLA:CPU replicas (it needs a real device mesh); "
+            f"{alternative}")
+    return fail
+
+
+def _copy_into(output, single: bool, moved: list):
+    """``output`` (a tensor or a list) filled in place with ``moved``; returned."""
+    import torch
+
+    outs = [output] if single else list(output)
+    with torch.no_grad():
+        for o, m in zip(outs, moved):
+            o.copy_(m)
+    return output
+
+
+# torch_xla's signatures, replaced inside simulated replicas (see _patch_torch_xla).
+def _sim_all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
+    import torch
+
+    _check_groups(groups, "xm.all_reduce")
+    single = isinstance(inputs, torch.Tensor)
+    tensors = [inputs] if single else list(inputs)
+    if not tensors:
+        return inputs
+    cpu = _host_all_reduce(reduce_type, tensors, scale,
+                           f"all_reduce:{reduce_type}|{scale}|{_sig(tensors)}")
+    t4 = time.perf_counter()
+    moved = _to_device(cpu, tensors[0].device)
+    if single:
+        return moved[0]
+    _copy_into(inputs, False, moved)
+    if _PROF is not None:
+        _PROF[-1] += (t4 - _PROF[-1][1], time.perf_counter() - t4, time.perf_counter())
+    return inputs
+
+
+def _sim_all_gather(value, dim=0, groups=None, output=None, pin_layout=True, channel_id=None,
+                    use_global_device_ids=None):
+    import torch
+
+    _check_groups(groups, "xm.all_gather")
+    single = isinstance(value, torch.Tensor)
+    tensors = [value] if single else list(value)
+    _materialize()
+    cpu = [t.detach().to("cpu").contiguous() for t in tensors]
+    seq = _arrive("all_gather", f"{dim}|{_sig(tensors)}", cpu)
+    results = [torch.cat(_collect(seq, i, c), dim=dim if dim >= 0 else c.dim() + dim)
+               for i, c in enumerate(cpu)]
+    moved = _to_device(results, tensors[0].device)
+    if output is not None:
+        return _copy_into(output, single, moved)
+    return moved[0] if single else moved
+
+
+def _sim_reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, groups=None,
+                        output=None, pin_layout=True, channel_id=None,
+                        use_global_device_ids=None):
+    import torch
+
+    n = _World.size
+    _check_groups(groups, "xm.reduce_scatter")
+    if shard_count != n:
+        raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}) on {n} simulated "
+                         f"cores: shard_count must equal the world size ({n})")
+    single = isinstance(input, torch.Tensor)
+    tensors = [input] if single else list(input)
+    reduced = _host_all_reduce(
+        reduce_type, tensors, scale,
+        f"reduce_scatter:{reduce_type}|{scale}|{scatter_dim}|{_sig(tensors)}")
+    shards = [torch.chunk(c, n, dim=scatter_dim)[_World.rank].contiguous() for c in reduced]
+    moved = _to_device(shards, tensors[0].device)
+    if output is not None:
+        return _copy_into(output, single, moved)
+    return moved[0] if single else moved
+
+
+def _sim_rendezvous(tag, payload=b"", replicas=[]):  # noqa: B006 (torch_xla's signature)
+    import torch_xla
+
+    n = _World.size
+    if replicas and sorted(replicas) != list(range(n)):
+        raise NotImplementedError(
+            f"xm.rendezvous(replicas={replicas}): only a rendezvous of all replicas is "
+            "supported (as on PJRT)")
+    if not isinstance(payload, bytes):
+        raise TypeError(f"`payload` must be bytes, not {type(payload)}")
+    torch_xla.sync()  # as torch_xla's rendezvous does
+    seq = _arrive("rendezvous", "")
+    store = _World.store
+    store.set(f"rdv/{seq}/{_World.rank}", payload)
+    keys = [f"rdv/{seq}/{k}" for k in range(n)]
+    store.wait(keys)
+    out = _multi_get(store, keys)
+    # rdv/seq/rank is freed when this rank reaches its next collective,
+    # after everyone has read it (they all arrive there only after reading).
+    _World.pending_delete = f"rdv/{seq}/{_World.rank}"
+    return out
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..progress import update_bar
 from .config import CacheConfig
 from .errors import BadImageError, BuildError, Cancelled, describe
 from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text, read_manifest
@@ -423,7 +424,7 @@ def _run_pool(src: Source, cfg: CacheConfig, out: Path, todo: list[int], per_sha
     """
     ctx = _mp_context()
     counter, stop_at = ctx.Value("q", 0), ctx.Value("q", src.num_items)
-    bar = _progress(total) if verbose else None
+    bar = update_bar(total) if verbose else None
     t_start = time.perf_counter()
     ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
                              initargs=(src, cfg, str(out), strict, counter, stop_at))
@@ -475,17 +476,6 @@ def _run_pool(src: Source, cfg: CacheConfig, out: Path, todo: list[int], per_sha
     ex.shutdown(wait=True)
     if bad:
         raise min(bad, key=lambda e: e.index)
-
-
-def _progress(total: int) -> Any:
-    """A fastprogress bar over ``total`` images, or None without fastprogress."""
-    try:
-        from fastprogress.fastprogress import progress_bar
-    except ImportError:
-        return None
-    bar = progress_bar(range(total), total=total)
-    bar.update(0)
-    return bar
 
 
 def _finish(out: Path, manifest: dict[str, Any], done: dict[int, dict[str, Any]], src: Source) -> None:
