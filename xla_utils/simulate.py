@@ -847,7 +847,8 @@ def _call_site() -> tuple[str, str]:
             if i + 1 < len(frames):
                 nxt = frames[i + 1]
                 mod = "xla_utils.runtime" if _RUNTIME_DIR in nxt.filename else "xm"
-                api = f"{mod}.{nxt.name}"
+                # our replacements of torch_xla's collectives are _sim_<name>
+                api = f"{mod}.{nxt.name.removeprefix('_sim_')}"
             break
     return api, where
 
