@@ -406,3 +406,15 @@ def test_a_failed_launch_leaves_nothing_that_crashes_a_later_fork():
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_unpicklable_function_is_named_with_the_fix():
+    import threading
+
+    lock = threading.Lock()  # cannot be pickled
+
+    def uses_lock():
+        return lock is not None
+
+    with pytest.raises(TypeError, match="uses_lock.*cloudpickle.*create it inside the function"):
+        rt.launch(uses_lock, simulate=2)

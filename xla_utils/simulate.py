@@ -296,7 +296,16 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     import shutil
     import tempfile
 
-    payload = cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        payload = cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(
+            f"simulated replicas are processes started from a clean interpreter, so "
+            f"{getattr(fn, '__qualname__', fn)!r} and its arguments are sent with cloudpickle, "
+            f"which failed: {type(exc).__name__}: {exc}. Something the function uses (a "
+            "global or closure variable, or an argument) cannot be pickled: create it "
+            "inside the function, or pass only what it needs (e.g. not a whole namespace "
+            "dict)") from exc
     shm = tempfile.mkdtemp(prefix="xla_utils-sim-",
                            dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
