@@ -8,8 +8,9 @@
   recompiles); ``drop_last=False`` pads the tail and marks the padding invalid.
 * :func:`iterate_batches` - uint8 NHWC batches assembled by background threads
   into a ring of preallocated buffers (no per-sample tensors, no collate).
-* :func:`images_to_float` - uint8 NHWC -> normalised NCHW float/bf16 (optional
-  random flip) on whatever device the batch is on, so the host never normalises.
+* :func:`images_to_float` - uint8 NHWC (or NCHW) -> normalised NCHW float/bf16
+  (optional random flip) on whatever device the batch is on, so the host never
+  normalises; :func:`image_layout` is the rule that tells the two layouts apart.
 
 Everything here is safe to share between threads: the dataset is read-only
 after construction and all per-pass state lives in the iterator. (The one
@@ -40,6 +41,7 @@ __all__ = [
     "BatchIterable",
     "iterate_batches",
     "images_to_float",
+    "image_layout",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -514,28 +516,57 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
     return BatchIterable(dataset, sampler, epoch, num_workers)
 
 
-def is_image_batch(x: torch.Tensor) -> bool:
-    """True for a uint8 ``[B, H, W, C]`` image batch (C = 1 or 3).
+IMAGE_CHANNELS = (1, 3, 4)
 
-    That is the form :func:`images_to_float` turns into model input on the device.
+
+def image_layout(shape: Sequence[int], *, channels_first_on_tie: bool) -> str | None:
+    """The layout of one uint8 image of ``shape``: ``"channels_last"`` (``[H, W, C]``),
+    ``"channels_first"`` (``[C, H, W]``) or None (not an image the trainer normalises).
+
+    The rule: a 3-D shape is channels-last when only its last axis is 1, 3 or 4,
+    channels-first when only its first axis is. When both are (an ambiguous shape:
+    ``[3, 32, 3]`` is a 3-pixel-wide CHW image or a 3-pixel-high HWC one,
+    ``[4, 4, 3]`` likewise) ``channels_first_on_tie`` decides; the trainer passes
+    True for torch tensors (torchvision's convention: ``read_image``, ``PILToTensor``,
+    ``tv_tensors.Image`` are CHW) and False for numpy arrays (PIL's and OpenCV's
+    convention: HWC). ``tv_tensors.Image`` is channels-first whatever its shape.
+
+    Args:
+        shape: one sample's shape (no batch axis).
+        channels_first_on_tie: the answer for an ambiguous shape.
+
+    Returns:
+        The layout, or None when ``shape`` is not 3-D or neither end is 1, 3 or 4.
     """
-    return x.dtype == torch.uint8 and x.dim() == 4 and x.shape[-1] in (1, 3)
+    if len(shape) != 3:
+        return None
+    first, last = shape[0] in IMAGE_CHANNELS, shape[2] in IMAGE_CHANNELS
+    if first and last:
+        return "channels_first" if channels_first_on_tie else "channels_last"
+    if first:
+        return "channels_first"
+    return "channels_last" if last else None
 
 
 def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-                    flip: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 ``[B, H, W, C]`` -> ``(x / 255 - mean) / std`` as a contiguous ``[B, C, H, W]`` tensor.
+                    flip: bool = False, dtype: torch.dtype = torch.float32, *,
+                    channels_first: bool = False) -> torch.Tensor:
+    """uint8 ``[B, H, W, C]`` (or ``[B, C, H, W]``) -> ``(x / 255 - mean) / std`` as a contiguous ``[B, C, H, W]`` tensor.
 
     Runs on ``x``'s device (call it after moving the uint8 batch to the TPU: 4x
     less to transfer, no host float work). Arithmetic is float32; no shape depends
-    on the data.
+    on the data. Both layouts give the same numbers for the same pixels (and the
+    same flips for the same device RNG state).
 
     Args:
         x: the uint8 batch.
         mean: per-channel mean on the 0-1 scale. Default ImageNet's.
         std: per-channel standard deviation on the 0-1 scale. Default ImageNet's.
-        flip: mirror a random half of the batch horizontally (device RNG). Default False.
+        flip: mirror a random half of the batch horizontally (along the width axis;
+            device RNG). Default False.
         dtype: result dtype (e.g. ``torch.bfloat16``). Default ``torch.float32``.
+        channels_first: ``x`` is ``[B, C, H, W]`` (torchvision's layout) instead of
+            ``[B, H, W, C]`` (the cache's). Default False.
 
     Returns:
         The normalised ``[B, C, H, W]`` tensor on ``x``'s device.
@@ -544,11 +575,13 @@ def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std:
         ValueError: ``x`` is not 4-D, or ``mean``/``std`` do not have ``C`` values.
     """
     if x.dim() != 4:
-        raise ValueError(f"expected a uint8 [B, H, W, C] batch, got shape {tuple(x.shape)}")
-    c = x.shape[3]
+        layout = "[B, C, H, W]" if channels_first else "[B, H, W, C]"
+        raise ValueError(f"expected a uint8 {layout} batch, got shape {tuple(x.shape)}")
+    c = x.shape[1] if channels_first else x.shape[3]
     if len(mean) != c or len(std) != c:
         raise ValueError(f"mean/std have {len(mean)}/{len(std)} values for {c} channels")
-    x = x.permute(0, 3, 1, 2)
+    if not channels_first:
+        x = x.permute(0, 3, 1, 2)
     if flip:
         coin = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
         x = torch.where(coin, x.flip(3), x)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
-from .data import images_to_float, is_image_batch
-from .inputs import check_targets
+from .data import IMAGENET_MEAN, IMAGENET_STD
+from .inputs import InputSpec, check_targets, inspect_inputs
 from .loop import default_eval_step, default_train_step
 from .optim import make_optimizer, resolve_optimizer
 
@@ -34,6 +34,9 @@ class DebugReport:
             ``to_device``, ``to_host``) of every step.
         fallback_ops: ``{"aten::op": count}`` run on the host CPU.
         report: The explanation as text (also ``str(report)``).
+        inputs: The input layout seen and what was done with it, in words
+            (``"inputs: uint8 [B,3,32,32] channels-first images (torch.Tensor),
+            normalised on the device"``); also a line of ``report``.
     """
 
     backend: str
@@ -42,6 +45,7 @@ class DebugReport:
     per_step: list[dict[str, Any]]
     fallback_ops: dict[str, int]
     report: str
+    inputs: str = ""
 
     def __str__(self) -> str:
         return self.report
@@ -50,7 +54,8 @@ class DebugReport:
 def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable, data,
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
               train_step: Callable | None = None, prepare: Callable | None = None,
-              print_report: bool = True, eval_step: Callable | None = None) -> DebugReport:
+              print_report: bool = True, eval_step: Callable | None = None,
+              inputs: InputSpec | None = None) -> DebugReport:
     """Run a few plain training steps on ONE core and explain what XLA did.
 
     A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
@@ -64,7 +69,10 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
     Args:
         model: An ``nn.Module`` or a zero-argument factory returning one.
         loss: ``loss(outputs, targets) -> scalar``.
-        data: A map-style dataset of ``(input, target)``.
+        data: A map-style dataset of ``(input, target)``; its inputs are fed as by the
+            trainer (:func:`xla_utils.inputs.inspect_inputs`: uint8 images in either
+            layout normalised on the device, PIL images converted on the host; a
+            sample that cannot be fed is refused before any device time).
         batch_size: Samples per step (default 8).
         steps: Steps to run (default 5: 2 to warm up, the rest must not compile).
         optimizer: A name (any case) or a callable, as for the trainer (default ``"sgd"``).
@@ -72,19 +80,23 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         train_step: ``train_step(model, (x, y), loss) -> loss tensor``; default
             ``loss(model(x), y)``.
         prepare: Turns an input batch on the device into model input; default:
-            uint8 NHWC images are normalised with ImageNet mean/std
-            (``trainer.debug()`` passes the trainer's).
+            uint8 images are normalised with ImageNet mean/std (``trainer.debug()``
+            passes the trainer's).
         print_report: Print the report (default True).
         eval_step: ``eval_step(model, (x, y)) -> outputs`` for the label check;
             default ``model(x)``.
+        inputs: ``data``'s :class:`~xla_utils.inputs.InputSpec` when already decided
+            (the trainer's); default: decided here from the first sample.
     """
     optimizer = resolve_optimizer(optimizer)
+    spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")
+    data = spec.feed(data)
     module = model if isinstance(model, torch.nn.Module) else model()
 
     def to_input(x: torch.Tensor) -> torch.Tensor:
         if prepare is not None:
             return prepare(x)
-        return images_to_float(x) if is_image_batch(x) else x
+        return spec.prepare(x, IMAGENET_MEAN, IMAGENET_STD, flip=False)
 
     check_targets(module, loss, data, "data", to_input, eval_step or default_eval_step)
     step_fn = train_step or default_train_step
@@ -97,6 +109,9 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
                             batch_size=batch_size, steps=steps)
 
     rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None, sim_threads=True)
+    rep.inputs = spec.describe(flip=False)
+    head, _, rest = rep.report.partition("\n")
+    rep.report = "\n".join([head, rep.inputs] + ([rest] if rest else []))
     if print_report:
         print(rep.report, flush=True)
     return rep

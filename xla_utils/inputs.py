@@ -1,23 +1,38 @@
 """Checks on datasets and targets, done in the calling process before any device time.
 
 Used by :class:`~xla_utils.trainer.OneCycleTrainer` (``fit``, ``predict``,
-``evaluate``) and :func:`xla_utils.debug.debug_run`: a wrong label, an
-unlabelled cache or a too small training set fails here, with its fix, instead
-of silently on the TPU.
+``evaluate``, ``find_lr``, ``check``, ``debug``), :func:`xla_utils.lr_find` and
+:func:`xla_utils.debug.debug_run`: a wrong label, an unlabelled cache, a too
+small training set or a sample the trainer cannot feed fails here, with its
+fix, instead of on the TPU.
+
+:func:`inspect_inputs` decides once per dataset, from its first sample, how its
+inputs are fed (:class:`InputSpec`): uint8 images channels-last ``[H, W, C]``
+(the cache, numpy, PIL) or channels-first ``[C, H, W]`` (torchvision's
+``read_image``, ``PILToTensor``, ``tv_tensors.Image``) are normalised (and flipped
+when training) on the device; PIL images are turned into uint8 ``[H, W, C]``
+arrays on the host (:class:`HostFeed`); anything else numeric goes to the model
+unchanged. The layout never changes within a run, so nothing recompiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from .data import CachedImageDataset
+from .data import IMAGE_CHANNELS, CachedImageDataset, image_layout, images_to_float
 
-__all__ = ["check_batches", "check_targets", "require_labels", "input_shape", "shape_mismatch",
-           "AsPairs"]
+__all__ = ["check_batches", "check_targets", "require_labels", "shape_mismatch",
+           "AsPairs", "InputSpec", "inspect_inputs", "HostFeed", "INPUT_KEYS", "TARGET_KEYS"]
+
+# Keys of dict samples (Hugging Face ``datasets`` style) taken as input and target, first found wins.
+INPUT_KEYS = ("image", "img", "pixel_values", "input", "inputs", "x")
+TARGET_KEYS = ("label", "labels", "target", "targets", "y")
 
 
 # Samples read to check the targets of a dataset that keeps no label array.
@@ -171,28 +186,20 @@ def require_labels(data, name: str, action: str = "train") -> None:
             "one sub-folder per class. Unlabelled caches are for trainer.predict().")
 
 
-def input_shape(data, first) -> tuple[int, ...] | None:
-    """Shape of one input (HWC for caches), or None when it has none."""
-    if isinstance(data, CachedImageDataset):
-        return (*data.image_size, 3)
-    if first is None:
-        try:
-            first = data[0]
-        except Exception:
-            return None
-    x = first[0] if isinstance(first, (tuple, list)) else first
-    shape = getattr(x, "shape", None)
-    return tuple(int(d) for d in shape) if shape is not None else None
-
-
-def shape_mismatch(data, shape, train_data, train_shape) -> str:
+def shape_mismatch(data, spec: "InputSpec", train_data, train_spec: "InputSpec") -> str | None:
+    """Why ``data``'s inputs cannot go through the model trained on ``train_data``
+    (images compared as ``(C, H, W)``, whatever their layout), or None when they can."""
+    if spec.image_chw is None or train_spec.image_chw is None or \
+            spec.image_chw == train_spec.image_chw:
+        return None
     where = f" ({data.path})" if isinstance(data, CachedImageDataset) else ""
     train_where = f" ({train_data.path})" if isinstance(train_data, CachedImageDataset) else ""
-    msg = (f"the inputs of data{where} have shape {shape} but the training data{train_where} has "
-           f"{train_shape}: the model was trained at another size")
-    if isinstance(data, CachedImageDataset):
+    msg = (f"the inputs of data{where} have shape {spec.shape} but the training data{train_where} "
+           f"has {train_spec.shape}: the model was trained at another size")
+    if isinstance(data, CachedImageDataset) and train_spec.layout is not None:
+        size = train_spec.image_chw[1:]
         msg += (f"; rebuild it at the training size: build_cache(SOURCE, {str(data.path)!r}, "
-                f"size={tuple(train_shape[:2])}, unlabeled=True, overwrite=True)")
+                f"size={tuple(size)}, unlabeled=True, overwrite=True)")
     return msg
 
 
@@ -210,3 +217,292 @@ class AsPairs:
         if isinstance(item, (tuple, list)):
             return item[0], (item[1] if len(item) > 1 else 0)
         return item, 0
+
+
+# --------------------------------------------------------------------------- input layout
+# PIL modes fed as they are (channels); the rest is converted to RGB (palette, CMYK...) or
+# RGBA (grey + alpha) first, as build_cache would.
+_PIL_DIRECT = {"RGB": 3, "L": 1, "RGBA": 4}
+_PIL_CONVERT = {"1": "L", "LA": "RGBA", "PA": "RGBA", "La": "RGBA", "RGBa": "RGBA"}
+
+
+class InputRefused(TypeError):
+    """A dataset's sample the trainer cannot feed; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """How the trainer feeds one dataset's inputs, decided once from its first sample.
+
+    Attributes:
+        layout: ``"channels_last"`` (uint8 ``[H, W, C]``), ``"channels_first"`` (uint8
+            ``[C, H, W]``): images normalised on the device; None: inputs go to the model
+            unchanged.
+        shape: one input's shape as the loader collates it (after host conversion);
+            None for non-tensor inputs (numbers, nested structures).
+        dtype: its dtype (``"uint8"``, ``"float32"``, ...).
+        source: what the dataset yields, in words (``"torch.Tensor"``,
+            ``"tv_tensors.Image"``, ``"numpy.ndarray"``, ``"PIL.Image (mode RGB)"``, ...).
+        pil: PIL images are turned into uint8 ``[H, W, C]`` arrays on the host.
+        keys: ``(input key, target key or None)`` of dict samples, else None.
+        ambiguous: both ends of the image shape could be the channel axis; the
+            layout followed the rule of :func:`xla_utils.data.image_layout`.
+    """
+
+    layout: str | None
+    shape: tuple[int, ...] | None
+    dtype: str
+    source: str
+    pil: bool = False
+    keys: tuple[str, str | None] | None = None
+    ambiguous: bool = False
+
+    @property
+    def channels(self) -> int | None:
+        """Channels of an image input, else None."""
+        if self.layout is None or self.shape is None:
+            return None
+        return self.shape[0] if self.layout == "channels_first" else self.shape[2]
+
+    @property
+    def image_chw(self) -> tuple[int, ...] | None:
+        """``(C, H, W)`` of an image input (what the model sees), else the raw shape."""
+        if self.layout == "channels_last" and self.shape is not None:
+            h, w, c = self.shape
+            return (c, h, w)
+        return self.shape
+
+    def prepare(self, x: Any, mean: Sequence[float], std: Sequence[float], flip: bool) -> Any:
+        """Model input from a device batch: images normalised (and randomly mirrored
+        when ``flip``), anything else unchanged."""
+        if self.layout is None:
+            return x
+        return images_to_float(x, mean, std, flip=flip,
+                               channels_first=self.layout == "channels_first")
+
+    def feed(self, data: Any) -> Any:
+        """``data`` as the loader can collate it (a :class:`HostFeed` when samples need host work)."""
+        return HostFeed(data, self) if (self.pil or self.keys is not None) else data
+
+    def describe(self, flip: bool) -> str:
+        """One line: the inputs seen and what the trainer does with them."""
+        dims = "" if self.shape is None else "[B," + ",".join(str(d) for d in self.shape) + "]"
+        if self.layout is None:
+            what = f"{self.dtype} {dims}".strip() if dims else self.dtype
+            return f"inputs: {what} ({self.source}), passed to the model unchanged"
+        side = self.layout.replace("_", "-")
+        host = ""
+        if self.pil:
+            host = f"{self.source} converted on the host to "
+        elif self.keys is not None:
+            host = f"dict samples ({self.keys[0]!r}) as "
+        tie = ""
+        if self.ambiguous:
+            tie = (f" (ambiguous shape: both ends could be channels; {side} because the samples "
+                   f"are {'torch tensors' if self.layout == 'channels_first' else 'numpy arrays'})")
+        done = "normalised and flipped" if flip else "normalised"
+        src = "" if self.pil else f" ({self.source})"
+        return f"inputs: {host}uint8 {dims} {side} images{src}{tie}, {done} on the device"
+
+
+class HostFeed:
+    """``data`` with each sample made collatable on the host: dict samples become
+    ``(input, target)`` (by :data:`INPUT_KEYS` / :data:`TARGET_KEYS`), PIL images
+    uint8 ``[H, W, C]`` arrays (``np.array``, the work of ``PILToTensor`` minus its
+    transpose). Other attributes (``targets``, ``classes``, ``set_epoch`` ...) are
+    those of ``data``."""
+
+    def __init__(self, data: Any, spec: InputSpec):
+        self.data, self.spec = data, spec
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("data", "spec") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.data, name)
+
+    def __getitem__(self, i: int) -> Any:
+        item = self.data[i]
+        keys = self.spec.keys
+        if keys is not None:
+            item = (item[keys[0]],) if keys[1] is None else (item[keys[0]], item[keys[1]])
+        if not self.spec.pil:
+            return item
+        if isinstance(item, (tuple, list)):
+            return (pil_array(item[0]), *item[1:])
+        return pil_array(item)
+
+
+def pil_array(img: Any) -> np.ndarray:
+    """A PIL image as a uint8 ``[H, W, C]`` array (C = 1 for grey, 3, or 4 with alpha)."""
+    from PIL import Image
+
+    if not isinstance(img, Image.Image):
+        raise InputRefused(f"a sample's input is a {_type_name(img)}, but the dataset's first "
+                           "sample was a PIL image: every sample must have the same type")
+    mode = img.mode
+    if mode not in _PIL_DIRECT:
+        if mode.startswith("I") or mode == "F":
+            raise InputRefused(
+                f"PIL image of mode {mode} (16/32-bit): the trainer feeds 8-bit images. Fix: "
+                "convert it in the dataset's transform (transforms.ToTensor() gives float "
+                "input, passed to the model unchanged), or build_cache(...) which handles it")
+        img = img.convert(_PIL_CONVERT.get(mode, "RGB"))
+    a = np.array(img)  # a writable copy (np.asarray's view of PIL's bytes is read-only)
+    return a[:, :, None] if a.ndim == 2 else a
+
+
+def _type_name(x: Any) -> str:
+    t = type(x)
+    if t.__module__.startswith("torchvision.tv_tensors"):
+        return f"tv_tensors.{t.__name__}"
+    if t.__module__ in ("builtins",):
+        return t.__name__
+    mod = t.__module__.split(".")[0]
+    return f"{'numpy' if mod == 'numpy' else mod}.{t.__name__}"
+
+
+def _split_sample(sample: Any, name: str, need_target: bool, verb: str
+                  ) -> tuple[Any, Any, tuple[str, str | None] | None]:
+    """``(input, target or None, dict keys or None)`` of a dataset's first sample."""
+    keys = None
+    if isinstance(sample, dict):
+        k_in = next((k for k in INPUT_KEYS if k in sample), None)
+        k_y = next((k for k in TARGET_KEYS if k in sample), None)
+        if k_in is None:
+            raise InputRefused(
+                f"{name} item 0 is a dict with keys {sorted(map(str, sample))}, none of which the "
+                f"trainer knows as the input ({', '.join(INPUT_KEYS)}). Fix: return (input, target) "
+                "tuples from the dataset, or name the input key 'image' and the target 'label'")
+        keys, x, y = (k_in, k_y), sample[k_in], sample.get(k_y) if k_y else None
+    elif isinstance(sample, (tuple, list)):
+        if not sample:
+            raise InputRefused(f"{name} item 0 is an empty {type(sample).__name__}")
+        x, y = sample[0], (sample[1] if len(sample) > 1 else None)
+    else:
+        x, y = sample, None
+    if need_target and y is None:
+        raise InputRefused(
+            f"{name} item 0 is {_describe_value(sample)}, not an (input, target) pair: {verb} needs "
+            "targets. Fix: return (input, target) from the dataset's __getitem__"
+            + (f" (a dict sample needs one of the keys {', '.join(TARGET_KEYS)})" if keys else ""))
+    return x, y, keys
+
+
+def _describe_value(v: Any) -> str:
+    """A value named with its type, shape and dtype where it has them."""
+    shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
+    what = f"a {_type_name(v)}"
+    if shape is not None:
+        what += f" of shape {tuple(int(d) for d in shape)}"
+    if dtype is not None:
+        what += f" and dtype {str(dtype).replace('torch.', '')}"
+    if isinstance(v, (str, bytes)):
+        what += f" ({v[:40]!r})"
+    return what
+
+
+def _leaf_problem(v: Any, depth: int = 0) -> tuple[Any] | None:
+    """``(part,)``: the first part of a (nested) input the loader cannot collate into
+    numbers, else None."""
+    if isinstance(v, torch.Tensor) or isinstance(v, (bool, int, float, np.number, np.bool_)):
+        return None
+    if isinstance(v, np.ndarray):
+        return (v,) if v.dtype.kind in "OUSV" else None
+    parts = list(v) if isinstance(v, (tuple, list)) else \
+        list(v.values()) if isinstance(v, dict) else None
+    if parts and depth < 4:
+        return next((p for p in (_leaf_problem(e, depth + 1) for e in parts) if p is not None),
+                    None)
+    return (v,)
+
+
+def _refuse_input(name: str, x: Any, why: str) -> InputRefused:
+    return InputRefused(
+        f"{name} item 0: the input is {_describe_value(x)}, which the trainer cannot feed{why}. "
+        "It feeds uint8 images [C, H, W] or [H, W, C] with C in 1, 3, 4 (torch tensors, "
+        "tv_tensors.Image, numpy arrays; normalised on the device), PIL images (converted on the "
+        "host), and numeric tensors/arrays of any other dtype (passed to the model unchanged). "
+        "Fix: convert it in the dataset's transform (e.g. transform=transforms.PILToTensor() "
+        "for images, or a float tensor), or build a cache with build_cache(...)")
+
+
+def _input_spec(x: Any, name: str) -> InputSpec:
+    """The :class:`InputSpec` of one input ``x`` (the first sample's)."""
+    from PIL import Image
+
+    if isinstance(x, Image.Image):
+        a = pil_array(x)
+        return InputSpec("channels_last", tuple(a.shape), "uint8", f"PIL.Image (mode {x.mode})",
+                         pil=True)
+    tv_image = type(x).__module__.startswith("torchvision.tv_tensors") and \
+        type(x).__name__ == "Image"
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        src = _type_name(x) if not isinstance(x, torch.Tensor) or tv_image else "torch.Tensor"
+        dtype = str(x.dtype).replace("torch.", "")
+        shape = tuple(int(d) for d in x.shape)
+        if isinstance(x, np.ndarray) and x.dtype.kind in "OUSV":
+            raise _refuse_input(name, x, " (not numbers)")
+        if dtype != "uint8":
+            return InputSpec(None, shape, dtype, src)
+        torch_like = isinstance(x, torch.Tensor)
+        layout = image_layout(shape, channels_first_on_tie=torch_like)
+        if tv_image and len(shape) == 3:
+            layout = "channels_first"
+        if layout is None:
+            raise _refuse_input(name, x, f" (uint8 of {len(shape)} dims with no channel axis of "
+                                f"{', '.join(map(str, IMAGE_CHANNELS))} at either end)")
+        ambiguous = not tv_image and shape[0] in IMAGE_CHANNELS and shape[2] in IMAGE_CHANNELS
+        return InputSpec(layout, shape, dtype, src, ambiguous=ambiguous)
+    bad = _leaf_problem(x)
+    if bad is not None:
+        part = "" if bad[0] is x else f" (the part {_describe_value(bad[0])})"
+        raise _refuse_input(name, x, part)
+    what = "number" if not isinstance(x, (tuple, list, dict)) else \
+        f"{type(x).__name__} of {len(x)} inputs"
+    return InputSpec(None, None, what, _type_name(x))
+
+
+def inspect_inputs(data: Any, name: str, *, need_target: bool = True, verb: str = "training",
+                   mean: Sequence[float] | None = None) -> InputSpec:
+    """Decide how ``data``'s inputs are fed, from its first sample (host only, no device time).
+
+    Args:
+        data: a :class:`~xla_utils.data.CachedImageDataset` or a map-style dataset of
+            ``(input, target)``, ``input`` or dicts with an input key of :data:`INPUT_KEYS`.
+        name: the dataset's name in messages (``"train_data"``).
+        need_target: refuse samples without a target.
+        verb: what needs the targets, in messages.
+        mean: the normalisation's per-channel mean: its length must match the images'
+            channels (None: not checked).
+
+    Returns:
+        The dataset's :class:`InputSpec`.
+
+    Raises:
+        InputRefused: (a ``TypeError``) a sample type the trainer cannot feed; the message
+            names its type, shape and dtype and the fix.
+        ValueError: images whose channels do not match ``mean``.
+    """
+    if isinstance(data, CachedImageDataset):
+        spec = InputSpec("channels_last", (*data.image_size, 3), "uint8", "CachedImageDataset")
+    else:
+        if len(data) == 0:
+            raise ValueError(f"{name} is empty")
+        x, y, keys = _split_sample(data[0], name, need_target, verb)
+        spec = dataclasses.replace(_input_spec(x, name), keys=keys)
+        if y is not None and _leaf_problem(y) is not None:
+            raise InputRefused(
+                f"{name} item 0: the target is {_describe_value(y)}, which cannot be batched into "
+                "a tensor. Fix: return class indices (int), or float/int tensors or arrays, e.g. "
+                "dataset.classes.index(name) for class names")
+    c = spec.channels
+    if mean is not None and c is not None and c != len(mean):
+        raise ValueError(
+            f"{name} has {c}-channel images ({spec.source}, {spec.layout.replace('_', '-')}) but "
+            f"the trainer's mean/std have {len(mean)} values. Fix: pass mean= and std= with {c} "
+            f"value(s) to the trainer (e.g. mean={(0.5,) * c}, std={(0.5,) * c})"
+            + (", or convert the images to RGB in the dataset" if c in (1, 4) else ""))
+    return spec

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import runtime
-from .data import images_to_float, is_image_batch, iterate_batches
+from .data import iterate_batches
 from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer
 from .schedule import OneCycleSchedule
@@ -51,13 +51,12 @@ def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return model(x)
 
 
-def prepare_input(x: torch.Tensor, cfg: Any, train: bool) -> torch.Tensor:
-    """Model input from a device batch: uint8 images are normalised with
-    ``cfg.mean`` / ``cfg.std`` (and flipped when ``train and cfg.flip``); other
-    inputs are returned unchanged."""
-    if is_image_batch(x):
-        return images_to_float(x, cfg.mean, cfg.std, flip=train and cfg.flip)
-    return x
+def prepare_input(x: torch.Tensor, cfg: Any, train: bool, inputs: Any) -> torch.Tensor:
+    """Model input from a device batch of a dataset whose inputs are described by
+    ``inputs`` (its :class:`~xla_utils.inputs.InputSpec`, decided once on the host):
+    uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
+    (and flipped when ``train and cfg.flip``); other inputs are returned unchanged."""
+    return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip)
 
 
 def replica_model(model: torch.nn.Module, dev: torch.device,
@@ -226,7 +225,8 @@ class EpochResult:
 
 
 def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *, cfg: Any,
-                    train_step: Callable, loss_fn: Callable, progress: Any = None) -> EpochResult:
+                    train_step: Callable, loss_fn: Callable, inputs: Any,
+                    progress: Any = None) -> EpochResult:
     """Run one training epoch in this replica.
 
     On a non-finite loss read the divergence warning is recorded in ``state``;
@@ -242,6 +242,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         cfg: The trainer's configuration.
         train_step: ``train_step(model, (x, y), loss_fn) -> loss tensor``.
         loss_fn: The loss.
+        inputs: The training data's :class:`~xla_utils.inputs.InputSpec`.
         progress: A progress bar over the steps (master only), or ``None``.
 
     Returns:
@@ -259,7 +260,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     train_loss = math.nan
     it = runtime.device_prefetch(batches)
     for i, (x, y, _valid) in zip(progress if progress is not None else range(spe), it):
-        x = prepare_input(x, cfg, train=True)
+        x = prepare_input(x, cfg, True, inputs)
         lr_last = s.sched.apply(opt, state.step)
         opt.zero_grad(set_to_none=True)
         with s.autocast:
@@ -327,7 +328,8 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
 
 
 def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Callable,
-             eval_step: Callable, autocast: Any, dev: torch.device) -> dict[str, float]:
+             eval_step: Callable, autocast: Any, dev: torch.device,
+             inputs: Any) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
     reduced over all replicas.
 
@@ -338,6 +340,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Ca
         loss_fn, eval_step: The trainer's loss and ``eval_step``.
         autocast: The autocast context of the run.
         dev: The replica's device.
+        inputs: The data's :class:`~xla_utils.inputs.InputSpec`.
 
     Raises:
         ValueError: ``batches`` yielded nothing.
@@ -347,7 +350,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Ca
     with torch.no_grad():
         for x, y, valid in runtime.device_prefetch(batches):
             with autocast:
-                out = eval_step(model, (prepare_input(x, cfg, train=False), y))
+                out = eval_step(model, (prepare_input(x, cfg, False, inputs), y))
             if acc is None:
                 acc = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
             acc.update(out, y, valid)
@@ -391,7 +394,8 @@ class InferencePlan:
     """What one :func:`inference_pass` runs (built and checked on the host by the trainer).
 
     Attributes:
-        data: The dataset (a cache, or ``(x, y)`` pairs).
+        data: The dataset (a cache, or ``(x, y)`` pairs) as the loader collates it.
+        inputs: Its :class:`~xla_utils.inputs.InputSpec`.
         n: Its length (predictions beyond it are padding).
         views: ``(stored variant, mirrored)`` of each TTA view, in order.
         batch_size: Per core.
@@ -402,6 +406,7 @@ class InferencePlan:
     """
 
     data: Any
+    inputs: Any
     n: int
     views: list[tuple[int, bool]]
     batch_size: int
@@ -460,7 +465,7 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eva
     with torch.no_grad():
         for done, (_, (k, flag, x, y, valid)) in enumerate(
                 zip(pb if pb is not None else range(total), it), 1):
-            x = prepare_input(x, cfg, train=False)
+            x = prepare_input(x, cfg, False, plan.inputs)
             if flag is not None:
                 x = torch.where(flag, x.flip(3), x)
             with autocast:

@@ -20,6 +20,7 @@ NumPy and torch (CPU and CUDA) RNG states afterwards, bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -385,7 +386,7 @@ class _Config:
     seed: int
     shuffle: bool
     num_workers: int | None
-    batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None
+    batch_tfm: Callable[[torch.Tensor], torch.Tensor]
     show_progress: bool
     parent_pid: int
 
@@ -410,9 +411,12 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             (e.g. ``nn.CrossEntropyLoss()``).
         data: Map-style dataset (e.g. :class:`xla_utils.CachedImageDataset`), batched
             with :func:`xla_utils.data.iterate_batches` (shuffled, last partial
-            batch dropped, several passes if ``num_it`` needs them). uint8 NHWC
-            image batches are converted on the device with
-            :func:`xla_utils.data.images_to_float` (ImageNet mean/std).
+            batch dropped, several passes if ``num_it`` needs them). Inputs are fed
+            as by the trainer (:func:`xla_utils.inputs.inspect_inputs`, decided from
+            the first sample): uint8 images ``[H, W, C]`` or ``[C, H, W]`` are
+            converted on the device with :func:`xla_utils.data.images_to_float`
+            (ImageNet mean/std), PIL images become uint8 arrays on the host, a
+            sample the finder cannot feed is refused here, before any device time.
         batch_size: Samples per forward pass on the one core: use the per-core batch of the
             run you plan.
         optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"`` or a callable, as
@@ -447,7 +451,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             default 0. Your own RNG state is restored afterwards.
         shuffle, num_workers: Passed to :func:`xla_utils.data.iterate_batches`.
         batch_tfm: ``batch_tfm(x) -> x`` applied to each input batch on the device instead
-            of the default (uint8 NHWC -> normalised float NCHW, else unchanged).
+            of the default (uint8 images -> normalised float NCHW, else unchanged).
         show_progress: A fastprogress bar (console style in the forked XLA child). Default True.
         simulate: ``1`` runs on one simulated XLA:CPU device (tests and debugging without a
             TPU); see :func:`xla_utils.runtime.launch`.
@@ -468,6 +472,14 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     runtime._prestart_simulation(simulate)
+    from .data import IMAGENET_MEAN, IMAGENET_STD
+    from .inputs import inspect_inputs
+
+    spec = inspect_inputs(data, "data", verb="lr_find")
+    data = spec.feed(data)
+    if batch_tfm is None:
+        batch_tfm = functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                                      flip=False)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
@@ -593,12 +605,6 @@ class _CallerState:
             mod.training = self.training[name]
 
 
-def _default_tfm(x: torch.Tensor) -> torch.Tensor:
-    from .data import images_to_float, is_image_batch
-
-    return images_to_float(x) if is_image_batch(x) else x
-
-
 def _micro_batches(cfg: _Config) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(x, y) host batches, passing over the data as often as needed."""
     from .data import iterate_batches
@@ -658,7 +664,7 @@ def _sweep(cfg: _Config) -> LRFinderResult:
     model.train()
     opt = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.start_lr,
                          weight_decay=cfg.weight_decay)
-    tfm = cfg.batch_tfm or _default_tfm
+    tfm = cfg.batch_tfm
     k = cfg.accum_steps
     # Prefetching to the CPU would only alias host buffers that the data
     # iterator may recycle; on a real device it overlaps transfers with compute.

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import os
 import re
@@ -44,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
+from .data import IMAGENET_MEAN, IMAGENET_STD
 from .progress import progress_bar
 
 __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS", "TPUChip",
@@ -152,6 +154,10 @@ class ReadinessReport:
         measurements: the raw numbers behind the findings (FLOPs per sample,
             bytes of parameters / gradients / optimizer state / activations,
             loader samples/s, ...).
+        inputs: the input layout seen and what is done with it, in words
+            (``"inputs: uint8 [B,3,32,32] channels-first images (torch.Tensor),
+            normalised and flipped on the device"``); empty when ``prepare`` was given
+            without a description.
     """
 
     findings: list[Finding]
@@ -162,6 +168,7 @@ class ReadinessReport:
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
     measurements: dict[str, Any] = field(default_factory=dict, repr=False)
+    inputs: str = ""
 
     @property
     def ok(self) -> bool:
@@ -191,6 +198,8 @@ class ReadinessReport:
         lines = [f"xla_utils.check for TPU {self.tpu}: {verdict}",
                  f"  per-core batch {self.batch_size}, {self.steps} training steps on one XLA:CPU "
                  f"device in {self.seconds:.0f} s{losses}"]
+        if self.inputs:
+            lines.append(f"  {self.inputs}")
         lines += [textwrap.indent(str(f), "  ") for f in self.findings]
         return "\n".join(lines)
 
@@ -216,7 +225,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
           loss: Callable | None = None, optimizer: Any = "sgd", steps: int = 4, data: Any = None,
           tpu: str | TPUChip | None = None, *, prepare: Callable | None = None,
           train_step: Callable | None = None, bf16: bool = False, verbose: bool = True,
-          timeout: float | None = None) -> ReadinessReport:
+          timeout: float | None = None, inputs: str | None = None) -> ReadinessReport:
     """Run a few real training steps on one XLA:CPU device and say what would hurt on a TPU.
 
     Runs in a forked child (``runtime.launch(..., cores=1, simulate=1)``): the
@@ -228,8 +237,10 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         model: an ``nn.Module`` (or a zero-argument factory returning one) on the CPU.
         batch: one training batch as ``(x, y)``; ``x`` alone (or ``(x,)``) means
             no target. Its rows are the per-core batch the estimates are for. A
-            uint8 ``[B, H, W, C]`` image batch is normalised on the device like the
-            trainer does (ImageNet mean/std) unless ``prepare`` is given.
+            uint8 image batch, ``[B, H, W, C]`` or ``[B, C, H, W]`` (layout decided as
+            the trainer does, :func:`xla_utils.data.image_layout`), is normalised on
+            the device (ImageNet mean/std) unless ``prepare`` is given; a uint8 batch
+            that is no image is refused before the child starts.
         loss: ``loss(outputs, y) -> scalar`` (``loss(outputs)`` without ``y``).
             Default None: cross-entropy for integer (class-index) targets, binary
             cross-entropy with logits for 0/1 float targets of the output's shape,
@@ -258,6 +269,8 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
             trainer's ``bf16=True``). Default False.
         verbose: show a progress bar of the steps. Default True.
         timeout: seconds after which the child is killed (default: none).
+        inputs: the report's line on the input layout (the trainer's ``check()``
+            gives its own); default: described from ``batch``.
 
     Returns:
         A :class:`ReadinessReport`: ``print(report)`` for the verdict,
@@ -271,6 +284,8 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         raise ValueError(f"steps must be an int >= 3 (1 to compile, 2.. to check for recompiles), "
                          f"got {steps!r}")
     chip = resolve_tpu(tpu)
+    if prepare is None:
+        prepare, inputs = _default_prepare(batch)
     x, y = _split_batch(batch)
     module = model if isinstance(model, torch.nn.Module) else model()
     if not isinstance(module, torch.nn.Module):
@@ -288,7 +303,8 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     seconds = time.perf_counter() - t0
     return ReadinessReport(findings=_findings(meas, chip), tpu=chip.name,
                            batch_size=meas["batch_rows"], steps=steps, per_step=meas["per_step"],
-                           losses=meas["losses"], seconds=seconds, measurements=meas)
+                           losses=meas["losses"], seconds=seconds, measurements=meas,
+                           inputs=inputs or "")
 
 
 def resolve_tpu(tpu: str | TPUChip | None) -> TPUChip:
@@ -326,6 +342,19 @@ def _as_tensor(v: Any) -> Any:
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     return v
+
+
+def _default_prepare(batch: Any) -> tuple[Callable | None, str]:
+    """The trainer's treatment of ``batch``'s inputs (decided from its first row) and
+    its description: uint8 images normalised with ImageNet mean/std, else unchanged."""
+    from .inputs import inspect_inputs
+
+    x = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if not (isinstance(x, torch.Tensor) or hasattr(x, "__array__")) or not len(getattr(x, "shape", ())):
+        return None, ""
+    spec = inspect_inputs([x[0]], "batch", need_target=False)
+    return functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                             flip=False), spec.describe(flip=False)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
@@ -629,13 +658,7 @@ class _Job:
         self.prepare, self.train_step, self.bf16, self.verbose = prepare, train_step, bf16, verbose
 
     def _prep(self, x):
-        if self.prepare is not None:
-            return self.prepare(x)
-        from .data import images_to_float, is_image_batch
-
-        if isinstance(x, torch.Tensor) and is_image_batch(x):
-            return images_to_float(x)
-        return x
+        return self.prepare(x) if self.prepare is not None else x
 
     def __call__(self) -> dict[str, Any]:
         meas: dict[str, Any] = {"batch_rows": _rows(self.x)}

@@ -32,7 +32,8 @@ from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_
                          resolve_resume, save_checkpoint)
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
-from .inputs import AsPairs, check_batches, check_targets, input_shape, require_labels, shape_mismatch
+from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
+                     require_labels, shape_mismatch)
 from .loop import scale_lr
 from .optim import resolve_optimizer
 
@@ -263,7 +264,8 @@ class OneCycleTrainer:
 
         cfg = self.config
         require_labels(self.train_data, "train_data")
-        kwargs.setdefault("batch_tfm", lambda x: self._prepare(x, train=False))
+        spec = self._inspect(self.train_data, "train_data", "lr_find")
+        kwargs.setdefault("batch_tfm", self._prepare(spec, train=False))
         self.lr_finder_result = lr_find(self.model, self.loss, self.train_data, cfg.batch_size,
                                         optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
                                         seed=cfg.seed, simulate=simulate, **kwargs)
@@ -284,15 +286,14 @@ class OneCycleTrainer:
         Returns:
             The :class:`~xla_utils.debug.DebugReport` (also printed).
         """
-        self._check_inputs()
-        return self._debug(steps)
+        return self._debug(self._check_inputs()["train"][1], steps)
 
-    def _debug(self, steps: int = 5) -> DebugReport:
+    def _debug(self, spec: InputSpec, steps: int = 5) -> DebugReport:
         cfg = self.config
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
-                         prepare=lambda x: self._prepare(x, train=False),
-                         eval_step=self.eval_step)
+                         prepare=self._prepare(spec, train=False),
+                         eval_step=self.eval_step, inputs=spec)
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
@@ -334,13 +335,13 @@ class OneCycleTrainer:
         """
         cfg = self.config
         runtime._prestart_simulation(simulate)
-        self._check_inputs()
+        inputs = self._check_inputs()
         if check:
             self._check_before_fit()
         if debug:
             warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
                           "the same DebugReport", DeprecationWarning, stacklevel=2)
-            return self._debug()
+            return self._debug(inputs["train"][1])
         world = _planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world)
         ckpt = None
@@ -357,7 +358,7 @@ class OneCycleTrainer:
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-        out = runtime._launch(self._replica, (float(base_lr), lr_world, ckpt, run_id),
+        out = runtime._launch(self._replica, (float(base_lr), lr_world, ckpt, run_id, inputs),
                               cores=cores, simulate=simulate, timeout=timeout, sim_threads=True)
         if out.state_dict:  # empty when no epoch of this fit ended with finite weights
             self.model.load_state_dict(out.state_dict)
@@ -367,14 +368,27 @@ class OneCycleTrainer:
             warnings.warn(w, RuntimeWarning, stacklevel=2)
         return out
 
-    def _check_inputs(self) -> None:
-        """Refuse unlabelled data and labels the model cannot output, before any device time."""
+    def _check_inputs(self) -> dict[str, tuple[Any, InputSpec] | None]:
+        """Refuse unlabelled data, samples the trainer cannot feed and labels the model
+        cannot output, before any device time. Returns ``{"train": (data as the loader
+        collates it, its InputSpec), "val": ... or None}``."""
         require_labels(self.train_data, "train_data")
         require_labels(self.val_data, "val_data")
+        out: dict[str, tuple[Any, InputSpec] | None] = {"val": None}
         for data, name in ((self.train_data, "train_data"), (self.val_data, "val_data")):
             if data is not None:
-                check_targets(self.model, self.loss, data, name,
-                              lambda x: self._prepare(x, train=False), self.eval_step)
+                spec = self._inspect(data, name, "training" if name == "train_data" else
+                                     "validation")
+                fed = spec.feed(data)
+                check_targets(self.model, self.loss, fed, name, self._prepare(spec, train=False),
+                              self.eval_step)
+                out[name[:-5]] = (fed, spec)
+        return out
+
+    def _inspect(self, data, name: str, verb: str, need_target: bool = True) -> InputSpec:
+        """``data``'s :class:`~xla_utils.inputs.InputSpec` (its samples refused here, on the
+        host, when the trainer cannot feed them)."""
+        return inspect_inputs(data, name, need_target=need_target, verb=verb, mean=self.config.mean)
 
     def _new_run_lr(self, max_lr: float | str | None, simulate: int | None,
                     world: int) -> tuple[float | str, int]:
@@ -491,20 +505,18 @@ class OneCycleTrainer:
                 multilabel = isinstance(self.loss, torch.nn.BCEWithLogitsLoss) or \
                     self.loss is torch.nn.functional.binary_cross_entropy_with_logits
             activation = "sigmoid" if multilabel else "softmax"
-        first = data[0] if not isinstance(data, CachedImageDataset) else None
-        shape = input_shape(data, first)
-        train_shape = input_shape(self.train_data, None) if self.train_data is not None else None
-        if shape is not None and train_shape is not None and shape != train_shape:
-            raise ValueError(shape_mismatch(data, shape, self.train_data, train_shape))
-        if not isinstance(data, CachedImageDataset):
-            if labelled and not (isinstance(first, (tuple, list)) and len(first) >= 2):
-                raise TypeError("evaluate needs a dataset of (input, target) pairs; item 0 is a "
-                                f"{type(first).__name__}")
-        views = self._tta_views(data, tta, shape)
+        spec = self._inspect(data, "data", "evaluate", need_target=labelled)
+        if self.train_data is not None:
+            why = shape_mismatch(data, spec, self.train_data,
+                                 self._inspect(self.train_data, "train_data", "training"))
+            if why is not None:
+                raise ValueError(why)
+        views = self._tta_views(data, tta, spec.shape)
         model = self.model if weights is None else model_with_weights(self.model, weights)
-        return loop.InferencePlan(data=data if isinstance(data, CachedImageDataset) else AsPairs(data),
-                              n=len(data), views=views, batch_size=bs, activation=activation,
-                              model=model, labelled=labelled, tta=tta)
+        fed = spec.feed(data)
+        return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
+                                  inputs=spec, n=len(data), views=views, batch_size=bs,
+                                  activation=activation, model=model, labelled=labelled, tta=tta)
 
     def _tta_views(self, data, tta: int, shape) -> list[tuple[int, bool]]:
         """The (stored variant, mirrored) pair of each TTA view, in order (see :meth:`predict`)."""
@@ -546,17 +558,19 @@ class OneCycleTrainer:
         from .readiness import check as readiness_check
 
         cfg = self.config
-        first = next(iter(iterate_batches(self.train_data, cfg.batch_size, shuffle=False,
-                                          drop_last=True, num_workers=0)), None)
-        if first is None:
+        spec = self._inspect(self.train_data, "train_data", "training")
+        data = spec.feed(self.train_data)
+        if len(data) < cfg.batch_size:
             raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
-        x, y, _ = first
-        loader = (iterate_batches(self.train_data, cfg.batch_size, seed=cfg.seed,
+        x, y, _ = next(iter(iterate_batches(data, cfg.batch_size, shuffle=False, drop_last=True,
+                                            num_workers=0)))
+        loader = (iterate_batches(data, cfg.batch_size, seed=cfg.seed,
                                   num_workers=cfg.num_workers) if measure_loader else None)
         return readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
                                optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
-                               prepare=lambda t: self._prepare(t, train=True),
-                               train_step=self.train_step, bf16=cfg.bf16, timeout=timeout)
+                               prepare=self._prepare(spec, train=True),
+                               train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
+                               inputs=spec.describe(flip=cfg.flip))
 
     def _check_before_fit(self) -> None:
         from .readiness import ReadinessError
@@ -567,10 +581,12 @@ class OneCycleTrainer:
             raise ReadinessError(report)
 
     # ------------------------------------------------------------- replica
-    def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str) -> History:
+    def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str,
+                 inputs: dict[str, tuple[Any, InputSpec] | None]) -> History:
         """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint."""
         cfg = self.config
-        s = loop.set_up(self.model, cfg, self.train_data, base_lr=base_lr, lr_world=lr_world,
+        train_data, spec = inputs["train"]
+        s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
                         ckpt=ckpt)
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                                 initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
@@ -579,13 +595,14 @@ class OneCycleTrainer:
         mb = master_bar(epochs) if runtime.is_master() else None
         for epoch in (mb if mb is not None else epochs):
             pb = progress_bar(range(s.steps_per_epoch), parent=mb) if mb is not None else None
-            batches = loop.loader(self.train_data, cfg, world_size=s.world_size, rank=s.rank,
+            batches = loop.loader(train_data, cfg, world_size=s.world_size, rank=s.rank,
                                   epoch=epoch, train=True)
             res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
-                                       train_step=self.train_step, loss_fn=self.loss, progress=pb)
+                                       train_step=self.train_step, loss_fn=self.loss,
+                                       inputs=spec, progress=pb)
             if state.stop_reason is not None:
                 break
-            record = self._epoch_record(epoch, s, state, res)
+            record = self._epoch_record(epoch, s, state, res, inputs["val"])
             s.history.append(record)
             if mb is not None:
                 mb.write(loop.epoch_line(record))
@@ -603,17 +620,17 @@ class OneCycleTrainer:
                        warnings=state.warnings, run_id=run_id)
 
     def _epoch_record(self, epoch: int, s: loop.Setup, state: loop.TrainState,
-                      res: loop.EpochResult) -> dict[str, Any]:
+                      res: loop.EpochResult, val: tuple[Any, InputSpec] | None) -> dict[str, Any]:
         """The history record of a finished epoch (validation included), warning
         once per key when a loss explodes."""
         cfg = self.config
         record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
-        if self.val_data is not None:
-            val = loop.evaluate(s.model, loop.loader(self.val_data, cfg, world_size=s.world_size,
-                                                     rank=s.rank, epoch=epoch, train=False),
-                                cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
-                                autocast=s.autocast, dev=s.device)
-            record.update({"val_loss": val.pop("loss")}, **val)
+        if val is not None:
+            metrics = loop.evaluate(s.model, loop.loader(val[0], cfg, world_size=s.world_size,
+                                                         rank=s.rank, epoch=epoch, train=False),
+                                    cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
+                                    autocast=s.autocast, dev=s.device, inputs=val[1])
+            record.update({"val_loss": metrics.pop("loss")}, **metrics)
         for key in ("train_loss", "val_loss"):
             msg = loop.exploded(key, record.get(key), state.initial_loss, epoch + 1)
             if msg and not state.diverged and not any(w.startswith(key) for w in state.warnings):
@@ -643,8 +660,10 @@ class OneCycleTrainer:
             runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                                  "(non-finite loss); older checkpoints are kept")
 
-    def _prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
-        return loop.prepare_input(x, self.config, train)
+    def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> model input`` for batches of a dataset described by ``spec``."""
+        cfg = self.config
+        return lambda x: loop.prepare_input(x, cfg, train, spec)
 
 
 def _planned_world_size(cores: int | str, simulate: int | None) -> int:
