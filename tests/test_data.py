@@ -320,14 +320,29 @@ def test_images_to_float_on_an_xla_device_compiles_once():
     assert res["compiles"] <= 2 and res["fallbacks"] == [] and res["max_err"] < 0.02, res
 
 
-def test_is_image_batch():
-    from xla_utils.data import is_image_batch
+def test_image_layout_rule_and_channels_first_batches():
+    from xla_utils.data import image_layout
 
-    assert is_image_batch(torch.zeros(2, 8, 8, 3, dtype=torch.uint8))
-    assert is_image_batch(torch.zeros(2, 8, 8, 1, dtype=torch.uint8))
-    assert not is_image_batch(torch.zeros(2, 8, 8, 3))  # float: already model input
-    assert not is_image_batch(torch.zeros(2, 3, 8, 8, dtype=torch.uint8))  # NCHW
-    assert not is_image_batch(torch.zeros(8, 8, 3, dtype=torch.uint8))  # one image
+    assert image_layout((8, 8, 3), channels_first_on_tie=True) == "channels_last"
+    assert image_layout((3, 8, 8), channels_first_on_tie=False) == "channels_first"
+    assert image_layout((1, 28, 28), channels_first_on_tie=False) == "channels_first"
+    assert image_layout((8, 8, 4), channels_first_on_tie=True) == "channels_last"
+    # a 3-pixel-wide CHW image is also a 3-pixel-high HWC one: the tie-breaker decides
+    assert image_layout((3, 32, 3), channels_first_on_tie=True) == "channels_first"
+    assert image_layout((3, 32, 3), channels_first_on_tie=False) == "channels_last"
+    assert image_layout((5, 7, 9), channels_first_on_tie=True) is None
+    assert image_layout((8, 8), channels_first_on_tie=True) is None
+    assert image_layout((2, 8, 8, 3), channels_first_on_tie=True) is None  # a batch, not one image
+    x = torch.randint(0, 256, (16, 6, 5, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    chw = x.permute(0, 3, 1, 2).contiguous()
+    assert torch.equal(images_to_float(x), images_to_float(chw, channels_first=True))
+    torch.manual_seed(5)
+    a = images_to_float(x, flip=True)
+    torch.manual_seed(5)
+    b = images_to_float(chw, flip=True, channels_first=True)
+    assert torch.equal(a, b) and not torch.equal(a, images_to_float(x))  # the same flips, along W
+    with pytest.raises(ValueError, match=r"\[B, C, H, W\] batch"):
+        images_to_float(chw[0], channels_first=True)
 
 
 def test_ids_and_unlabeled_attributes(ds):

@@ -12,7 +12,7 @@ from PIL import Image
 from torch import nn
 
 from xla_utils import OneCycleTrainer, lr_find
-from xla_utils.data import image_layout, images_to_float
+from xla_utils.data import images_to_float
 from xla_utils.inputs import HostFeed, InputRefused, inspect_inputs
 
 N, SIZE, BS = 32, 8, 8
@@ -173,38 +173,21 @@ def test_channels_that_do_not_match_mean_are_refused_with_the_fix(no_launch):
 # ----------------------------------------------------------------------------- the layout rule
 
 
-def test_the_layout_rule_for_ambiguous_shapes():
-    assert image_layout((8, 8, 3), channels_first_on_tie=True) == "channels_last"
-    assert image_layout((3, 8, 8), channels_first_on_tie=False) == "channels_first"
-    assert image_layout((1, 28, 28), channels_first_on_tie=False) == "channels_first"
-    # a 3-pixel-wide CHW image is also a 3-pixel-high HWC one: the tie-breaker decides
-    assert image_layout((3, 32, 3), channels_first_on_tie=True) == "channels_first"
-    assert image_layout((3, 32, 3), channels_first_on_tie=False) == "channels_last"
-    assert image_layout((5, 7, 9), channels_first_on_tie=True) is None
-    assert image_layout((8, 8), channels_first_on_tie=True) is None
+def test_the_layout_of_an_ambiguous_shape_follows_the_sample_type():
+    # [3, 32, 3]: a 3-pixel-wide CHW image or a 3-pixel-high HWC one (xla_utils.data.image_layout)
     # torch tensors follow torchvision (CHW), numpy arrays PIL/OpenCV (HWC)
     t = inspect_inputs([(torch.zeros(3, 32, 3, dtype=torch.uint8), 0)], "d")
     a = inspect_inputs([(np.zeros((3, 32, 3), np.uint8), 0)], "d")
     assert (t.layout, t.ambiguous, a.layout, a.ambiguous) == \
         ("channels_first", True, "channels_last", True)
+    assert (t.image_chw, a.image_chw) == ((3, 32, 3), (3, 3, 32))
     assert "ambiguous shape" in t.describe(flip=True) and "torch tensors" in t.describe(flip=True)
+    assert "numpy arrays" in a.describe(flip=True)
+    assert not inspect_inputs([(torch.zeros(3, 32, 32, dtype=torch.uint8), 0)], "d").ambiguous
     tv = pytest.importorskip("torchvision.tv_tensors")
     # tv_tensors.Image is [C, H, W] by definition, whatever its shape
     s = inspect_inputs([(tv.Image(torch.zeros(4, 8, 3, dtype=torch.uint8)), 0)], "d")
     assert (s.layout, s.ambiguous) == ("channels_first", False)
-
-
-def test_channels_first_normalises_and_flips_like_channels_last():
-    x, _ = _images()
-    chw = x.permute(0, 3, 1, 2).contiguous()
-    assert torch.equal(images_to_float(x), images_to_float(chw, channels_first=True))
-    torch.manual_seed(5)
-    a = images_to_float(x, flip=True)
-    torch.manual_seed(5)
-    b = images_to_float(chw, flip=True, channels_first=True)
-    assert torch.equal(a, b) and not torch.equal(a, images_to_float(x))
-    mirrored = [torch.equal(a[i], images_to_float(x)[i].flip(2)) for i in range(N)]
-    assert 0 < sum(mirrored) < N  # along the width axis, a random half
 
 
 def test_pil_images_become_hwc_arrays_on_the_host():
