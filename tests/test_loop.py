@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from xla_utils import loop, runtime
+from xla_utils.inputs import inspect_inputs
 from xla_utils.trainer import TrainerConfig
 
 
@@ -21,16 +22,19 @@ def test_set_up_train_one_epoch_and_evaluate_on_the_torch_backend():
     data = _data()
     model = nn.Linear(8, 2)
     before = model.weight.detach().clone()
+    spec = inspect_inputs(data, "data")  # decided once, on the host
+    assert spec.layout is None  # float inputs: passed to the model unchanged
 
     def job():
         s = loop.set_up(model, cfg, data, base_lr=1e-2, lr_world=1, ckpt=None)
         state = loop.TrainState(step=0, initial_loss=None)
         batches = loop.loader(data, cfg, world_size=s.world_size, rank=s.rank, epoch=0, train=True)
         res = loop.train_one_epoch(0, s, state, batches, cfg=cfg,
-                                   train_step=loop.default_train_step, loss_fn=nn.CrossEntropyLoss())
+                                   train_step=loop.default_train_step, loss_fn=nn.CrossEntropyLoss(),
+                                   inputs=spec)
         val = loop.evaluate(s.model, loop.loader(data, cfg, world_size=1, rank=0, epoch=0, train=False),
                             cfg=cfg, loss_fn=nn.CrossEntropyLoss(), eval_step=loop.default_eval_step,
-                            autocast=s.autocast, dev=s.device)
+                            autocast=s.autocast, dev=s.device, inputs=spec)
         return s, state, res, val
 
     s, state, res, val = runtime.launch(job)  # no TPU, no simulate: in-process, plain torch

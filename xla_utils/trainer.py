@@ -508,7 +508,8 @@ class OneCycleTrainer:
         spec = self._inspect(data, "data", "evaluate", need_target=labelled)
         if self.train_data is not None:
             why = shape_mismatch(data, spec, self.train_data,
-                                 self._inspect(self.train_data, "train_data", "training"))
+                                 self._inspect(self.train_data, "train_data", "training",
+                                               need_target=False))
             if why is not None:
                 raise ValueError(why)
         views = self._tta_views(data, tta, spec.shape)
