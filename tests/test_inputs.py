@@ -229,3 +229,18 @@ def test_check_and_debug_report_the_input_layout(capsys):
         in pil.inputs
     flt = _trainer("float").debug(steps=3)
     assert flt.inputs == "inputs: float32 [B,3,8,8] (torch.Tensor), passed to the model unchanged"
+
+
+def test_standalone_check_and_debug_run_decide_the_layout_as_the_trainer_does():
+    import xla_utils
+    from xla_utils import debug_run
+
+    x, y = _images()
+    chw = x.permute(0, 3, 1, 2).contiguous()
+    rep = xla_utils.check(_model(), (chw[:BS], y[:BS]), steps=3, verbose=False)
+    assert rep.inputs == ("inputs: uint8 [B,3,8,8] channels-first images (torch.Tensor), "
+                          "normalised on the device") and not rep.errors
+    dbg = debug_run(_model(), nn.CrossEntropyLoss(), _samples("pil"), batch_size=BS, steps=3,
+                    print_report=False)
+    assert "PIL.Image (mode RGB) converted on the host to uint8 [B,8,8,3]" in dbg.inputs
+    assert len(dbg.losses) == 3 and all(np.isfinite(dbg.losses))

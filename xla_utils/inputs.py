@@ -28,7 +28,8 @@ import torch
 from .data import IMAGE_CHANNELS, CachedImageDataset, image_layout, images_to_float
 
 __all__ = ["check_batches", "check_targets", "require_labels", "shape_mismatch",
-           "AsPairs", "InputSpec", "inspect_inputs", "HostFeed", "INPUT_KEYS", "TARGET_KEYS"]
+           "AsPairs", "InputSpec", "InputRefused", "inspect_inputs", "HostFeed", "pil_array",
+           "INPUT_KEYS", "TARGET_KEYS"]
 
 # Keys of dict samples (Hugging Face ``datasets`` style) taken as input and target, first found wins.
 INPUT_KEYS = ("image", "img", "pixel_values", "input", "inputs", "x")

@@ -411,12 +411,9 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             (e.g. ``nn.CrossEntropyLoss()``).
         data: Map-style dataset (e.g. :class:`xla_utils.CachedImageDataset`), batched
             with :func:`xla_utils.data.iterate_batches` (shuffled, last partial
-            batch dropped, several passes if ``num_it`` needs them). Inputs are fed
-            as by the trainer (:func:`xla_utils.inputs.inspect_inputs`, decided from
-            the first sample): uint8 images ``[H, W, C]`` or ``[C, H, W]`` are
-            converted on the device with :func:`xla_utils.data.images_to_float`
-            (ImageNet mean/std), PIL images become uint8 arrays on the host, a
-            sample the finder cannot feed is refused here, before any device time.
+            batch dropped, several passes if ``num_it`` needs them); inputs fed as by
+            the trainer (:func:`xla_utils.inputs.inspect_inputs`): uint8 images either
+            layout normalised on the device (ImageNet mean/std), PIL converted on the host.
         batch_size: Samples per forward pass on the one core: use the per-core batch of the
             run you plan.
         optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"`` or a callable, as
@@ -472,14 +469,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     runtime._prestart_simulation(simulate)
-    from .data import IMAGENET_MEAN, IMAGENET_STD
-    from .inputs import inspect_inputs
-
-    spec = inspect_inputs(data, "data", verb="lr_find")
-    data = spec.feed(data)
-    if batch_tfm is None:
-        batch_tfm = functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                                      flip=False)
+    data, batch_tfm = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
@@ -503,6 +493,20 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                       "yourself", RuntimeWarning, stacklevel=2)
     return res
 
+
+
+def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:
+    """``data`` as the loader collates it and the device transform of its inputs (the
+    trainer's feeding, :func:`xla_utils.inputs.inspect_inputs`); refuses, before any
+    device time, a sample that cannot be fed."""
+    from .data import IMAGENET_MEAN, IMAGENET_STD
+    from .inputs import inspect_inputs
+
+    spec = inspect_inputs(data, "data", verb="lr_find")
+    if batch_tfm is None:
+        batch_tfm = functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                                      flip=False)
+    return spec.feed(data), batch_tfm
 
 
 def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num_it: int,

@@ -236,11 +236,9 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     Args:
         model: an ``nn.Module`` (or a zero-argument factory returning one) on the CPU.
         batch: one training batch as ``(x, y)``; ``x`` alone (or ``(x,)``) means
-            no target. Its rows are the per-core batch the estimates are for. A
-            uint8 image batch, ``[B, H, W, C]`` or ``[B, C, H, W]`` (layout decided as
-            the trainer does, :func:`xla_utils.data.image_layout`), is normalised on
-            the device (ImageNet mean/std) unless ``prepare`` is given; a uint8 batch
-            that is no image is refused before the child starts.
+            no target. Its rows are the per-core batch the estimates are for. uint8
+            images ``[B, H, W, C]`` or ``[B, C, H, W]`` are normalised on the device as
+            by the trainer (ImageNet mean/std) unless ``prepare`` is given.
         loss: ``loss(outputs, y) -> scalar`` (``loss(outputs)`` without ``y``).
             Default None: cross-entropy for integer (class-index) targets, binary
             cross-entropy with logits for 0/1 float targets of the output's shape,
@@ -269,8 +267,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
             trainer's ``bf16=True``). Default False.
         verbose: show a progress bar of the steps. Default True.
         timeout: seconds after which the child is killed (default: none).
-        inputs: the report's line on the input layout (the trainer's ``check()``
-            gives its own); default: described from ``batch``.
+        inputs: the report's input layout line; default: described from ``batch``.
 
     Returns:
         A :class:`ReadinessReport`: ``print(report)`` for the verdict,
@@ -284,8 +281,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         raise ValueError(f"steps must be an int >= 3 (1 to compile, 2.. to check for recompiles), "
                          f"got {steps!r}")
     chip = resolve_tpu(tpu)
-    if prepare is None:
-        prepare, inputs = _default_prepare(batch)
+    prepare, inputs = (prepare, inputs) if prepare is not None else _default_prepare(batch)
     x, y = _split_batch(batch)
     module = model if isinstance(model, torch.nn.Module) else model()
     if not isinstance(module, torch.nn.Module):

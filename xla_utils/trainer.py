@@ -219,7 +219,12 @@ class OneCycleTrainer:
             per-sample form (``reduction="none"``) when it has one.
         train_data, val_data: A :class:`~xla_utils.data.CachedImageDataset` (uint8 batches,
             normalised and flipped on the device) or any map-style dataset returning ``(input,
-            target)``.
+            target)``: uint8 images ``[H, W, C]`` or ``[C, H, W]`` (``read_image``,
+            ``PILToTensor``, ``tv_tensors.Image``) are normalised and flipped on the device
+            too, PIL images are converted on the host, other numeric inputs go to the model
+            unchanged (decided once per dataset from its first sample, see
+            :func:`xla_utils.inputs.inspect_inputs`); other samples are refused before any
+            device time.
         train_step: Optional hook ``train_step(model, (x, y), loss) -> loss tensor`` for
             other problem types. ``eval_step(model, (x, y)) -> outputs`` likewise.
         **config: Any field of :class:`TrainerConfig` (batch_size, epochs, max_lr, ...).
@@ -332,6 +337,8 @@ class OneCycleTrainer:
                 any training or TPU time; warnings only print).
             ValueError: Labels outside the model's outputs, unlabelled data, or a
                 training set smaller than one global batch.
+            ~xla_utils.inputs.InputRefused: A sample the trainer cannot feed (a
+                ``TypeError`` naming its type, shape, dtype and the fix).
         """
         cfg = self.config
         runtime._prestart_simulation(simulate)
@@ -464,6 +471,8 @@ class OneCycleTrainer:
                 another shape than the training data's (a test cache built at another
                 size), ``tta`` exceeds the views ``data`` offers, or ``weights`` does
                 not fit the model.
+            ~xla_utils.inputs.InputRefused: before any device time, a sample the
+                trainer cannot feed (its type, shape and dtype named, with the fix).
         """
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
@@ -555,7 +564,9 @@ class OneCycleTrainer:
         ``train_step``, bf16 setting, image normalisation (and flips) and the
         first ``batch_size`` batch of ``train_data``; with ``measure_loader``
         (default True) the training loader's samples/s is compared with the TPU's
-        step rate. ``tpu`` as in :func:`xla_utils.check` (default: this TPU, else v5e)."""
+        step rate. ``tpu`` as in :func:`xla_utils.check` (default: this TPU, else v5e).
+        The report's ``inputs`` line says which input layout was seen and what the
+        trainer does with it."""
         from .readiness import check as readiness_check
 
         cfg = self.config
