@@ -45,7 +45,6 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
-from .data import IMAGENET_MEAN, IMAGENET_STD
 from .progress import progress_bar
 
 __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS", "TPUChip",
@@ -343,6 +342,7 @@ def _as_tensor(v: Any) -> Any:
 def _default_prepare(batch: Any) -> tuple[Callable | None, str]:
     """The trainer's treatment of ``batch``'s inputs (decided from its first row) and
     its description: uint8 images normalised with ImageNet mean/std, else unchanged."""
+    from .data import IMAGENET_MEAN, IMAGENET_STD
     from .inputs import inspect_inputs
 
     x = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
