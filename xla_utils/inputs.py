@@ -223,7 +223,7 @@ class AsPairs:
 # --------------------------------------------------------------------------- input layout
 # PIL modes fed as they are (channels); the rest is converted to RGB (palette, CMYK...) or
 # RGBA (grey + alpha) first, as build_cache would.
-_PIL_DIRECT = {"RGB": 3, "L": 1, "RGBA": 4}
+_PIL_DIRECT = ("RGB", "L", "RGBA")
 _PIL_CONVERT = {"1": "L", "LA": "RGBA", "PA": "RGBA", "La": "RGBA", "RGBa": "RGBA"}
 
 
