@@ -252,6 +252,9 @@ class OneCycleTrainer:
         self.lr_finder_result = None
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
+        # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
+        # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
+        runtime._prestart_if_simulation_likely()
 
     # ------------------------------------------------------------------ API
     def find_lr(self, simulate: int | None = None, **kwargs: Any):
@@ -451,6 +454,7 @@ class OneCycleTrainer:
                 size), ``tta`` exceeds the views ``data`` offers, or ``weights`` does
                 not fit the model.
         """
+        runtime._prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
                                timeout=None, sim_threads=True)
@@ -469,6 +473,7 @@ class OneCycleTrainer:
         averaged prediction.
         """
         require_labels(data, "data", action="evaluate")
+        runtime._prestart_simulation(simulate)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
         return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,

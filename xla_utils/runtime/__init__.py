@@ -61,7 +61,7 @@ from .. import progress as _progress
 from .counters import xla_counters, xla_counters_report
 # The underscored names are the package's internal API for the rest of xla_utils
 # (trainer, lr_finder, readiness, debug) and the tests; they are not public.
-from .launcher import _launch, _prestart_simulation, launch
+from .launcher import _launch, _prestart_if_simulation_likely, _prestart_simulation, launch
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .transfer import device_prefetch, to_device
