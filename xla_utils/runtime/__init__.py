@@ -46,6 +46,8 @@ Layout
 ``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
 ``transfer``  ``to_device``, ``device_prefetch``.
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
+``forksafe``  which forks may inherit an OpenMP team (the zygote's check before
+              every fork; a fresh thread for TPU jobs) and the one-thread guard.
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
 ``launcher``  ``launch``: TPU jobs, simulated jobs (through
