@@ -117,16 +117,14 @@ def simulate_threads(fn, args, n: int, results) -> None:
     forksafe.guard_inherited()  # a no-op unless the zygote had an OpenMP team
     os.environ["PJRT_DEVICE"] = "CPU"
     os.environ["CPU_NUM_DEVICES"] = str(n)
-    if n > 1:
-        # Every replica's execution of a collective blocks a thread until all N
-        # have joined. The asynchronous PJRT CPU client runs executions on a pool
-        # sized by the host's cores (2 here), so N > 2 replicas deadlock until XLA
-        # aborts the process. The synchronous client executes on torch_xla's own
-        # pool, which XLA_THREAD_POOL_SIZE makes big enough. One replica has no
-        # collectives: it keeps torch_xla's defaults, as a hand-written loop does.
-        os.environ["PJRT_CPU_ASYNC_CLIENT"] = "0"
-        pool = int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0)
-        os.environ["XLA_THREAD_POOL_SIZE"] = str(max(pool, 2 * n, 8))
+    # Every replica's execution of a collective blocks a thread until all N
+    # have joined. The asynchronous PJRT CPU client runs executions on a pool
+    # sized by the host's cores (2 here), so N > 2 replicas deadlock until XLA
+    # aborts the process. The synchronous client executes on torch_xla's own
+    # pool, which XLA_THREAD_POOL_SIZE makes big enough.
+    os.environ["PJRT_CPU_ASYNC_CLIENT"] = "0"
+    pool = int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0)
+    os.environ["XLA_THREAD_POOL_SIZE"] = str(max(pool, 2 * n, 8))
     STATE.sim = SimGroup(n, threading.Barrier(n)) if n > 1 else None
     _spawn_job(fn, args, 1 if n == 1 else None, results)
 
