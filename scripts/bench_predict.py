@@ -4,12 +4,22 @@ Both run the same CNN (random weights, fixed seed) over the same uint8 image
 cache (scikit-learn's 1,797 digits rendered at 32x32) at the same batch on one
 XLA:CPU device, normalise on the device, apply a softmax and bring every
 prediction to the host as one numpy array. Each repetition runs both variants,
-each in a fresh process, alternating the order; the timed span is everything
-after the imports: device start, compilation, the pass and the gather
-(``predict`` also forks its replica); importing torch_xla is not timed. Reports median images/s, the overhead
-ratio and the largest difference between the two prediction arrays.
+each in a fresh process, alternating the order. Timed spans start after the imports:
 
-    PJRT_DEVICE=CPU python scripts/bench_predict.py [--reps 5] [--batch 64] [--repeat 3] [--json out.json]
+* hand-written: its first pass (device start, compilation, the pass, the read)
+  and a second pass in the same process (compiled);
+* ``predict(simulate=1)``: the zygote's start (from ``OneCycleTrainer(...)``, which
+  starts it, until it is ready: what the first call pays when it comes at once),
+  then ``--calls`` calls: the first and the later ones (each forks a job that
+  starts an XLA:CPU client and compiles again: XLA:CPU cannot load compiled
+  graphs from the persistent cache).
+
+Reports median images/s and the overhead of predict's first and later calls
+against the hand-written first pass (ratio of medians and median of per-rep
+ratios), with the load average, and the largest difference between the two
+prediction arrays.
+
+    PJRT_DEVICE=CPU python scripts/bench_predict.py [--reps 5] [--batch 64] [--repeat 3] [--calls 3] [--json out.json]
 
 The hand-written loop is what a careful user writes from the torch_xla docs:
 a ``DataLoader`` over the cache, ``MpDeviceLoader``, outputs kept on the device
@@ -20,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _bench
 
 CLASSES = 10
 MEAN, STD = (0.5,) * 3, (0.5,) * 3
@@ -57,7 +67,7 @@ def build(cache: Path, repeat: int) -> None:
                 verbose=False)
 
 
-def run_hand(cache: str, batch: int) -> dict:
+def run_hand(cache: str, batch: int, calls: int) -> dict:
     import torch
     import torch_xla
     import torch_xla.distributed.parallel_loader as pl
@@ -70,36 +80,35 @@ def run_hand(cache: str, batch: int) -> dict:
     dev = torch_xla.device()
     model = make_model().to(dev).eval()
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, drop_last=False)
-    outs = []
-    with torch.no_grad():
-        for x, _ in pl.MpDeviceLoader(loader, dev):
-            outs.append(torch.softmax(model(images_to_float(x, MEAN, STD)), 1))
-    preds = torch.cat(outs).cpu().numpy()
-    seconds = time.perf_counter() - t0
+    seconds = []
+    for _ in range(2):  # the first pass compiles, the second does not
+        outs = []
+        with torch.no_grad():
+            for x, _ in pl.MpDeviceLoader(loader, dev):
+                outs.append(torch.softmax(model(images_to_float(x, MEAN, STD)), 1))
+        preds = torch.cat(outs).cpu().numpy()
+        seconds.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
     return {"seconds": seconds, "images": len(ds), "preds": preds.tolist()}
 
 
-def run_predict(cache: str, batch: int) -> dict:
+def run_predict(cache: str, batch: int, calls: int) -> dict:
     import torch
 
-    from xla_utils import CachedImageDataset, OneCycleTrainer, runtime
+    from xla_utils import CachedImageDataset, OneCycleTrainer, runtime, simulate
 
     runtime.xla_available()  # imports torch_xla (untimed, as in run_hand); the runtime stays untouched
     ds = CachedImageDataset(cache)
-    t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), ds, batch_size=batch, mean=MEAN, std=STD)
     t0 = time.perf_counter()
-    preds = t.predict(ds, simulate=1)
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "images": len(ds), "preds": preds.tolist()}
-
-
-def _child(variant: str, cache: Path, batch: int) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    p = subprocess.run([sys.executable, __file__, "--child", variant, "--cache", str(cache),
-                        "--batch", str(batch)], capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), ds, batch_size=batch, mean=MEAN, std=STD)
+    simulate._zygote()  # started by OneCycleTrainer(...); wait until it is ready
+    zygote_s = time.perf_counter() - t0
+    seconds = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        preds = t.predict(ds, simulate=1)
+        seconds.append(time.perf_counter() - t0)
+    return {"seconds": seconds, "zygote_s": zygote_s, "images": len(ds), "preds": preds.tolist()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,42 +116,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="passes of the 1,797 digits in the cache")
+    ap.add_argument("--calls", type=int, default=3, help="predict calls per process (>= 2)")
     ap.add_argument("--json", help="also write the medians and per-run rates here")
     ap.add_argument("--child", choices=["hand", "predict"], help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.calls < 2:
+        ap.error("--calls must be >= 2 (the first call and later ones are reported apart)")
     if args.child:
         fn = run_hand if args.child == "hand" else run_predict
-        print("\n" + json.dumps(fn(args.cache, args.batch)))  # after any progress bar
+        print("\n" + json.dumps(fn(args.cache, args.batch, args.calls)))  # after any progress bar
         return 0
 
     import numpy as np
 
+    print(f"start: {_bench.load()}", flush=True)
+    rates: dict[str, list[float]] = {"hand": [], "hand_second": [], "first": [], "later": []}
+    zygote: list[float] = []
+    diff = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         build(cache, args.repeat)
-        rates: dict[str, list[float]] = {"hand": [], "predict": []}
-        diff = 0.0
         for rep in range(args.reps):
             preds = {}
             for variant in (("hand", "predict") if rep % 2 == 0 else ("predict", "hand")):
-                r = _child(variant, cache, args.batch)
-                rate = r["images"] / r["seconds"]
-                rates[variant].append(rate)
+                r = _bench.child(__file__, variant, "--cache", str(cache), "--batch",
+                                 str(args.batch), "--calls", str(args.calls))
+                n, sec = r["images"], r["seconds"]
                 preds[variant] = np.asarray(r["preds"])
-                print(f"rep {rep} {variant:8s} {rate:8.1f} images/s ({r['images']} images, "
-                      f"{r['seconds']:.2f} s)", flush=True)
+                if variant == "hand":
+                    rates["hand"].append(n / sec[0])
+                    rates["hand_second"].append(n / sec[1])
+                    what = f"first pass {sec[0]:.2f} s, second {sec[1]:.2f} s"
+                else:
+                    zygote.append(r["zygote_s"])
+                    rates["first"].append(n / sec[0])
+                    rates["later"].append(n / statistics.median(sec[1:]))
+                    what = (f"zygote start {r['zygote_s']:.2f} s, first call {sec[0]:.2f} s, "
+                            f"later calls {', '.join(f'{x:.2f}' for x in sec[1:])} s")
+                print(f"rep {rep} {variant:8s} {n} images: {what}  ({_bench.load()})", flush=True)
             diff = max(diff, float(np.abs(preds["hand"] - preds["predict"]).max()))
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    overhead = med["hand"] / med["predict"] - 1
-    paired = statistics.median(h / p - 1 for h, p in zip(rates["hand"], rates["predict"]))
-    print(f"\nmedian images/s: hand-written MpDeviceLoader loop {med['hand']:.1f}, predict "
-          f"{med['predict']:.1f}; predict overhead {overhead:+.1%} (ratio of medians), {paired:+.1%} "
-          f"(median of per-rep ratios); batch {args.batch}, {args.reps} reps; max |difference| of "
-          f"the predictions {diff:.2e}")
+    print(f"\nend: {_bench.load()}; batch {args.batch}, {args.reps} reps, {args.calls} predict "
+          f"calls per process; images/s below")
+    summary = {
+        "first_call": _bench.compare("predict first call vs hand-written first pass",
+                                     rates["hand"], rates["first"], "images/s"),
+        "later_calls": _bench.compare("predict later calls vs hand-written first pass",
+                                      rates["hand"], rates["later"], "images/s"),
+        "later_vs_compiled": _bench.compare(
+            "predict later calls vs hand-written second (compiled) pass", rates["hand_second"],
+            rates["later"], "images/s"),
+    }
+    print(f"zygote start (paid once per process, overlapping whatever follows "
+          f"OneCycleTrainer(...)): median {statistics.median(zygote):.2f} s; max |difference| "
+          f"of the predictions {diff:.2e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rates": rates, "median": med, "overhead": overhead, "paired_overhead": paired,
+            json.dump({"rates": rates, "zygote_s": zygote, "summary": summary,
                        "max_abs_diff": diff}, f, indent=1)
     return 0
 

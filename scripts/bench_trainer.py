@@ -1,31 +1,46 @@
-"""Trainer overhead: OneCycleTrainer vs a minimal hand-written torch_xla loop.
+"""Trainer overhead: OneCycleTrainer.fit and lr_find vs hand-written torch_xla loops.
 
-Both train the same CNN on the same in-memory data with the same per-core batch
-on one XLA:CPU device; each repetition runs every variant in a fresh process,
-alternating, and the steady-state speed is taken from epochs 2.. (epoch 1
-compiles). Reports median steps/s, the overhead ratio, graph executions and
-device->host transfers per step.
+Three pairs, each variant in a fresh process, the pair back to back (alternating
+which goes first), all pairs in every repetition:
 
-    PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--json out.json]
+* ``fit1``: ``fit(simulate=1)`` vs the hand-written loop on one XLA:CPU device;
+  steps/s over epochs 2.. (epoch 1 compiles).
+* ``fit8``: ``fit(simulate=8)`` (the thread job) vs the same hand-written loop on 8
+  simulated cores (``runtime.launch(simulate=8)``: one process per replica, the way
+  user code runs there; torch_xla's own thread-per-device spawn on CPU crashes);
+  global steps/s over epochs 2...
+* ``lr_find``: an ``lr_find(simulate=1)`` sweep vs a hand-written sweep (same
+  exponential LR, loss read every step, same 4x divergence stop) on one XLA:CPU
+  device; sweep steps/s over the whole call after the imports (device start and
+  compilation included in both; the zygote is started before timing).
 
-The hand-written loop is what a careful user writes from the torch_xla docs:
-``MpDeviceLoader`` + ``xm.optimizer_step`` and no host reads inside the loop.
-It is the only code in this repository outside ``xla_utils/runtime/`` that
-calls torch_xla, because it is the baseline.
+Prints every run with the load average, then medians and the overhead by ratio of
+medians and by median of per-pair ratios, and graph executions / device->host
+transfers per step of the ``fit1`` pair.
+
+    PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--pairs fit1,fit8,lr_find] [--json out.json]
+
+The hand-written loops are what a careful user writes from the torch_xla docs:
+``MpDeviceLoader`` + ``xm.optimizer_step`` and no host reads inside the training
+loop. They are the only code in this repository outside ``xla_utils/runtime/`` that
+calls torch_xla (with scripts/bench_predict.py), because they are the baseline.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import statistics
-import subprocess
 import sys
 import time
+
+import _bench
 
 N_SAMPLES = 2048
 IMAGE = 32
 CLASSES = 10
+SWEEP = (1e-7, 10.0, 100)  # lr_find's defaults: start, end, steps
+PAIRS = {"fit1": ("hand1", "fit1"), "fit8": ("hand8", "fit8"), "lr_find": ("hand_lr", "lr_find")}
 
 
 def make_model():
@@ -47,23 +62,32 @@ def make_data():
     return torch.utils.data.TensorDataset(x, y)
 
 
-def run_hand(batch: int, epochs: int) -> dict:
+def _hand_epochs(batch: int, epochs: int, world: int) -> dict:
+    """The hand-written training loop in this replica: per-epoch seconds and counters."""
     import torch
     import torch.nn.functional as F
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
     import torch_xla.distributed.parallel_loader as pl
+    import torch_xla.runtime as xr
 
     torch.manual_seed(0)
     dev = torch_xla.device()
     model = make_model().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loader = torch.utils.data.DataLoader(make_data(), batch_size=batch, shuffle=True, drop_last=True)
+    data = make_data()
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        data, num_replicas=world, rank=xr.global_ordinal(), shuffle=True, drop_last=True) \
+        if world > 1 else None
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=sampler is None,
+                                         sampler=sampler, drop_last=True)
     device_loader = pl.MpDeviceLoader(loader, dev)
     steps = len(loader)
     times, execs, to_host = [], [], []
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         e0 = met.metric_data("ExecuteTime")[0] if met.metric_data("ExecuteTime") else 0
         h0 = met.metric_data("TransferFromDeviceTime")
         h0 = h0[0] if h0 else 0
@@ -81,7 +105,17 @@ def run_hand(batch: int, epochs: int) -> dict:
     return {"steps": steps, "epoch_s": times, "exec_per_step": execs, "to_host_per_step": to_host}
 
 
-def run_trainer(batch: int, epochs: int) -> dict:
+def run_hand1(batch: int, epochs: int) -> dict:
+    return _hand_epochs(batch, epochs, 1)
+
+
+def run_hand8(batch: int, epochs: int) -> dict:
+    from xla_utils import runtime
+
+    return runtime.launch(_hand_epochs, batch, epochs, 8, simulate=8)
+
+
+def run_fit(batch: int, epochs: int, cores: int) -> dict:
     import torch
 
     from xla_utils import OneCycleTrainer
@@ -89,19 +123,79 @@ def run_trainer(batch: int, epochs: int) -> dict:
     torch.manual_seed(0)
     t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), make_data(), batch_size=batch,
                         epochs=epochs, optimizer="sgd", max_lr=0.01, seed=0)
-    h = t.fit(simulate=1)
-    steps = N_SAMPLES // batch
+    h = t.fit(simulate=cores)
+    steps = N_SAMPLES // (batch * cores)
     return {"steps": steps, "epoch_s": [e["seconds"] for e in h.epochs],
             "to_host_per_step": [e["host_reads_per_step"] for e in h.epochs]}
 
 
-def _child(variant: str, batch: int, epochs: int) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    p = subprocess.run([sys.executable, __file__, "--child", variant, "--batch", str(batch),
-                        "--epochs", str(epochs)], capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def run_fit1(batch: int, epochs: int) -> dict:
+    return run_fit(batch, epochs, 1)
+
+
+def run_fit8(batch: int, epochs: int) -> dict:
+    return run_fit(batch, epochs, 8)
+
+
+def run_hand_lr(batch: int, epochs: int) -> dict:
+    """A hand-written LR range test: lr_find's schedule, smoothing and stop."""
+    import torch
+    import torch.nn.functional as F
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.parallel_loader as pl
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    dev = torch_xla.device()
+    model = make_model().to(dev)
+    start, end, num = SWEEP
+    opt = torch.optim.SGD(model.parameters(), lr=start, momentum=0.9)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=batch, shuffle=True, drop_last=True)
+    avg, best, steps, beta = 0.0, math.inf, 0, 0.98
+    while steps < num:
+        for x, y in pl.MpDeviceLoader(loader, dev):
+            for g in opt.param_groups:
+                g["lr"] = start * (end / start) ** (steps / (num - 1))
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            xm.optimizer_step(opt)
+            value = loss.item()
+            steps += 1
+            avg = beta * avg + (1 - beta) * value
+            smooth = avg / (1 - beta ** steps)
+            best = min(best, smooth)
+            if steps >= num or not math.isfinite(value) or smooth > 4 * best:
+                return {"steps": steps, "seconds": time.perf_counter() - t0}
+    return {"steps": steps, "seconds": time.perf_counter() - t0}
+
+
+def run_lr_find(batch: int, epochs: int) -> dict:
+    import torch
+
+    from xla_utils import lr_find, simulate
+
+    simulate._zygote()  # started and ready before timing: the sweep is what is measured
+    torch.manual_seed(0)
+    model = make_model()
+    start, end, num = SWEEP
+    t0 = time.perf_counter()
+    res = lr_find(model, torch.nn.CrossEntropyLoss(), make_data(), batch, optimizer="sgd",
+                  start_lr=start, end_lr=end, num_it=num, show_progress=False, simulate=1)
+    return {"steps": len(res.lrs), "seconds": time.perf_counter() - t0}
+
+
+def _rate(r: dict) -> float:
+    """Steps/s: steady epochs (2..) of a training run, or the whole sweep."""
+    if "epoch_s" in r:
+        steady = r["epoch_s"][1:]
+        return r["steps"] * len(steady) / sum(steady)
+    return r["steps"] / r["seconds"]
+
+
+RUNNERS = {"hand1": run_hand1, "fit1": run_fit1, "hand8": run_hand8, "fit8": run_fit8,
+           "hand_lr": run_hand_lr, "lr_find": run_lr_find}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,40 +203,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="which pairs (default: all)")
     ap.add_argument("--json", help="also write the raw results here")
-    ap.add_argument("--child", choices=["hand", "trainer"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        fn = run_hand if args.child == "hand" else run_trainer
-        print(json.dumps(fn(args.batch, args.epochs)))
+        print(json.dumps(RUNNERS[args.child](args.batch, args.epochs)))
         return 0
-
-    rates: dict[str, list[float]] = {"hand": [], "trainer": []}
-    raw: dict[str, list[dict]] = {"hand": [], "trainer": []}
+    pairs = [p for p in args.pairs.split(",") if p]
+    unknown = set(pairs) - set(PAIRS)
+    if unknown:
+        ap.error(f"unknown pairs {sorted(unknown)}; choose from {list(PAIRS)}")
+    print(f"start: {_bench.load()}", flush=True)
+    rates: dict[str, list[float]] = {v: [] for p in pairs for v in PAIRS[p]}
+    raw: dict[str, list[dict]] = {v: [] for v in rates}
     for rep in range(args.reps):
-        for variant in (("hand", "trainer") if rep % 2 == 0 else ("trainer", "hand")):
-            r = _child(variant, args.batch, args.epochs)
-            steady = r["epoch_s"][1:]
-            rate = r["steps"] * len(steady) / sum(steady)
-            rates[variant].append(rate)
-            raw[variant].append(r)
-            print(f"rep {rep} {variant:8s} {rate:7.2f} steps/s (epochs 2..{args.epochs})", flush=True)
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    overhead = med["hand"] / med["trainer"] - 1
-    # each rep's two runs are adjacent in time, so their ratio cancels most background load
-    paired = statistics.median(h / t - 1 for h, t in zip(rates["hand"], rates["trainer"]))
-    hand_exec = statistics.median(x for r in raw["hand"] for x in r["exec_per_step"][1:])
-    hand_host = statistics.median(x for r in raw["hand"] for x in r["to_host_per_step"][1:])
-    tr_host = statistics.median(x for r in raw["trainer"] for x in r["to_host_per_step"][1:])
-    print(f"\nmedian steps/s: hand-written {med['hand']:.2f}, OneCycleTrainer {med['trainer']:.2f}; "
-          f"trainer overhead {overhead:+.1%} (ratio of medians), {paired:+.1%} (median of "
-          f"per-rep ratios); batch {args.batch}, {args.reps} reps")
-    print(f"device->host transfers per step: hand-written {hand_host:.3f}, trainer {tr_host:.3f}; "
-          f"hand-written graph executions per step {hand_exec:.2f}")
+        for pair in pairs:
+            order = PAIRS[pair] if rep % 2 == 0 else PAIRS[pair][::-1]
+            for variant in order:
+                r = _bench.child(__file__, variant, "--batch", str(args.batch),
+                                 "--epochs", str(args.epochs))
+                rates[variant].append(_rate(r))
+                raw[variant].append(r)
+                print(f"rep {rep} {variant:8s} {rates[variant][-1]:8.2f} steps/s  "
+                      f"({_bench.load()})", flush=True)
+    print(f"\nend: {_bench.load()}; batch {args.batch} per core, {args.reps} reps")
+    summary = {p: _bench.compare(p, rates[PAIRS[p][0]], rates[PAIRS[p][1]], "steps/s")
+               for p in pairs}
+    if "fit1" in pairs:
+        med = statistics.median
+        print(f"fit1 device->host transfers per step: hand-written "
+              f"{med(x for r in raw['hand1'] for x in r['to_host_per_step'][1:]):.3f}, trainer "
+              f"{med(x for r in raw['fit1'] for x in r['to_host_per_step'][1:]):.3f}; "
+              f"hand-written graph executions per step "
+              f"{med(x for r in raw['hand1'] for x in r['exec_per_step'][1:]):.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rates": rates, "median": med, "overhead": overhead,
-                       "paired_overhead": paired, "raw": raw}, f, indent=1)
+            json.dump({"summary": summary, "raw": raw}, f, indent=1)
     return 0
 
 

@@ -184,3 +184,31 @@ def test_bad_input_fails_before_any_device_time(caches, tmp_path, monkeypatch):
     tv.val_data = u37
     with pytest.raises(ValueError, match="val_data .*unlabelled.*labels="):
         tv.fit()
+
+
+@pytest.mark.timeout(300)
+def test_building_a_trainer_starts_the_simulation_interpreter():
+    # Without a TPU the trainer starts the zygote when it is built, so that the first
+    # predict(simulate=N) reuses it instead of paying an interpreter start.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import time, torch
+        from xla_utils import OneCycleTrainer, simulate
+        data = [(torch.randn(4), i % 3) for i in range(8)]
+        t = OneCycleTrainer(torch.nn.Linear(4, 3), torch.nn.CrossEntropyLoss(), data, batch_size=4)
+        end = time.monotonic() + 240
+        while not (simulate._ZYGOTE is not None and simulate._ZYGOTE.alive()):
+            assert time.monotonic() < end, "no zygote 240 s after OneCycleTrainer(...)"
+            time.sleep(0.1)
+        pid = simulate._ZYGOTE.proc.pid
+        p = t.predict(data, simulate=1)
+        print("RESULT", p.shape, simulate._ZYGOTE.proc.pid == pid)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280,
+                       env=dict(os.environ, PJRT_DEVICE="CPU"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "RESULT (8, 3) True" in p.stdout, p.stdout[-2000:]

@@ -597,11 +597,12 @@ def _zygote_main(fd: int) -> None:
         import torch_xla.distributed.xla_multiprocessing  # noqa: F401
         import torch_xla.runtime  # noqa: F401
 
-        from .runtime import replica  # noqa: F401
+        from .runtime import forksafe, replica  # noqa: F401
     except BaseException as exc:
         _send(sock, ("error", f"{type(exc).__name__}: {exc}"))
         raise
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # jobs are reaped automatically
+    forksafe.mark_clean()  # no torch op ran here; jobs check for an OpenMP team against this
     _send(sock, ("ready", torch.__version__))
     while True:
         try:
@@ -611,6 +612,7 @@ def _zygote_main(fd: int) -> None:
         if kind != "launch":
             continue
         try:
+            forksafe.check_before_fork()
             pid = os.fork()
         except OSError as exc:
             _send(sock, ("error", f"fork failed: {exc}"))

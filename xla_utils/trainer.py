@@ -258,6 +258,9 @@ class OneCycleTrainer:
         self.lr_finder_result = None
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
+        # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
+        # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
+        runtime._prestart_if_simulation_likely()
 
     # ------------------------------------------------------------------ API
     def find_lr(self, simulate: int | None = None, **kwargs: Any):
@@ -474,6 +477,7 @@ class OneCycleTrainer:
             ~xla_utils.inputs.InputRefused: before any device time, a sample the
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
+        runtime._prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
                                timeout=None, sim_threads=True)
@@ -492,6 +496,7 @@ class OneCycleTrainer:
         averaged prediction.
         """
         require_labels(data, "data", action="evaluate")
+        runtime._prestart_simulation(simulate)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
         return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,

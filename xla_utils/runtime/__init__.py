@@ -46,6 +46,8 @@ Layout
 ``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
 ``transfer``  ``to_device``, ``device_prefetch``.
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
+``forksafe``  which forks may inherit an OpenMP team (the zygote's check before
+              every fork; a fresh thread for TPU jobs) and the one-thread guard.
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
 ``launcher``  ``launch``: TPU jobs, simulated jobs (through
@@ -61,7 +63,7 @@ from .. import progress as _progress
 from .counters import xla_counters, xla_counters_report
 # The underscored names are the package's internal API for the rest of xla_utils
 # (trainer, lr_finder, readiness, debug) and the tests; they are not public.
-from .launcher import _launch, _prestart_simulation, launch
+from .launcher import _launch, _prestart_if_simulation_likely, _prestart_simulation, launch
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .transfer import device_prefetch, to_device

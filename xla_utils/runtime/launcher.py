@@ -83,6 +83,20 @@ def _prestart_simulation(simulate: int | None) -> None:
         sim.prestart()
 
 
+def _prestart_if_simulation_likely() -> None:
+    """Start the simulation's clean interpreter in the background when simulated
+    cores are the only way this host runs XLA (torch_xla installed, no TPU), so that
+    a later ``predict``/``evaluate``/``fit`` with ``simulate`` does not wait for it.
+    Imports neither torch_xla nor anything heavy here."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is None or tpu_present():
+        return
+    from .. import simulate as sim
+
+    sim.prestart()
+
+
 def _launch(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
             timeout: float | None, sim_threads: bool) -> Any:
     """:func:`launch`; ``sim_threads=True`` simulates cores as threads of one

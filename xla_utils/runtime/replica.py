@@ -18,6 +18,7 @@ import threading
 import traceback
 from typing import Any
 
+from . import forksafe
 from .state import STATE, SimGroup
 from .world import rank, world_size
 from .xla import load_xla
@@ -77,6 +78,7 @@ def dumps_cpu(obj: Any) -> bytes:
 
 def enter_simulated_replica() -> None:
     """Called by :mod:`xla_utils.simulate` in each simulated replica process."""
+    forksafe.guard_inherited()  # a no-op unless the zygote had an OpenMP team
     STATE.simulated_process = True
     STATE.local.backend, STATE.local.in_replica = "xla", True
 
@@ -91,42 +93,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _openmp_single_thread() -> None:
-    """Keep this (forked) thread out of OpenMP parallel regions.
-
-    GNU OpenMP is not fork-safe: if the caller's thread ever ran a parallel
-    torch op, its team's worker threads do not exist in the child, and the
-    child's next parallel region waits for them forever (seen as a hang in
-    ``copy.deepcopy(model)``). ``torch.set_num_threads`` cannot be used after a
-    fork (it asserts on torch's pthreadpool), so this sets the OpenMP runtime's
-    own per-thread limit; ATen then runs parallel loops inline. MKL (linked into
-    libtorch_cpu) asks OpenMP for its own thread count and ignores that limit,
-    so a CPU matmul in the child (e.g. ``check``'s CPU pass) hung the same way:
-    its per-thread MKL limit is set to 1 too. Threads started later get fresh
-    teams and keep their parallelism.
-    """
-    import ctypes
-
-    with contextlib.suppress(OSError):
-        with open("/proc/self/maps") as f:
-            libs = {line.split()[-1] for line in f
-                    if any(k in line for k in ("libgomp", "libiomp", "libtorch_cpu", "libmkl"))}
-        for lib in libs:
-            handle = None
-            with contextlib.suppress(OSError):
-                handle = ctypes.CDLL(lib)
-            # MKL_Set_Num_Threads_Local is MKL's by-value C entry point (the lower-case
-            # name is the Fortran one, which takes a pointer).
-            for name in ("omp_set_num_threads", "MKL_Set_Num_Threads_Local"):
-                with contextlib.suppress(AttributeError):
-                    getattr(handle, name)(1)
-
-
 def job_main(fn, args, cores, results) -> None:
     """Body of the forked job process on a TPU host: set the environment, then xmp.spawn."""
     os.setsid()  # so that _kill() reaches replicas forked by xmp.spawn
     _die_with_parent()
-    _openmp_single_thread()
     os.environ.setdefault("PJRT_DEVICE", "TPU")
     try:
         from .. import env
@@ -134,14 +104,17 @@ def job_main(fn, args, cores, results) -> None:
         env.prepare_spawn()
     except Exception as exc:  # never block a launch on a reporting helper
         print(f"xla_utils: environment preparation skipped: {exc}", file=sys.stderr)
-    _spawn_job(fn, args, 1 if cores == 1 else None, results)
+    # This thread is a copy of the caller's, which may own an OpenMP team whose
+    # workers do not exist here: the replicas (this process with cores=1, or its
+    # forks) run from a new thread instead, at full intra-op parallelism.
+    forksafe.run_in_fresh_thread(_spawn_job, fn, args, 1 if cores == 1 else None, results)
 
 
 def simulate_threads(fn, args, n: int, results) -> None:
     """Run a thread-simulated job (N replica threads on N XLA:CPU devices) in this
     process, which :mod:`xla_utils.simulate` forked from its clean interpreter.
     ``results`` takes ``put(("result" | "finished" | "error" | "done", rank, payload))``."""
-    _openmp_single_thread()
+    forksafe.guard_inherited()  # a no-op unless the zygote had an OpenMP team
     os.environ["PJRT_DEVICE"] = "CPU"
     os.environ["CPU_NUM_DEVICES"] = str(n)
     # Every replica's execution of a collective blocks a thread until all N
