@@ -8,8 +8,10 @@ replica has reported or the job is gone.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .protocol import (ERROR_GRACE_S, POLL_S, EventReader, describe_status, recv_msg,
+from .protocol import (ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
+                       TransportError, describe_status, read_error, read_payload, recv_msg,
                        send_msg, td)
 
 # Seconds the zygote may take to import torch and torch_xla (cold disk: ~25 s).
@@ -200,15 +203,13 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     through ``runtime.sync``, i.e. xla_utils' own loops) instead of one process each.
 
     Raises ``runtime.ReplicaError`` (the root cause, preferred over replicas that
-    stopped because of it) and ``TimeoutError`` after ``timeout`` seconds.
+    stopped because of it; a job that died names what killed it) and
+    ``TimeoutError`` after ``timeout`` seconds.
     """
     import cloudpickle
     import torch.distributed as dist
 
     from ..runtime.replica import ReplicaError
-
-    import shutil
-    import tempfile
 
     try:
         payload = cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -220,8 +221,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
             "global or closure variable, or an argument) cannot be pickled: create it "
             "inside the function, or pass only what it needs (e.g. not a whole namespace "
             "dict)") from exc
-    shm = tempfile.mkdtemp(prefix="xla_utils-sim-",
-                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    shm = _new_job_folder()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=td(60))
     request = {"n": n, "port": store.port, "payload": payload, "path": list(sys.path),
@@ -229,28 +229,22 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                "shm": shm, "threads": threads}
     sys.stdout.flush()
     sys.stderr.flush()
+    job = None
     try:
         zygote = _zygote()
         job = zygote.start_job(request)
-    except BaseException:
-        del store  # see the note in the finally clause below
-        shutil.rmtree(shm, ignore_errors=True)
-        raise
-    watch = _JobWatch(store, n)
-    try:
-        _watch_job(watch, job, timeout)
-    except BaseException:
-        _kill_job(job)
-        raise
+        watch = _JobWatch(store, shm, n)
+        try:
+            _watch_job(watch, job, timeout)
+        finally:
+            # Drop every reference to the store here, in this process: a traceback
+            # that keeps this frame alive would otherwise leave the store to the
+            # cyclic garbage collector, which may run it in a process the caller forks
+            # later (a cache build's worker), where its destructor crashes.
+            watch.store = watch.events.store = None
     finally:
-        # Drop every reference to the store here, in this process: a traceback
-        # that keeps this frame alive would otherwise leave the store to the
-        # cyclic garbage collector, which may run it in a process the caller forks
-        # later (a cache build's worker), where its destructor crashes.
-        watch.store = watch.events.store = None
         del store
-        shutil.rmtree(shm, ignore_errors=True)
-    _kill_job(job)
+        _end_job(job, shm)
     zygote.drain()
     if watch.first_error is not None:
         raise watch.first_error
@@ -259,10 +253,33 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     return watch.result
 
 
+def _new_job_folder() -> str:
+    """A fresh folder for one job's payload files (on /dev/shm where there is one);
+    folders left by callers that were killed are removed first."""
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            pid = name[len(FOLDER_PREFIX):].split("-", 1)[0]
+            if name.startswith(FOLDER_PREFIX) and pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=base)
+
+
+def _end_job(job: int | None, shm: str) -> None:
+    """Kill what is left of the job, wait until the zygote has reaped it (it
+    writes the job's status to ``shm`` first), then remove ``shm``."""
+    if job is not None:
+        _kill_job(job)
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end and _pid_exists(job):
+            time.sleep(0.005)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
 def _watch_job(watch: "_JobWatch", job: int, timeout: float | None) -> None:
     """Follow the job's events until it is over; ``TimeoutError`` after ``timeout`` s."""
-    from ..runtime.replica import ReplicaError
-
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         # Look before reading: everything a job wrote before it ended is then
@@ -275,18 +292,44 @@ def _watch_job(watch: "_JobWatch", job: int, timeout: float | None) -> None:
             raise TimeoutError(f"launch() timed out after {timeout} s; all replicas were killed")
         if job_gone:
             if watch.first_error is None:
-                watch.first_error = ReplicaError(
-                    -1, "the simulated job process was killed (signal or out of memory) "
-                    "before its replicas reported", "ProcessDied")
+                watch.first_error = _job_died(job, watch.folder)
             return
         time.sleep(POLL_S)
+
+
+def _job_died(job: int, folder: str):
+    """The ``ReplicaError`` for a job that ended before its replicas reported:
+    a report its store connection could not carry, else its exit status."""
+    from ..runtime.replica import ReplicaError
+
+    lost = sorted(glob.glob(os.path.join(folder, "lost.*")))
+    if lost:
+        rank = int(lost[0].rsplit(".", 1)[1])
+        with contextlib.suppress(OSError):
+            with open(lost[0], encoding="utf-8", errors="replace") as f:
+                return ReplicaError(rank, f"replica {rank} could not report: {f.read()}",
+                                    "TransportError")
+    end = time.monotonic() + 5.0  # the zygote writes the status before reaping the job
+    while time.monotonic() < end and _pid_exists(job):
+        time.sleep(0.005)
+    try:
+        status = int(read_payload(folder, JOB_STATUS))
+    except (TransportError, ValueError) as exc:
+        return ReplicaError(-1, "the simulated job process ended before its replicas reported, "
+                            f"and its exit status is unknown ({exc})", "ProcessDied")
+    if status < 0:
+        return ReplicaError(-1, f"the simulated job process was {describe_status(status)} "
+                            "before its replicas reported", "ProcessDied")
+    return ReplicaError(-1, f"the simulated job process ended with {describe_status(status)} "
+                        "before its replicas reported, and left no report (its error output, "
+                        "if any, is printed above)", "ProcessDied")
 
 
 class _JobWatch:
     """What the caller has learnt from a running job's store events."""
 
-    def __init__(self, store, n: int) -> None:
-        self.store, self.n = store, n
+    def __init__(self, store, folder: str, n: int) -> None:
+        self.store, self.folder, self.n = store, folder, n
         self.events = EventReader(store)
         self.result, self.got_result = None, False
         self.finished: set[int] = set()
@@ -297,13 +340,29 @@ class _JobWatch:
     def read(self) -> None:
         for kind, r, value in self.events.poll():
             if kind == "result":
-                self.result, self.got_result = pickle.loads(self.store.get("result")), True
+                self._on_result(r)
             elif kind == "finished":
                 self.finished.add(r)
             elif kind == "error":
-                self._on_error(r)
+                self._on_error(r, value)
             elif kind == "exit":
                 self._on_exit(r, value)
+
+    def _on_result(self, r: int) -> None:
+        from ..runtime.replica import ReplicaError
+
+        try:
+            data = read_payload(self.folder, RESULT)
+            try:
+                self.result = pickle.loads(data)
+            except (pickle.UnpicklingError, EOFError) as exc:
+                raise TransportError(
+                    f"the result file {os.path.join(self.folder, RESULT)} ({len(data):,} "
+                    f"bytes) is corrupt: {type(exc).__name__}: {exc}") from exc
+            self.got_result = True
+        except TransportError as exc:
+            self._blame(ReplicaError(r, f"replica {r} returned, but its result could not be "
+                                     f"handed back: {exc}", "TransportError"))
 
     def over(self) -> bool:
         """All replicas finished, all exited, or the grace after the first error ran out."""
@@ -322,10 +381,14 @@ class _JobWatch:
         if self.error_deadline is None:
             self.error_deadline = time.monotonic() + ERROR_GRACE_S
 
-    def _on_error(self, r: int) -> None:
+    def _on_error(self, r: int, value: int) -> None:
         from ..runtime.replica import ReplicaError
 
-        tb, exc_type, secondary = pickle.loads(self.store.get(f"error/{r}"))
+        try:
+            tb, exc_type, secondary = read_error(self.store, self.folder, r, value)
+        except TransportError as exc:
+            tb, exc_type, secondary = (f"replica {r} reported an error, but the report could "
+                                       f"not be handed over: {exc}", "TransportError", False)
         err = ReplicaError(r, tb, exc_type)
         err._secondary = secondary
         self._blame(err)
@@ -356,6 +419,17 @@ def _pid_alive(pid: int) -> bool:
     with contextlib.suppress(OSError):
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _pid_exists(pid: int) -> bool:
+    """Whether ``pid`` exists at all (a zombie not yet reaped does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 

@@ -15,7 +15,9 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .protocol import SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, td, timeout_s
+from .protocol import (ABORT, SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, arrival_key,
+                       finished_key, read_payload, rendezvous_name, td, tensor_name, timeout_s,
+                       write_payload)
 
 # Frames in these folders are xla_utils' own (a call site is the frame before them).
 _RUNTIME_DIR = os.path.join("xla_utils", "runtime", "")
@@ -29,7 +31,6 @@ class _World:
     size = 1
     store = None
     seq = 0
-    pending_delete: str | None = None
     shm = ""  # folder (on /dev/shm) where replicas publish collective inputs
     files: dict = {}  # seq -> this rank's published files
 
@@ -91,7 +92,8 @@ def _call_site() -> tuple[str, str]:
     return api, where
 
 
-def _arrive(kind: str, signature: str, data: list | None = None) -> int:
+def _arrive(kind: str, signature: str, data: list | None = None,
+            blob: bytes | None = None) -> int:
     """Record this replica's arrival at its next collective and wait for all ranks.
 
     ``data`` (CPU tensors) is published for the others first (see _publish).
@@ -104,9 +106,11 @@ def _arrive(kind: str, signature: str, data: list | None = None) -> int:
     api, where = _call_site()
     if data:
         _publish(seq, data)
+    if blob is not None:
+        w.files.setdefault(seq, []).append(write_payload(w.shm, rendezvous_name(seq, r), blob))
     mine = SEP.join((kind, signature, api, where))
-    store.set(f"arr/{seq}/{r}", mine)
-    keys = [f"arr/{seq}/{k}" for k in range(n)]
+    store.set(arrival_key(seq, r), mine)
+    keys = [arrival_key(seq, k) for k in range(n)]
     timeout = timeout_s()
     t0 = time.monotonic()
     gone_since = None
@@ -119,11 +123,11 @@ def _arrive(kind: str, signature: str, data: list | None = None) -> int:
         except RuntimeError:  # DistStoreError: not all arrived yet
             if store.check(keys):
                 break
-        if store.check(["abort"]):
+        if store.check([ABORT]):
             raise PeerFailed(f"stopped in {api} at {where}: "
-                              f"{store.get('abort').decode()} (see that replica's error)")
-        missing = [k for k in range(n) if not store.check([f"arr/{seq}/{k}"])]
-        gone = [k for k in missing if store.check([f"finished/{k}"])]
+                              f"{store.get(ABORT).decode()} (see that replica's error)")
+        missing = [k for k in range(n) if not store.check([arrival_key(seq, k)])]
+        gone = [k for k in missing if store.check([finished_key(k)])]
         now = time.monotonic()
         if gone and gone_since is None:
             gone_since = now
@@ -149,13 +153,9 @@ def _arrive(kind: str, signature: str, data: list | None = None) -> int:
     for path in w.files.pop(seq - 1, ()):
         with contextlib.suppress(OSError):
             os.unlink(path)
-    stale = [f"arr/{seq - 1}/{r}"] if seq > 1 else []
-    if w.pending_delete:
-        stale.append(w.pending_delete)
-        w.pending_delete = None
-    for key in stale:
+    if seq > 1:
         with contextlib.suppress(Exception):
-            store.delete_key(key)
+            store.delete_key(arrival_key(seq - 1, r))
     return seq
 
 
@@ -168,16 +168,16 @@ def _multi_get(store, keys: list[str]) -> list[bytes]:
 def _where_message(seq: int, api: str, where: str, gone: list[int], waited: float,
                    timeout: float) -> str:
     w = _World
-    arrived = [k for k in range(w.size) if w.store.check([f"arr/{seq}/{k}"])]
+    arrived = [k for k in range(w.size) if w.store.check([arrival_key(seq, k)])]
     missing = [k for k in range(w.size) if k not in arrived]
-    returned = [k for k in missing if w.store.check([f"finished/{k}"])]
+    returned = [k for k in missing if w.store.check([finished_key(k)])]
     running = [k for k in missing if k not in returned]
     details = []
     if returned:
         details.append(f"ranks {returned} had returned from the replica function")
     if running:
         last = None
-        prev = f"arr/{seq - 1}/{running[0]}"
+        prev = arrival_key(seq - 1, running[0])
         if seq > 1 and w.store.check([prev]):
             last = w.store.get(prev).decode().split(SEP)
         details.append(f"ranks {running} are still running" + (
@@ -230,7 +230,7 @@ def _publish(seq: int, data: list) -> None:
     w = _World
     paths = w.files.setdefault(seq, [])
     for i, t in enumerate(data):
-        path = os.path.join(w.shm, f"{seq}.{w.rank}.{i}")
+        path = os.path.join(w.shm, tensor_name(seq, w.rank, i))
         _wire(t).tofile(path)
         paths.append(path)
 
@@ -246,7 +246,7 @@ def _collect(seq: int, i: int, like) -> list:
         if k == w.rank:
             out.append(like)
             continue
-        arr = np.fromfile(os.path.join(w.shm, f"{seq}.{k}.{i}"), dtype=_wire(like[:0]).dtype)
+        arr = np.fromfile(os.path.join(w.shm, tensor_name(seq, k, i)), dtype=_wire(like[:0]).dtype)
         t = torch.from_numpy(arr)
         out.append((t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t)
                    .view(like.shape))
@@ -469,14 +469,8 @@ def _sim_rendezvous(tag, payload=b"", replicas=[]):  # noqa: B006 (torch_xla's s
     if not isinstance(payload, bytes):
         raise TypeError(f"`payload` must be bytes, not {type(payload)}")
     torch_xla.sync()  # as torch_xla's rendezvous does
-    seq = _arrive("rendezvous", "")
-    store = _World.store
-    store.set(f"rdv/{seq}/{_World.rank}", payload)
-    keys = [f"rdv/{seq}/{k}" for k in range(n)]
-    store.wait(keys)
-    out = _multi_get(store, keys)
-    # rdv/seq/rank is freed when this rank reaches its next collective,
-    # after everyone has read it (they all arrive there only after reading).
-    _World.pending_delete = f"rdv/{seq}/{_World.rank}"
-    return out
-
+    # Payloads travel as files (no size limit; a store value is limited to 8 MiB),
+    # deleted by their writer after its next collective, when all have read them.
+    seq = _arrive("rendezvous", "", blob=payload)
+    return [payload if k == _World.rank else read_payload(_World.shm, rendezvous_name(seq, k))
+            for k in range(n)]

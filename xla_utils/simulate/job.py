@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -18,7 +17,8 @@ import threading
 import traceback
 
 from .collectives import _PROF, _World, _patch_torch_xla, _profile_report, _profile_sync
-from .protocol import PeerFailed, event, recv_msg, send_msg, td
+from .protocol import (ABORT, JOB_STATUS, PeerFailed, Reporter, TransportError, connect, event,
+                       recv_msg, send_msg, write_payload)
 
 
 def _die_with_parent() -> None:
@@ -29,6 +29,7 @@ def _die_with_parent() -> None:
 
 
 def zygote_main(fd: int) -> None:
+    """The zygote: import torch and torch_xla once, then fork one job per request."""
     _die_with_parent()
     sock = socket.socket(fileno=fd)
     try:
@@ -48,7 +49,8 @@ def zygote_main(fd: int) -> None:
     except BaseException as exc:
         send_msg(sock, ("error", f"{type(exc).__name__}: {exc}"))
         raise
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # jobs are reaped automatically
+    jobs: dict[int, str] = {}  # job pid -> its folder, where its exit status goes
+    signal.signal(signal.SIGCHLD, lambda *_: _reap_jobs(jobs))
     send_msg(sock, ("ready", torch.__version__))
     while True:
         try:
@@ -57,9 +59,12 @@ def zygote_main(fd: int) -> None:
             os._exit(0)  # the caller is gone
         if kind != "launch":
             continue
+        # A job that dies at once must find itself in `jobs` when SIGCHLD is handled.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
             pid = os.fork()
         except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
             send_msg(sock, ("error", f"fork failed: {exc}"))
             continue
         if pid == 0:
@@ -68,17 +73,39 @@ def zygote_main(fd: int) -> None:
                 _job_main(request)
             finally:
                 os._exit(1)
+        jobs[pid] = request["shm"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         send_msg(sock, ("job", pid))
+
+
+def _reap_jobs(jobs: dict[int, str]) -> None:
+    """SIGCHLD in the zygote: write each ended job's exit status (negative: the
+    signal) to its folder, *then* reap it, so that a caller who sees the job's
+    pid gone can read its status."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        code = -info.si_status if killed else info.si_status
+        folder = jobs.pop(info.si_pid, None)
+        if folder is not None:
+            with contextlib.suppress(Exception):
+                write_payload(folder, JOB_STATUS, str(code).encode())
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
 
 
 def _job_main(request: dict) -> None:
     os.setsid()  # the caller kills the whole job with killpg
     _die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     if request["threads"]:
         _thread_job(request)
-    import torch.distributed as dist
-
     n = request["n"]
     pids = {}
     for r in range(n):
@@ -97,7 +124,7 @@ def _job_main(request: dict) -> None:
                 # natively at exit, after the work is done).
                 os._exit(code)
         pids[pid] = r
-    store = dist.TCPStore("127.0.0.1", request["port"], is_master=False, timeout=td(60))
+    store = connect(request["port"])
     while pids:
         try:
             pid, status = os.wait()
@@ -115,7 +142,7 @@ def _job_main(request: dict) -> None:
 def _thread_job(request: dict) -> None:
     """A job whose replicas are threads of this process (``runtime.replica.simulate_threads``)."""
     _enter_caller_context(request)
-    results = _StoreResults(request["port"], request["n"])
+    results = _StoreResults(request["port"], request["shm"], request["n"])
     try:
         import cloudpickle
 
@@ -124,9 +151,8 @@ def _thread_job(request: dict) -> None:
         fn, args = cloudpickle.loads(request["payload"])
         replica.simulate_threads(fn, args, request["n"], results)
     except BaseException as exc:
-        with contextlib.suppress(Exception):
-            results.put(("error", -1, (traceback.format_exc(), type(exc).__name__)))
-            results.put(("done", -1, None))
+        results.put(("error", -1, (traceback.format_exc(), type(exc).__name__)))
+        results.put(("done", -1, None))
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -135,44 +161,63 @@ def _thread_job(request: dict) -> None:
 
 
 class _StoreResults:
-    """The ``results`` queue of ``runtime.replica.simulate_threads``, posting to the
-    caller's store as the process replicas do. Each process (xmp.spawn forks
-    one) opens its own connection."""
+    """The ``results`` queue of ``runtime.replica.simulate_threads``: each item goes
+    to :func:`_report`, as the process replicas' reports do. Each process
+    (xmp.spawn forks one) opens its own connection."""
 
-    def __init__(self, port: int, n: int) -> None:
-        self.port, self.n = port, n
-        self.pid, self.store = None, None
+    def __init__(self, port: int, folder: str, n: int) -> None:
+        self.port, self.folder, self.n = port, folder, n
+        self.pid, self.reporter = None, None
         self.lock = threading.Lock()
 
     def put(self, item: tuple) -> None:
-        import torch.distributed as dist
+        """Report ``(kind, rank, payload)``; an error payload is ``(traceback, type name)``.
 
+        Raises:
+            TransportError: A result could not be handed over (``runtime.replica``
+                then reports that as the replica's error).
+        """
         kind, r, payload = item
+        if kind == "error":
+            tb, exc_type = payload
+            payload = (tb, exc_type, "another simulated replica failed" in tb)
         with self.lock:
             if self.pid != os.getpid():
-                self.store = dist.TCPStore("127.0.0.1", self.port, is_master=False,
-                                           timeout=td(60))
+                self.reporter = None
+                with contextlib.suppress(Exception):
+                    self.reporter = Reporter(connect(self.port), self.folder, self.n)
                 self.pid = os.getpid()
-            store = self.store
-            if kind == "result":
-                store.set("result", payload)
-            elif kind == "finished":
-                store.set(f"finished/{r}", "1")
-            elif kind == "error":
-                tb, exc_type = payload
-                secondary = "another simulated replica failed" in tb
-                store.set(f"error/{r}", pickle.dumps((tb, exc_type, secondary)))
-            if kind == "done":  # the job is over: every replica has exited
-                for i in range(self.n):
-                    event(store, "exit", i, 0)
-            else:
-                event(store, kind, r)
+            _report(self.reporter, Reporter(None, self.folder, self.n), kind, r, payload)
 
     def close(self) -> None:
         pass
 
     def join_thread(self) -> None:
         pass
+
+
+def _report(reporter: Reporter | None, fallback: Reporter, kind: str, r: int,
+            payload=None) -> None:
+    """Report to the caller; when the store connection fails, leave the report
+    as a file the caller reads when the job is gone. A result that cannot be
+    written raises ``TransportError`` (the replica reports that instead)."""
+    try:
+        if reporter is None:
+            raise ConnectionError("no connection to the caller's store")
+        reporter.report(kind, r, payload)
+    except TransportError:
+        if kind == "result":
+            raise
+        fallback.lost(r, _lost_text(kind, payload, traceback.format_exc()))
+    except Exception:
+        fallback.lost(r, _lost_text(kind, payload, traceback.format_exc()))
+
+
+def _lost_text(kind: str, payload, failure: str) -> str:
+    head = f"its connection to the caller's store failed while reporting {kind!r}:\n{failure}"
+    if kind == "error":
+        head += f"\nThe report it could not send ({payload[1]}):\n{payload[0]}"
+    return head
 
 
 def _enter_caller_context(request: dict) -> None:
@@ -191,13 +236,13 @@ def _replica_main(r: int, request: dict) -> int:
     _die_with_parent()
     _enter_caller_context(request)
     import cloudpickle
-    import torch.distributed as dist
 
     from ..runtime import replica
 
     n = request["n"]
-    store = dist.TCPStore("127.0.0.1", request["port"], is_master=False, timeout=td(60))
+    store = connect(request["port"])
     _World.rank, _World.size, _World.store, _World.shm = r, n, store, request["shm"]
+    reporter = Reporter(store, request["shm"], n)
     try:
         _patch_torch_xla(r, n)
         replica.enter_simulated_replica()
@@ -209,26 +254,23 @@ def _replica_main(r: int, request: dict) -> int:
         out = fn(*args)
         if _PROF is not None:
             _profile_report(r)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
+        _flush()
         if r == 0:
-            store.set("result", replica.dumps_cpu(out))
-            event(store, "result", r)
-        store.set(f"finished/{r}", "1")
-        event(store, "finished", r)
+            _report(reporter, reporter, "result", r, replica.dumps_cpu(out))
+        _report(reporter, reporter, "finished", r)
         return 0
     except BaseException as exc:
         secondary = isinstance(exc, PeerFailed)
         tb = traceback.format_exc()
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        with contextlib.suppress(Exception):
-            if not secondary:
-                store.set("abort", f"replica {r} raised {type(exc).__name__}")
-            store.set(f"error/{r}", pickle.dumps((tb, type(exc).__name__, secondary)))
-            event(store, "error", r)
+        _flush()
+        if not secondary:
+            with contextlib.suppress(Exception):
+                store.set(ABORT, f"replica {r} raised {type(exc).__name__}")
+        _report(reporter, reporter, "error", r, (tb, type(exc).__name__, secondary))
         return 1
 
 
+def _flush() -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
