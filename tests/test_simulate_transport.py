@@ -128,6 +128,41 @@ def test_a_broken_transport_is_named(threads):
     assert "killed" not in msg
 
 
+def _cut_store_connection_then_raise():
+    import socket
+
+    from xla_utils.simulate import collectives
+
+    if rt.rank() == 0:
+        port = collectives._World.store.port
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            with s:
+                try:
+                    if s.getpeername()[1] == port:
+                        s.shutdown(socket.SHUT_RDWR)  # this replica's store connection
+                except (OSError, IndexError, TypeError):
+                    pass
+        raise ValueError("deliberate, after the store connection was cut")
+    return 0
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_a_lost_store_connection_is_named():
+    with pytest.raises(rt.ReplicaError) as info:
+        _launch(_cut_store_connection_then_raise, n=2, threads=False)
+    err = info.value
+    msg = str(err)
+    assert err.rank == 0 and err.exc_type == "TransportError"
+    assert "connection to the caller's store failed while reporting 'error'" in msg
+    assert "deliberate, after the store connection was cut" in msg  # the report it carried
+    assert "died abruptly" not in msg and "killed" not in msg
+
+
 def test_a_corrupt_result_file_is_named(tmp_path):
     # the caller's side of the protocol against a real store and a real file
     import torch.distributed as dist

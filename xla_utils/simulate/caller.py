@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .protocol import (ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
-                       TransportError, describe_status, read_error, read_payload, recv_msg,
-                       send_msg, td)
+                       TransportError, describe_status, lost_name, read_error, read_payload,
+                       recv_msg, send_msg, td)
 
 # Seconds the zygote may take to import torch and torch_xla (cold disk: ~25 s).
 _ZYGOTE_START_S = 300.0
@@ -302,13 +302,10 @@ def _job_died(job: int, folder: str):
     a report its store connection could not carry, else its exit status."""
     from ..runtime.replica import ReplicaError
 
-    lost = sorted(glob.glob(os.path.join(folder, "lost.*")))
-    if lost:
-        rank = int(lost[0].rsplit(".", 1)[1])
-        with contextlib.suppress(OSError):
-            with open(lost[0], encoding="utf-8", errors="replace") as f:
-                return ReplicaError(rank, f"replica {rank} could not report: {f.read()}",
-                                    "TransportError")
+    for path in sorted(glob.glob(os.path.join(folder, "lost.*"))):
+        err = _lost_report(folder, int(path.rsplit(".", 1)[1]))
+        if err is not None:
+            return err
     end = time.monotonic() + 5.0  # the zygote writes the status before reaping the job
     while time.monotonic() < end and _pid_exists(job):
         time.sleep(0.005)
@@ -323,6 +320,18 @@ def _job_died(job: int, folder: str):
     return ReplicaError(-1, f"the simulated job process ended with {describe_status(status)} "
                         "before its replicas reported, and left no report (its error output, "
                         "if any, is printed above)", "ProcessDied")
+
+
+def _lost_report(folder: str, rank: int):
+    """The ``ReplicaError`` of a report rank ``rank`` left as a file because the
+    store could not take it (``protocol.Reporter.lost``), or None."""
+    from ..runtime.replica import ReplicaError
+
+    try:
+        text = read_payload(folder, lost_name(rank)).decode("utf-8", "replace")
+    except TransportError:
+        return None
+    return ReplicaError(rank, f"replica {rank} could not report: {text}", "TransportError")
 
 
 class _JobWatch:
@@ -403,6 +412,10 @@ class _JobWatch:
             return  # it reported its error before dying
         why = describe_status(value)
         self.store.set("abort", f"replica {r} died ({why})")
+        lost = _lost_report(self.folder, r)
+        if lost is not None:  # its report is a file: the store connection failed
+            self._blame(lost)
+            return
         self._blame(ReplicaError(r, f"replica {r} died abruptly ({why}) without a Python "
                                  "traceback: a crash, os._exit, or the kernel's out-of-memory "
                                  "killer", "ProcessDied"))

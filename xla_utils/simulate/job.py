@@ -183,11 +183,13 @@ class _StoreResults:
             payload = (tb, exc_type, "another simulated replica failed" in tb)
         with self.lock:
             if self.pid != os.getpid():
-                self.reporter = None
-                with contextlib.suppress(Exception):
+                try:
                     self.reporter = Reporter(connect(self.port), self.folder, self.n)
+                except Exception as exc:  # reports then go to files (_report)
+                    self.reporter = Reporter(None, self.folder, self.n,
+                                             why=f"{type(exc).__name__}: {exc}")
                 self.pid = os.getpid()
-            _report(self.reporter, Reporter(None, self.folder, self.n), kind, r, payload)
+            _report(self.reporter, kind, r, payload)
 
     def close(self) -> None:
         pass
@@ -196,21 +198,18 @@ class _StoreResults:
         pass
 
 
-def _report(reporter: Reporter | None, fallback: Reporter, kind: str, r: int,
-            payload=None) -> None:
+def _report(reporter: Reporter, kind: str, r: int, payload=None) -> None:
     """Report to the caller; when the store connection fails, leave the report
     as a file the caller reads when the job is gone. A result that cannot be
     written raises ``TransportError`` (the replica reports that instead)."""
     try:
-        if reporter is None:
-            raise ConnectionError("no connection to the caller's store")
         reporter.report(kind, r, payload)
     except TransportError:
         if kind == "result":
             raise
-        fallback.lost(r, _lost_text(kind, payload, traceback.format_exc()))
+        reporter.lost(r, _lost_text(kind, payload, traceback.format_exc()))
     except Exception:
-        fallback.lost(r, _lost_text(kind, payload, traceback.format_exc()))
+        reporter.lost(r, _lost_text(kind, payload, traceback.format_exc()))
 
 
 def _lost_text(kind: str, payload, failure: str) -> str:
@@ -256,8 +255,8 @@ def _replica_main(r: int, request: dict) -> int:
             _profile_report(r)
         _flush()
         if r == 0:
-            _report(reporter, reporter, "result", r, replica.dumps_cpu(out))
-        _report(reporter, reporter, "finished", r)
+            _report(reporter, "result", r, replica.dumps_cpu(out))
+        _report(reporter, "finished", r)
         return 0
     except BaseException as exc:
         secondary = isinstance(exc, PeerFailed)
@@ -266,7 +265,7 @@ def _replica_main(r: int, request: dict) -> int:
         if not secondary:
             with contextlib.suppress(Exception):
                 store.set(ABORT, f"replica {r} raised {type(exc).__name__}")
-        _report(reporter, reporter, "error", r, (tb, type(exc).__name__, secondary))
+        _report(reporter, "error", r, (tb, type(exc).__name__, secondary))
         return 1
 
 

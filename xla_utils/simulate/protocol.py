@@ -199,8 +199,9 @@ class Reporter:
     process replicas (:mod:`.job`) and thread jobs (``runtime.replica``'s
     ``results`` queue). Payloads are files in ``folder``, the store gets events."""
 
-    def __init__(self, store, folder: str, n: int) -> None:
-        self.store, self.folder, self.n = store, folder, n
+    def __init__(self, store, folder: str, n: int, why: str = "") -> None:
+        # store None: the connection failed (``why``); every report raises ConnectionError
+        self.store, self.folder, self.n, self.why = store, folder, n, why
 
     def report(self, kind: str, rank: int, payload: Any = None) -> None:
         """``result`` (pickled bytes), ``finished``, ``error`` (``(traceback,
@@ -211,6 +212,8 @@ class Reporter:
                 back to the store, cut to :data:`STORE_REPORT_MAX`).
         """
         store = self.store
+        if store is None:
+            raise ConnectionError(f"no connection to the caller's store: {self.why}")
         if kind == "result":
             write_payload(self.folder, RESULT, payload)
             event(store, "result", rank)
