@@ -261,8 +261,9 @@ def _new_job_folder() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     with contextlib.suppress(OSError):
         for name in os.listdir(base):
-            pid = name[len(FOLDER_PREFIX):].split("-", 1)[0]
-            if name.startswith(FOLDER_PREFIX) and pid.isdigit() and not _pid_alive(int(pid)):
+            pid, _, rest = name[len(FOLDER_PREFIX):].partition("-")  # <pid>-<random>
+            if (name.startswith(FOLDER_PREFIX) and pid.isdigit() and rest
+                    and not _pid_alive(int(pid))):
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=base)
 
