@@ -1,6 +1,6 @@
 """Everything README.md and docs/*.md name exists.
 
-Checked: repository file paths (``xla_utils/simulate.py``, ``scripts/...``, ``.ci/run``),
+Checked: repository file paths (``xla_utils/simulate/caller.py``, ``scripts/...``, ``.ci/run``),
 links and their ``#anchors``, sections cited by name (``docs/BENCHMARKS.md "LR finder
 rules"``, also from the package's docstrings and ``.ci/run``), every ``tpu_cache_ds``
 sub-command and option (against the argparse parser of :mod:`xla_utils.cli`, both ways

@@ -171,3 +171,20 @@ def test_type_checking_imports_match_the_lazy_exports():
     for name in xla_utils.__all__:  # every public name resolves lazily
         assert getattr(xla_utils, name) is not None
     assert (PKG / "py.typed").is_file()
+
+
+def test_simulate_is_a_package_whose_protocol_stands_alone():
+    # runtime/ never imports simulate at import time (launcher imports it lazily, when a
+    # simulated launch happens), the replica side never at all; simulate's protocol
+    # module, which both sides of a simulated job share, imports nothing of xla_utils.
+    eager = _graph(import_time_only=True)
+    lazy = _graph(import_time_only=False)
+    assert (PKG / "simulate" / "__init__.py").is_file() and not (PKG / "simulate.py").exists()
+    for mod, deps in eager.items():
+        if mod.startswith("xla_utils.runtime"):
+            assert not [d for d in deps if d.startswith("xla_utils.simulate")], mod
+    assert not [d for d in lazy["xla_utils.runtime.replica"] if d.startswith("xla_utils.simulate")]
+    assert lazy["xla_utils.simulate.protocol"] == set()
+    for name in ("CollectiveError", "run_script", "simulated_spawn", "main", "run_replicas",
+                 "prestart", "COLLECTIVE_TIMEOUT_S"):
+        assert name in __import__("xla_utils.simulate", fromlist=["x"]).__all__

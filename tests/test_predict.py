@@ -197,7 +197,8 @@ def test_building_a_trainer_starts_the_simulation_interpreter():
 
     code = textwrap.dedent("""
         import time, torch
-        from xla_utils import OneCycleTrainer, simulate
+        from xla_utils import OneCycleTrainer
+        from xla_utils.simulate import caller as simulate
         data = [(torch.randn(4), i % 3) for i in range(8)]
         t = OneCycleTrainer(torch.nn.Linear(4, 3), torch.nn.CrossEntropyLoss(), data, batch_size=4)
         end = time.monotonic() + 240

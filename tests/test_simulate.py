@@ -19,6 +19,7 @@ import torch
 
 from xla_utils import runtime as rt
 from xla_utils import simulate
+from xla_utils.simulate import caller as sim_caller
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SCRIPT = FIXTURES / "idiom_digits.py"
@@ -233,7 +234,7 @@ def _others_busy():
 @pytest.mark.multicore
 @pytest.mark.timeout(120)
 def test_collective_only_on_rank_0_names_it_quickly():
-    simulate._zygote()  # started (imports torch_xla) before the clock starts
+    sim_caller._zygote()  # started (imports torch_xla) before the clock starts
     t0 = time.monotonic()
     with pytest.raises(rt.ReplicaError) as info:
         rt.launch(_extra_all_reduce_on_rank_0, simulate=8)
@@ -292,7 +293,7 @@ def _unsupported_idioms():
 @pytest.mark.multicore
 @pytest.mark.timeout(120)
 def test_unsupported_idioms_are_named_at_once():
-    simulate._zygote()
+    sim_caller._zygote()
     t0 = time.monotonic()
     msgs = rt.launch(_unsupported_idioms, simulate=2)
     assert time.monotonic() - t0 < 15
@@ -355,13 +356,13 @@ def test_function_and_model_defined_in_main_work():
 
 
 def test_zygote_is_reused_and_restarted():
-    z1 = simulate._zygote()
+    z1 = sim_caller._zygote()
     assert rt.launch(lambda: rt.world_size(), simulate=2) == 2
-    assert simulate._zygote() is z1
+    assert sim_caller._zygote() is z1
     z1.proc.kill()
     z1.proc.wait()
     assert rt.launch(lambda: rt.rank(), simulate=2) == 0  # a new zygote
-    assert simulate._zygote() is not z1
+    assert sim_caller._zygote() is not z1
 
 
 def test_zygote_started_by_a_thread_that_ends_survives():
@@ -369,18 +370,18 @@ def test_zygote_started_by_a_thread_that_ends_survives():
     # fit/lr_find prestart it from a short-lived thread.
     import threading
 
-    old = simulate._ZYGOTE
+    old = sim_caller._ZYGOTE
     if old is not None:
         old.close()
-    simulate._ZYGOTE = None
-    t = threading.Thread(target=simulate._zygote)
+    sim_caller._ZYGOTE = None
+    t = threading.Thread(target=sim_caller._zygote)
     t.start()
     t.join()
-    z = simulate._ZYGOTE
+    z = sim_caller._ZYGOTE
     time.sleep(1.0)
     assert z is not None and z.alive()
     assert rt.launch(lambda: rt.world_size(), simulate=2) == 2
-    assert simulate._zygote() is z
+    assert sim_caller._zygote() is z
 
 
 def _raise_in_rank_1():

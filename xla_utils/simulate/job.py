@@ -1,0 +1,277 @@
+"""The clean interpreter's side: the zygote, the job, and replica bootstrap.
+
+The zygote (``python -m xla_utils.simulate --zygote FD``) imports torch and
+torch_xla once and forks one job per launch. A job forks one replica process per
+simulated core (:func:`_replica_main`: patched torch_xla, see :mod:`.collectives`)
+or, for ``threads=True`` launches, runs ``runtime.replica.simulate_threads``
+itself. Every report to the caller goes through :mod:`.protocol`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+
+from .collectives import _PROF, _World, _patch_torch_xla, _profile_report, _profile_sync
+from .protocol import (ABORT, JOB_STATUS, PeerFailed, Reporter, TransportError, connect, event,
+                       recv_msg, send_msg, write_payload)
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def zygote_main(fd: int) -> None:
+    """The zygote: import torch and torch_xla once, then fork one job per request."""
+    _die_with_parent()
+    sock = socket.socket(fileno=fd)
+    try:
+        # Import what every replica needs once, here, before any fork. The XLA
+        # runtime itself is not initialised (each replica does that).
+        import cloudpickle  # noqa: F401
+        import numpy  # noqa: F401
+        import torch
+        import torch.distributed  # noqa: F401
+        import torch_xla  # noqa: F401
+        import torch_xla.core.xla_model  # noqa: F401
+        import torch_xla.distributed.parallel_loader  # noqa: F401
+        import torch_xla.distributed.xla_multiprocessing  # noqa: F401
+        import torch_xla.runtime  # noqa: F401
+
+        from ..runtime import forksafe, replica  # noqa: F401
+    except BaseException as exc:
+        send_msg(sock, ("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    jobs: dict[int, str] = {}  # job pid -> its folder, where its exit status goes
+    signal.signal(signal.SIGCHLD, lambda *_: _reap_jobs(jobs))
+    forksafe.mark_clean()  # no torch op ran here; jobs check for an OpenMP team against this
+    send_msg(sock, ("ready", torch.__version__))
+    while True:
+        try:
+            kind, request = recv_msg(sock)
+        except (EOFError, OSError):
+            os._exit(0)  # the caller is gone
+        if kind != "launch":
+            continue
+        forksafe.check_before_fork()
+        # A job that dies at once must find itself in `jobs` when SIGCHLD is handled.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+            send_msg(sock, ("error", f"fork failed: {exc}"))
+            continue
+        if pid == 0:
+            sock.close()
+            try:
+                _job_main(request)
+            finally:
+                os._exit(1)
+        jobs[pid] = request["shm"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        send_msg(sock, ("job", pid))
+
+
+def _reap_jobs(jobs: dict[int, str]) -> None:
+    """SIGCHLD in the zygote: write each ended job's exit status (negative: the
+    signal) to its folder, *then* reap it, so that a caller who sees the job's
+    pid gone can read its status."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        code = -info.si_status if killed else info.si_status
+        folder = jobs.pop(info.si_pid, None)
+        if folder is not None:
+            with contextlib.suppress(Exception):
+                write_payload(folder, JOB_STATUS, str(code).encode())
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
+
+
+def _job_main(request: dict) -> None:
+    os.setsid()  # the caller kills the whole job with killpg
+    _die_with_parent()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    if request["threads"]:
+        _thread_job(request)
+    n = request["n"]
+    pids = {}
+    for r in range(n):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _replica_main(r, request)
+            except BaseException:  # before the replica could report through the store
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                # Skip interpreter and XLA runtime teardown (it can crash
+                # natively at exit, after the work is done).
+                os._exit(code)
+        pids[pid] = r
+    store = connect(request["port"])
+    while pids:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        r = pids.pop(pid, None)
+        if r is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        with contextlib.suppress(Exception):
+            event(store, "exit", r, code)
+    os._exit(0)
+
+
+def _thread_job(request: dict) -> None:
+    """A job whose replicas are threads of this process (``runtime.replica.simulate_threads``)."""
+    _enter_caller_context(request)
+    results = _StoreResults(request["port"], request["shm"], request["n"])
+    try:
+        import cloudpickle
+
+        from ..runtime import replica
+
+        fn, args = cloudpickle.loads(request["payload"])
+        replica.simulate_threads(fn, args, request["n"], results)
+    except BaseException as exc:
+        results.put(("error", -1, (traceback.format_exc(), type(exc).__name__)))
+        results.put(("done", -1, None))
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(0)
+
+
+class _StoreResults:
+    """The ``results`` queue of ``runtime.replica.simulate_threads``: each item goes
+    to :func:`_report`, as the process replicas' reports do. Each process
+    (xmp.spawn forks one) opens its own connection."""
+
+    def __init__(self, port: int, folder: str, n: int) -> None:
+        self.port, self.folder, self.n = port, folder, n
+        self.pid, self.reporter = None, None
+        self.lock = threading.Lock()
+
+    def put(self, item: tuple) -> None:
+        """Report ``(kind, rank, payload)``; an error payload is ``(traceback, type name)``.
+
+        Raises:
+            TransportError: A result could not be handed over (``runtime.replica``
+                then reports that as the replica's error).
+        """
+        kind, r, payload = item
+        if kind == "error":
+            tb, exc_type = payload
+            payload = (tb, exc_type, "another simulated replica failed" in tb)
+        with self.lock:
+            if self.pid != os.getpid():
+                try:
+                    self.reporter = Reporter(connect(self.port), self.folder, self.n)
+                except Exception as exc:  # reports then go to files (_report)
+                    self.reporter = Reporter(None, self.folder, self.n,
+                                             why=f"{type(exc).__name__}: {exc}")
+                self.pid = os.getpid()
+            _report(self.reporter, kind, r, payload)
+
+    def close(self) -> None:
+        pass
+
+    def join_thread(self) -> None:
+        pass
+
+
+def _report(reporter: Reporter, kind: str, r: int, payload=None) -> None:
+    """Report to the caller; when the store connection fails, leave the report
+    as a file the caller reads when the job is gone. A result that cannot be
+    written raises ``TransportError`` (the replica reports that instead)."""
+    try:
+        reporter.report(kind, r, payload)
+    except TransportError:
+        if kind == "result":
+            raise
+        reporter.lost(r, _lost_text(kind, payload, traceback.format_exc()))
+    except Exception:
+        reporter.lost(r, _lost_text(kind, payload, traceback.format_exc()))
+
+
+def _lost_text(kind: str, payload, failure: str) -> str:
+    head = f"its connection to the caller's store failed while reporting {kind!r}:\n{failure}"
+    if kind == "error":
+        head += f"\nThe report it could not send ({payload[1]}):\n{payload[0]}"
+    return head
+
+
+def _enter_caller_context(request: dict) -> None:
+    """The caller's environment, import path and working directory."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[:] = request["path"]
+    with contextlib.suppress(OSError):
+        os.chdir(request["cwd"])
+
+
+# ==========================================================================
+# Inside one replica
+# ==========================================================================
+def _replica_main(r: int, request: dict) -> int:
+    _die_with_parent()
+    _enter_caller_context(request)
+    import cloudpickle
+
+    from ..runtime import replica
+
+    n = request["n"]
+    store = connect(request["port"])
+    _World.rank, _World.size, _World.store, _World.shm = r, n, store, request["shm"]
+    reporter = Reporter(store, request["shm"], n)
+    try:
+        _patch_torch_xla(r, n)
+        replica.enter_simulated_replica()
+        fn, args = cloudpickle.loads(request["payload"])
+        if request["pass_index"]:
+            args = (r, *args)
+        if _PROF is not None:
+            _profile_sync()
+        out = fn(*args)
+        if _PROF is not None:
+            _profile_report(r)
+        _flush()
+        if r == 0:
+            _report(reporter, "result", r, replica.dumps_cpu(out))
+        _report(reporter, "finished", r)
+        return 0
+    except BaseException as exc:
+        secondary = isinstance(exc, PeerFailed)
+        tb = traceback.format_exc()
+        _flush()
+        if not secondary:
+            with contextlib.suppress(Exception):
+                store.set(ABORT, f"replica {r} raised {type(exc).__name__}")
+        _report(reporter, "error", r, (tb, type(exc).__name__, secondary))
+        return 1
+
+
+def _flush() -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()

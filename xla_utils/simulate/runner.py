@@ -1,0 +1,107 @@
+"""The runner: ``xmp.spawn`` / ``torch_xla.launch`` on simulated cores.
+
+``python -m xla_utils.simulate --cores N script.py``, :func:`run_script` and
+:func:`simulated_spawn`; each spawn is one :func:`.caller.run_replicas` job.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .caller import run_replicas
+
+
+@contextlib.contextmanager
+def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[None]:
+    """Within the block, ``xmp.spawn(fn, args=...)`` and ``torch_xla.launch(fn, args=...)``
+    run ``fn(index, *args)`` on ``cores`` simulated XLA:CPU cores (1, 2, 4 or 8).
+
+    ``nprocs`` may be ``None``, ``1`` (one core, as torch_xla does) or ``cores``;
+    anything else raises ``ValueError`` as torch_xla does. ``start_method`` is ignored
+    (replicas always start from a clean interpreter). ``timeout`` in seconds, default
+    none. Replica exceptions are raised as ``ReplicaError``.
+    """
+    if not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores must be a positive int, got {cores!r}")
+    import torch_xla
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    def spawn(fn, args=(), nprocs=None, join=True, daemon=False, start_method="spawn"):
+        if nprocs not in (None, 1, cores):
+            raise ValueError(f"Unsupported nprocs ({nprocs}): use nprocs=None (all {cores} "
+                             "simulated cores) or 1, as torch_xla requires")
+        return run_replicas(fn, tuple(args), 1 if nprocs == 1 else cores, timeout=timeout,
+                            pass_index=True)
+
+    def launch(fn, args=(), start_method="spawn", debug_single_process=False):
+        return spawn(fn, args=args, nprocs=1 if debug_single_process else None)
+
+    saved = (xmp.spawn, torch_xla.launch)
+    xmp.spawn, torch_xla.launch = spawn, launch
+    try:
+        yield
+    finally:
+        xmp.spawn, torch_xla.launch = saved
+
+
+def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = (),
+               timeout: float | None = None) -> int:
+    """Run a torch_xla script as ``__main__`` with ``xmp.spawn`` / ``torch_xla.launch``
+    on ``cores`` simulated cores (``%run``-like; ``args`` become ``sys.argv[1:]``).
+
+    Returns the script's exit status (0 when it ends normally or calls
+    ``sys.exit(0)``); a replica's exception propagates as ``ReplicaError``.
+    """
+    path = str(path)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [path, *map(str, args)]
+    sys.path.insert(0, str(Path(path).resolve().parent))
+    try:
+        with simulated_spawn(cores, timeout=timeout):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m xla_utils.simulate --cores N script.py [args...]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--zygote"]:
+        from .job import zygote_main
+
+        zygote_main(int(argv[1]))
+        return 0
+    p = argparse.ArgumentParser(
+        prog="python -m xla_utils.simulate",
+        description="Run a torch_xla script (xmp.spawn / torch_xla.launch) on N simulated "
+                    "XLA:CPU cores.")
+    p.add_argument("--cores", type=int, default=8, help="simulated cores: 1, 2, 4 or 8 (default 8)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds after which the replicas are killed (default: none)")
+    p.add_argument("script", help="path of the script to run as __main__")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    ns = p.parse_args(argv)
+    if ns.cores < 1:
+        p.error("--cores must be >= 1")
+    from ..runtime.replica import ReplicaError
+
+    try:
+        return run_script(ns.script, cores=ns.cores, args=ns.args, timeout=ns.timeout)
+    except ReplicaError as exc:
+        print(f"xla_utils.simulate: {exc}", file=sys.stderr)
+        return 1
+
