@@ -110,7 +110,9 @@ def _stack_venv(tmp: Path) -> Path:
 def test_readme_offline_cell_installs_a_wheel_that_runs(wheel_dir, tmp_path):
     py = _stack_venv(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_INDEX_URL")}
-    env.update(PJRT_DEVICE="CPU", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INDEX="1")
+    # only the cell's own options: no pip.conf index or find-links of this machine
+    env.update(PJRT_DEVICE="CPU", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INDEX="1",
+               PIP_CONFIG_FILE=os.devnull)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
 
