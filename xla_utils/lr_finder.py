@@ -39,7 +39,7 @@ __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "R
            "suggest_slide", "suggest_budget", "suggest_descent"]
 
 RULES = ("descent", "budget", "between", "minimum", "steep", "valley", "slide")
-# Chosen by its worst case over the 27 problems of scripts/bench_lr_rules.py
+# Chosen by its worst case over the 38 problems of scripts/bench_lr_rules.py
 # (docs/BENCHMARKS.md "LR finder rules"), checked out of sample.
 DEFAULT_RULE = "descent"
 BETA = 0.98  # loss smoothing of the sweep (fastai's)
@@ -442,7 +442,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             answers for the per-core batch.
         rule: Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
             Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),
-            picked by its worst case over 27 problems, see ``docs/BENCHMARKS.md``
+            picked by its worst case over 38 problems, see ``docs/BENCHMARKS.md``
             "LR finder rules"; every rule's answer is in ``result.suggestions``.
         seed: Seeds the data order and the finder's RNGs (dropout, augmentation);
             default 0. Your own RNG state is restored afterwards.
