@@ -142,3 +142,24 @@ def test_full_disk_and_read_only_disk(tmpfs):
     assert len(h) == 1
     assert "compile cache (read-only" in h.compile_cache and "not writable" in h.compile_cache, \
         h.compile_cache
+
+
+def test_predict_lr_find_and_check_set_it_up_too(tmp_path):
+    import xla_utils
+
+    t = OneCycleTrainer(lambda: nn.Sequential(nn.Linear(8, 2)), nn.CrossEntropyLoss(), _data(),
+                        batch_size=8, epochs=1, max_lr=1e-2, optimizer="sgd",
+                        compile_cache=tmp_path / "predict")
+    assert t.predict(_data(16), simulate=1).shape == (16, 2)
+    assert _files(tmp_path / "predict"), "predict wrote no cache entries"
+    with pytest.warns(RuntimeWarning, match="too early for a suggestion"):  # 5 steps
+        res = xla_utils.lr_find(t.model, nn.CrossEntropyLoss(), _data(), 8, num_it=5,
+                                simulate=1, show_progress=False,
+                                compile_cache=tmp_path / "lr_find")
+    assert len(res.lrs) == 5 and _files(tmp_path / "lr_find")
+    x, y = _data(8).tensors
+    rep = xla_utils.check(t.model, (x, y), steps=3, verbose=False,
+                          compile_cache=tmp_path / "check")
+    assert rep.measurements["compile_cache"] == "read-write" and _files(tmp_path / "check")
+    with pytest.raises(ValueError, match="compile_cache must be"):
+        xla_utils.lr_find(t.model, nn.CrossEntropyLoss(), _data(), 8, compile_cache=7)
