@@ -54,7 +54,9 @@ def test_option_validation_and_default_root(tmp_path, monkeypatch):
 def test_auto_is_off_on_xla_cpu_and_says_why():
     h = _fit("auto")
     assert h.compile_cache.startswith("compile cache off: XLA:CPU cannot load"), h.compile_cache
-    assert h.compile_cache in str(h)
+    assert "compile cache" not in str(h)  # a deliberate off is not worth a line
+    h = _fit(None)
+    assert h.compile_cache == "compile cache off: compile_cache=None"
 
 
 @pytest.mark.multicore
@@ -67,6 +69,7 @@ def test_threads_write_once_and_a_second_run_finds_the_entries(tmp_path):
     written = _files(folders[0])
     assert written, "the first run wrote no cache entries"
     assert "compile cache (read-write" in h1.compile_cache and "0 graph(s) loaded" in h1.compile_cache
+    assert h1.compile_cache in str(h1)
     assert "not loadable" not in h1.compile_cache
     h2 = _fit(root)
     # the second run looked its graphs up and found the first run's entries (XLA:CPU then
@@ -106,7 +109,8 @@ def test_an_unusable_folder_is_a_warning_not_a_failure(tmp_path, capfd):
     blocker.write_text("not a folder")
     h = _fit(blocker / "cc", simulate=1)
     assert len(h) == 1 and h[-1]["train_loss"] > 0
-    assert h.compile_cache.startswith("compile cache off: cannot create"), h.compile_cache
+    assert h.compile_cache.startswith("compile cache off (warning): cannot create"), h.compile_cache
+    assert h.compile_cache in str(h)
     assert "compile cache warning: cannot create" in capfd.readouterr().out
 
 
@@ -131,7 +135,8 @@ def test_full_disk_and_read_only_disk(tmpfs):
     mnt = tmpfs("size=64k")  # a full disk: too little free space, the cache stays off
     h = _fit(mnt / "cc", simulate=1)
     assert len(h) == 1
-    assert h.compile_cache.startswith("compile cache off: only 0 MiB free"), h.compile_cache
+    assert h.compile_cache.startswith("compile cache off (warning): only 0 MiB free"), \
+        h.compile_cache
     subprocess.run(["umount", str(mnt)], check=True)
     mnt = tmpfs("size=1g")  # room to write (tmpfs takes memory only as it fills)
     h = _fit(mnt / "cc", simulate=1)

@@ -170,7 +170,8 @@ class History:
         run_id: Names this run's checkpoint files.
         compile_cache: The persistent compilation cache in this run (master
             replica): its state and folder, how many graphs were loaded from it
-            and how many compiled (see ``TrainerConfig.compile_cache``).
+            and how many compiled (see ``TrainerConfig.compile_cache``), or why
+            it was off. ``str(history)`` shows it unless it was deliberately off.
     """
 
     epochs: list[dict[str, Any]]
@@ -210,7 +211,8 @@ class History:
         return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "
                 f"batch, max_lr {self.max_lr:.3g} (from {self.base_lr:.3g}: {self.lr_note}), "
                 f"backend {self.backend}\n"
-                + (f"{self.compile_cache}\n" if self.compile_cache else "") + self.table()
+                + (f"{self.compile_cache}\n" if self.compile_cache and not
+                   self.compile_cache.startswith("compile cache off:") else "") + self.table()
                 + (f"\nSTOPPED: {self.stop_reason}" if self.stop_reason else ""))
 
 

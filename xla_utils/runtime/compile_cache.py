@@ -217,8 +217,8 @@ def compile_cache_summary(status: CompileCacheStatus, before: dict[str, Any],
         status: What :func:`enable_compile_cache` returned.
         before, after: :func:`~xla_utils.runtime.xla_counters` snapshots around the run.
     """
-    if status.state == "off":
-        return f"compile cache off: {status.reason}"
+    if status.state == "off":  # a deliberate off reads "off:", a problem "off (warning):"
+        return f"compile cache off{' (warning)' if status.warning else ''}: {status.reason}"
     hits = after["cache_hits"] - before["cache_hits"]
     failed = after["cache_load_failures"] - before["cache_load_failures"]
     compiled = after["compiles"] - before["compiles"]
