@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from xla_utils import OneCycleTrainer, runtime
-from xla_utils.runtime import compile_cache
 from xla_utils.trainer import TrainerConfig
 
 
