@@ -34,6 +34,9 @@ setup(
             "nbclient",
             "nbformat",
             "ipykernel",
+            # tests/test_install.py builds the wheel offline (no build isolation)
+            "setuptools>=61",
+            "wheel",
         ],
     },
     entry_points={"console_scripts": ["tpu_cache_ds=xla_utils.cli:main"]},

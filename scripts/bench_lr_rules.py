@@ -1,6 +1,6 @@
 """Which LR-finder rule picks a good one-cycle max_lr on problems it was not tuned on?
 
-For every problem of scripts/lr_problems.py (27 problems: tabular and image,
+For every problem of scripts/lr_problems.py (38 problems: tabular and image,
 100-20,000 training samples, batch 8-256, 24-1,944 optimizer steps, MLPs, CNNs,
 a ResNet-style model with BatchNorm, SGD+momentum, Adam, AdamW+weight decay,
 classification and multi-label):

@@ -292,7 +292,25 @@ PROBLEMS: tuple[Problem, ...] = (
       kind="image"),
     P("shapesml1000_cnn_adamw_b32_e6", lambda: shapes(1000, 500, multilabel=True), _img_cnn(),
       "adamw", 32, 6, weight_decay=0.01, kind="image"),
+    # ---- short runs, 20-60 optimizer steps (issue 19): SGD at batch 8-32, then Adam/AdamW
+    P("wine124_mlp_sgd_b16_e4", lambda: sk("wine", 124, 54), _tab(), "sgd", 16, 4),
+    P("iris100_mlp_sgd_b16_e5", lambda: sk("iris", 100, 50), _tab((32,)), "sgd", 16, 5),
+    P("bc200_mlp_sgd_b32_e8", lambda: sk("breast_cancer", 200, 300), _tab(), "sgd", 32, 8),
+    P("digits300_mlp_sgd_b8_e1", lambda: sk("digits", 300, 600), _tab(), "sgd", 8, 1),
+    P("mc400_mlp_sgd_b16_e2", lambda: generated(400, 1000), _tab(), "sgd", 16, 2),
+    P("ml200_mlp_sgd_b32_e10", lambda: generated(200, 1000, multilabel=True), _tab(), "sgd",
+      32, 10),
+    P("digits400_cnn_sgd_b16_e2", lambda: sk("digits", 400, 600, image=True),
+      lambda s: cnn(8, 10), "sgd", 16, 2, kind="image"),
+    P("shapes300_cnn_sgd_b32_e4", lambda: shapes(300, 500), _img_cnn(), "sgd", 32, 4,
+      kind="image"),
+    P("digits200_mlp_adamw_b16_e3", lambda: sk("digits", 200, 600), _tab(), "adamw", 16, 3,
+      weight_decay=0.01),
+    P("bc150_mlp_adam_b8_e2", lambda: sk("breast_cancer", 150, 300), _tab(), "adam", 8, 2),
+    P("shapes200_cnn_adam_b16_e4", lambda: shapes(200, 500), _img_cnn(), "adam", 16, 4,
+      kind="image"),
 )
+SHORT = tuple(p.name for p in PROBLEMS[27:])  # the short runs added in issue 19
 BY_NAME = {p.name: p for p in PROBLEMS}
 
 

@@ -143,6 +143,37 @@ LATE = ("digits1297_mlp_adamw_b8_e12", "mc5000_mlpbn_sgd_b64_e4", "mc600_mlpdrop
         "wine118_mlp_adamw_b8_e6", "digits1297_mlp_sgd_b256_e10", "mc20k_linear_adam_b256_e2")
 
 
+def raised_for_short_runs(factor: float, s0: float, a: float) -> Rule:
+    """``between_pre`` x ``factor`` x max(1, s0 / planned_steps) ** a: a *higher* LR
+    for runs shorter than ``s0`` steps (what the short SGD runs of issue 19 prefer)."""
+    base = candidate("between_pre", factor)
+
+    def rule(sw: Sweep, meta: dict[str, Any]) -> float:
+        return base(sw, meta) * max(1.0, s0 / meta["steps"]) ** a
+    return rule
+
+
+def short_run_table(cache: dict[str, Any], names: list[str], short: list[str]) -> list[str]:
+    """Markdown rows: the default against short-run up-scalings, overall, on the short
+    runs and on each half (A/B as in :func:`report`)."""
+    rules: dict[str, Rule] = {lf.DEFAULT_RULE: library_rule(lf.DEFAULT_RULE)}
+    for s0 in (60, 100, 150):
+        for a in (0.25, 0.5):
+            rules[f"descent x max(1,{s0}/steps)^{a}"] = raised_for_short_runs(0.7, s0, a)
+    sc = scores(cache, names, rules)
+    done = [n for n in names if n in sc[lf.DEFAULT_RULE]]
+    short = [n for n in short if n in done]
+    lines = ["| rule | all: worst / median | short runs: worst / median | > 2x | A worst | B worst |",
+             "|---|---|---|---|---|---|"]
+    for r, v in sc.items():
+        w, m = worst_median(v, done)
+        ws, ms = worst_median(v, short)
+        lines.append(f"| {r} | {w:.2f} / {m:.2f} | {ws:.2f} / {ms:.2f} | "
+                     f"{sum(v[n] > 2 for n in done)} | {worst_median(v, done[0::2])[0]:.2f} | "
+                     f"{worst_median(v, done[1::2])[0]:.2f} |")
+    return lines
+
+
 def report(cache: dict[str, Any], names: list[str]) -> str:
     """Markdown for docs/BENCHMARKS.md: per-problem ratios of the library's rules,
     worst case and median of every candidate, and the two-fold out-of-sample check."""
@@ -192,6 +223,12 @@ def report(cache: dict[str, Any], names: list[str]) -> str:
         lines += ["", f"Held-out check of the first choice: `descent` with factor 0.5, fixed on "
                   f"the first 15 problems, on the {len(late)} problems that finished later: worst "
                   f"{w:.2f}, median {m:.2f} (valley: worst {wv:.2f}, median {mv:.2f})."]
+    short = [n for n in done if n in getattr(bench.lp, "SHORT", ())]
+    if short:
+        w, m = worst_median(sc[lf.DEFAULT_RULE], short)
+        lines += ["", f"Short runs (20-60 steps, the last {len(short)} problems): default worst "
+                  f"{w:.2f}, median {m:.2f}. A higher LR for short runs, against the default:", ""]
+        lines += short_run_table(cache, done, short)
     flagged = sum(lf.assess(sw["lrs"], [math.nan if v is None else v for v in sw["losses"]],
                             _curve(sw)[1], num_it=lf.NUM_IT) is not None
                   for n in done for sw in cache["problems"][n]["sweeps"].values())

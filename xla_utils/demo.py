@@ -10,7 +10,8 @@
 
 It finishes in a few minutes on a 2-core machine. ``--cores N`` changes the
 number of simulated cores; on a real TPU machine pass ``--tpu`` to use every
-TPU core instead.
+TPU core instead. ``--tiny`` is the smallest end-to-end run (2 simulated cores,
+1 epoch, a fixed LR instead of the finder; about 20 s), used to check an install.
 """
 from __future__ import annotations
 
@@ -119,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="per-core batch size (default 16)")
     p.add_argument("--max-lr", default="find",
                    help="peak LR for one core, or 'find' to run the LR finder (default)")
+    p.add_argument("--tiny", action="store_true",
+                   help="smallest run, to check an install: 2 simulated cores (unless --tpu), "
+                        "1 epoch, max_lr 0.003 (about 20 s)")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.cores, args.epochs, args.max_lr = 2, 1, "0.003"
     max_lr = args.max_lr if args.max_lr == "find" else float(args.max_lr)
     run_demo(args.out, cores=args.cores, tpu=args.tpu, epochs=args.epochs,
              batch_size=args.batch_size, max_lr=max_lr)

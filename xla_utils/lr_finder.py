@@ -40,7 +40,7 @@ __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "R
            "suggest_slide", "suggest_budget", "suggest_descent"]
 
 RULES = ("descent", "budget", "between", "minimum", "steep", "valley", "slide")
-# Chosen by its worst case over the 27 problems of scripts/bench_lr_rules.py
+# Chosen by its worst case over the 38 problems of scripts/bench_lr_rules.py
 # (docs/BENCHMARKS.md "LR finder rules"), checked out of sample.
 DEFAULT_RULE = "descent"
 BETA = 0.98  # loss smoothing of the sweep (fastai's)
@@ -389,6 +389,7 @@ class _Config:
     batch_tfm: Callable[[torch.Tensor], torch.Tensor]
     show_progress: bool
     parent_pid: int
+    compile_cache: Any = "auto"
 
 
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
@@ -401,7 +402,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             shuffle: bool = True, num_workers: int | None = None,
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
-            timeout: float | None = None) -> LRFinderResult:
+            timeout: float | None = None, compile_cache: Any = "auto") -> LRFinderResult:
     """LR range test on one core; returns an :class:`LRFinderResult`.
 
     Args:
@@ -442,7 +443,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             answers for the per-core batch.
         rule: Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
             Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),
-            picked by its worst case over 27 problems, see ``docs/BENCHMARKS.md``
+            picked by its worst case over 38 problems, see ``docs/BENCHMARKS.md``
             "LR finder rules"; every rule's answer is in ``result.suggestions``.
         seed: Seeds the data order and the finder's RNGs (dropout, augmentation);
             default 0. Your own RNG state is restored afterwards.
@@ -453,6 +454,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         simulate: ``1`` runs on one simulated XLA:CPU device (tests and debugging without a
             TPU); see :func:`xla_utils.runtime.launch`.
         timeout: Seconds before a forked run is killed (``TimeoutError``); default none.
+        compile_cache: torch_xla's persistent compilation cache, as
+            ``TrainerConfig.compile_cache`` (default ``"auto"``: on TPUs only).
 
     Loss reads: the step's loss stays on the device; after each step boundary
     the host reads the *previous* step's loss (already computed, so reading it
@@ -468,6 +471,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     optimizer = resolve_optimizer(optimizer)  # a typo fails here, not inside a replica
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    runtime._check_compile_cache_option(compile_cache)
     runtime._prestart_simulation(simulate)
     data, batch_tfm = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
@@ -478,7 +482,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   accum_steps=int(accum_steps), rule=rule, planned_steps=planned_steps,
                   seed=int(seed), shuffle=shuffle,
                   num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
-                  parent_pid=os.getpid())
+                  parent_pid=os.getpid(), compile_cache=compile_cache)
     res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
                           sim_threads=True)
     if not math.isfinite(res.suggestion):
@@ -544,6 +548,7 @@ def _replica(cfg: _Config) -> LRFinderResult:
     saved = _CallerState.take(cfg.model if isinstance(cfg.model, torch.nn.Module) else None) \
         if in_process else None
     try:
+        runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
         # (autograd after fork is handled by runtime.launch for every replica)
         return _sweep(cfg)
     finally:

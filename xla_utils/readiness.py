@@ -224,7 +224,8 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
           loss: Callable | None = None, optimizer: Any = "sgd", steps: int = 4, data: Any = None,
           tpu: str | TPUChip | None = None, *, prepare: Callable | None = None,
           train_step: Callable | None = None, bf16: bool = False, verbose: bool = True,
-          timeout: float | None = None, inputs: str | None = None) -> ReadinessReport:
+          timeout: float | None = None, inputs: str | None = None,
+          compile_cache: runtime.CompileCacheOption = "auto") -> ReadinessReport:
     """Run a few real training steps on one XLA:CPU device and say what would hurt on a TPU.
 
     Runs in a forked child (``runtime.launch(..., cores=1, simulate=1)``): the
@@ -267,6 +268,9 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         verbose: show a progress bar of the steps. Default True.
         timeout: seconds after which the child is killed (default: none).
         inputs: the report's input layout line; default: described from ``batch``.
+        compile_cache: torch_xla's persistent compilation cache, as
+            ``TrainerConfig.compile_cache``; ``"auto"`` (default) leaves it off
+            here, since the check always runs on XLA:CPU.
 
     Returns:
         A :class:`ReadinessReport`: ``print(report)`` for the verdict,
@@ -276,6 +280,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         XLAUnavailableError: torch_xla is missing or does not match torch.
         ReplicaError: the training step itself raised (its traceback included).
     """
+    runtime._check_compile_cache_option(compile_cache)
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be an int >= 3 (1 to compile, 2.. to check for recompiles), "
                          f"got {steps!r}")
@@ -292,6 +297,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         runtime._load_xla()  # raises XLAUnavailableError with the fix
     t0 = time.perf_counter()
     job = _Job(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)
+    job.compile_cache = compile_cache
     with _fast_xla_cpu_compile():
         meas = runtime._launch(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
     meas["loss"] = loss_name
@@ -652,12 +658,14 @@ class _Job:
         self.module, self.x, self.y, self.loss_fn = module, x, y, loss_fn
         self.optimizer, self.steps, self.data = optimizer, steps, data
         self.prepare, self.train_step, self.bf16, self.verbose = prepare, train_step, bf16, verbose
+        self.compile_cache: runtime.CompileCacheOption = "auto"
 
     def _prep(self, x):
         return self.prepare(x) if self.prepare is not None else x
 
     def __call__(self) -> dict[str, Any]:
-        meas: dict[str, Any] = {"batch_rows": _rows(self.x)}
+        cache = runtime._enable_compile_cache(self.compile_cache)  # before anything compiles
+        meas: dict[str, Any] = {"batch_rows": _rows(self.x), "compile_cache": cache.state}
         meas["input_dtypes"] = _dtype_names(self.x)
         meas["param_dtypes"] = {}
         for n, p in self.module.named_parameters():

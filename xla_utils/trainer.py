@@ -90,6 +90,13 @@ class TrainerConfig:
             that ended finite (a host copy made at each epoch end) and
             ``History.stop_reason`` says why. ``"continue"`` warns and trains on
             (no checkpoint is written for a non-finite epoch).
+        compile_cache: torch_xla's persistent compilation cache for ``fit``,
+            ``predict``, ``evaluate``, ``find_lr`` and ``check``: ``"auto"``
+            (default) on TPUs only, under a folder that survives a notebook restart
+            (``/kaggle/working/xla_compile_cache``, ``/content/xla_compile_cache``,
+            else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
+            on XLA:CPU, which writes entries but cannot load them); ``None`` off.
+            See :mod:`xla_utils.runtime.compile_cache`.
     """
 
     batch_size: int = 32
@@ -113,6 +120,7 @@ class TrainerConfig:
     log_every: int = 20
     num_workers: int | None = None
     on_nan: str = "stop"
+    compile_cache: str | os.PathLike | bool | None = "auto"
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -131,6 +139,7 @@ class TrainerConfig:
                              f"kept), got {self.keep_checkpoints!r}")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
+        runtime._check_compile_cache_option(self.compile_cache)
 
     @property
     def scaling_rule(self) -> str:
@@ -160,6 +169,10 @@ class History:
         stop_reason: None for a complete run, else why it stopped early.
         warnings: What the run warned about (divergence, exploding validation loss).
         run_id: Names this run's checkpoint files.
+        compile_cache: The persistent compilation cache in this run (master
+            replica): its state and folder, how many graphs were loaded from it
+            and how many compiled (see ``TrainerConfig.compile_cache``), or why
+            it was off. ``str(history)`` shows it unless it was deliberately off.
     """
 
     epochs: list[dict[str, Any]]
@@ -174,6 +187,7 @@ class History:
     stop_reason: str | None = None
     warnings: list[str] = field(default_factory=list)
     run_id: str | None = None
+    compile_cache: str | None = None
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.epochs[i]
@@ -197,7 +211,9 @@ class History:
         cores = f"{self.world_size} core{'s' if self.world_size > 1 else ''}"
         return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "
                 f"batch, max_lr {self.max_lr:.3g} (from {self.base_lr:.3g}: {self.lr_note}), "
-                f"backend {self.backend}\n" + self.table()
+                f"backend {self.backend}\n"
+                + (f"{self.compile_cache}\n" if self.compile_cache and not
+                   self.compile_cache.startswith("compile cache off:") else "") + self.table()
                 + (f"\nSTOPPED: {self.stop_reason}" if self.stop_reason else ""))
 
 
@@ -274,6 +290,7 @@ class OneCycleTrainer:
         require_labels(self.train_data, "train_data")
         spec = self._inspect(self.train_data, "train_data", "lr_find")
         kwargs.setdefault("batch_tfm", self._prepare(spec, train=False))
+        kwargs.setdefault("compile_cache", cfg.compile_cache)
         self.lr_finder_result = lr_find(self.model, self.loss, self.train_data, cfg.batch_size,
                                         optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
                                         seed=cfg.seed, simulate=simulate, **kwargs)
@@ -554,6 +571,7 @@ class OneCycleTrainer:
 
     def _inference_replica(self, plan: loop.InferencePlan):
         """One replica of :meth:`predict` / :meth:`evaluate` (see :func:`loop.inference_pass`)."""
+        runtime._enable_compile_cache(self.config.compile_cache)  # before anything compiles
         ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
         model = loop.replica_model(plan.model, dev).eval()
         acc, targets = loop.inference_pass(model, plan, cfg=self.config, eval_step=self.eval_step,
@@ -587,7 +605,7 @@ class OneCycleTrainer:
                                optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
                                prepare=self._prepare(spec, train=True),
                                train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
-                               inputs=spec.describe(flip=cfg.flip))
+                               inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache)
 
     def _check_before_fit(self) -> None:
         from .readiness import ReadinessError
@@ -603,6 +621,8 @@ class OneCycleTrainer:
         """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint."""
         cfg = self.config
         train_data, spec = inputs["train"]
+        cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
+        counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
                         ckpt=ckpt)
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
@@ -634,7 +654,9 @@ class OneCycleTrainer:
                        global_batch=s.world_size * cfg.batch_size, base_lr=s.base_lr,
                        max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
                        backend=runtime.backend(), state_dict=final, stop_reason=state.stop_reason,
-                       warnings=state.warnings, run_id=run_id)
+                       warnings=state.warnings, run_id=run_id,
+                       compile_cache=runtime._compile_cache_summary(cache, counters0,
+                                                                    runtime.xla_counters()))
 
     def _epoch_record(self, epoch: int, s: loop.Setup, state: loop.TrainState,
                       res: loop.EpochResult, val: tuple[Any, InputSpec] | None) -> dict[str, Any]:

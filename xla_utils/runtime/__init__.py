@@ -48,6 +48,8 @@ Layout
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
 ``forksafe``  which forks may inherit an OpenMP team (the zygote's check before
               every fork; a fresh thread for TPU jobs) and the one-thread guard.
+``compile_cache``  torch_xla's persistent compilation cache, initialised first
+              thing in every replica of the entry points (``compile_cache=``).
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
 ``launcher``  ``launch``: TPU jobs, simulated jobs (through
@@ -60,6 +62,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .. import progress as _progress
+from .compile_cache import (CompileCacheOption, check_compile_cache_option as _check_compile_cache_option,
+                            compile_cache_summary as _compile_cache_summary,
+                            default_compile_cache_root,
+                            enable_compile_cache as _enable_compile_cache)
 from .counters import xla_counters, xla_counters_report
 # The underscored names are the package's internal API for the rest of xla_utils
 # (trainer, lr_finder, readiness, debug) and the tests; they are not public.
@@ -96,6 +102,7 @@ __all__ = [
     "device_prefetch",
     "xla_counters",
     "xla_counters_report",
+    "default_compile_cache_root",
     "progress_bars",
     "set_seed",
     "launch",

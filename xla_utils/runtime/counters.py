@@ -19,10 +19,15 @@ def xla_counters() -> dict[str, Any]:
         ``compiles`` (graphs compiled, ``UncachedCompile``), ``compile_s``
         (seconds compiling), ``executions`` (graphs run), ``to_device`` and
         ``to_host`` (transfers), ``fallback_ops`` (``{"aten::op": count}`` run
-        on the host CPU).
+        on the host CPU); from the persistent compilation cache
+        (:mod:`~xla_utils.runtime.compile_cache`): ``cache_hits`` (graphs loaded
+        instead of compiled, ``PersistentCacheHit``), ``cache_misses`` (looked up,
+        not there) and ``cache_load_failures`` (found but not loadable,
+        ``PersistentCacheDeserializeFailure``: every entry on XLA:CPU).
     """
     snap = {"compiles": 0, "compile_s": 0.0, "executions": 0, "to_device": 0,
-            "to_host": 0, "fallback_ops": {}}
+            "to_host": 0, "fallback_ops": {}, "cache_hits": 0, "cache_misses": 0,
+            "cache_load_failures": 0}
     if backend() != "xla":
         return snap
     met = load_xla()["met"]
@@ -36,6 +41,9 @@ def xla_counters() -> dict[str, Any]:
         return (int(data[0]), float(data[1])) if data else (0, 0.0)
 
     snap["compiles"] = count("UncachedCompile")
+    snap["cache_hits"] = count("PersistentCacheHit")
+    snap["cache_misses"] = count("PersistentCacheMiss")
+    snap["cache_load_failures"] = count("PersistentCacheDeserializeFailure")
     snap["compile_s"] = metric_count_sum("CompileTime")[1] / 1e9
     snap["executions"] = metric_count_sum("ExecuteTime")[0]
     snap["to_device"] = metric_count_sum("TransferToDeviceTime")[0]
