@@ -25,6 +25,8 @@ setup(
     extras_require={
         "plot": ["matplotlib"],
         "demo": ["scikit-learn"],
+        "gcs": ["fsspec", "gcsfs"],  # caches in gs:// buckets (xla_utils.cache.storage)
+        "ray": ["ray"],  # build_cache(..., engine="ray")
         "test": [
             "pytest",
             "pytest-timeout",
@@ -34,6 +36,10 @@ setup(
             "nbclient",
             "nbformat",
             "ipykernel",
+            "fsspec",
+            "gcsfs",
+            "gcp-storage-emulator",
+            "ray",
         ],
     },
     entry_points={"console_scripts": ["tpu_cache_ds=xla_utils.cli:main"]},

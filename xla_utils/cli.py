@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from typing import Any, Sequence
@@ -24,31 +23,21 @@ from typing import Any, Sequence
 from .cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_info, parse_size, read_manifest,
                     verify_cache)
 from .cache.builder import fmt_bytes
+from .cache.config import parse_bytes as _parse_bytes
+from .cache.storage import StorageError
 
 __all__ = ["main", "parse_bytes"]
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
 def parse_bytes(text: str) -> int:
-    """Parse a byte count.
-
-    Args:
-        text: a number with an optional unit: ``"256MiB"`` -> 268435456, ``"256MB"`` ->
-            256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096 (MB/GB decimal,
-            MiB/GiB binary).
-
-    Returns:
-        The number of bytes.
+    """Parse a byte count for argparse (:func:`xla_utils.cache.parse_bytes`).
 
     Raises:
         argparse.ArgumentTypeError: ``text`` is not such a size.
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB, 256MB, 1G or 4096")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return _parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -74,7 +63,8 @@ def _add_build(sub: Any) -> None:
                        description="Build a cache; rerunning the same command resumes it.")
     b.add_argument("src", metavar="SRC", help="image folder (one sub-folder per class; flat = unlabelled) "
                    "or a CSV of path,label rows (multi-label: space-separated labels)")
-    b.add_argument("out", metavar="OUT", help="output directory")
+    b.add_argument("out", metavar="OUT", help="output directory, or a URL prefix such as gs://bucket/cache "
+                   "(pip install 'xla_utils[gcs]')")
     b.add_argument("--size", type=_size, default=d.size, help="output size, 224 or HxW (default 224)")
     b.add_argument("--variants", type=int, default=d.variants,
                    help="stored variants per image; >1 means random-resized crops (default 1: plain)")
@@ -162,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BuildError, BadImageError, FileNotFoundError, ValueError) as e:
+    except (BuildError, BadImageError, FileNotFoundError, ValueError, StorageError, ImportError) as e:
         print(f"tpu_cache_ds {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
