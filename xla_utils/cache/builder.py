@@ -180,10 +180,10 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
     workers = workers or _default_workers()
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
+    out = Store(out)  # a URL whose protocol is not installed: ImportError naming the package
     src = resolve_source(source, labels, cfg, classes, unlabeled)
     if src.num_items == 0:
         raise BuildError(f"no images found in {src.description}")
-    out = Store(out)
     out.check()  # a missing bucket or credentials: named now, before any work
     if dry_run:
         return _dry_run(src, cfg, out, workers, verbose)

@@ -48,6 +48,7 @@ _EXTRAS = {"gcsfs": "xla_utils[gcs]"}
 LOCK_STALE_S = 120.0
 _HEARTBEAT_S = 20.0
 _TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
+_FILESYSTEMS: dict[tuple[str, int], Any] = {}
 
 
 class StorageError(OSError):
@@ -86,7 +87,9 @@ def filesystem(url: str) -> tuple[Any, str]:
     except ImportError:
         raise ImportError(f"{url} is a {protocol}:// URL, which needs fsspec: {install_hint(protocol)}") from None
     try:
-        fs = fsspec.filesystem(protocol)
+        fs = _FILESYSTEMS.get((protocol, os.getpid()))
+        if fs is None:  # one per process: fsspec's async filesystems are not fork-safe
+            fs = _FILESYSTEMS[protocol, os.getpid()] = fsspec.filesystem(protocol, skip_instance_cache=True)
     except (ImportError, ValueError) as e:
         raise ImportError(f"{url} is a {protocol}:// URL but that protocol is not installed ({e}): "
                           f"{install_hint(protocol)}") from None
@@ -131,7 +134,7 @@ def retry(fn: Callable[[], Any], what: str, attempts: int = 5, base_delay: float
             return fn()
         except Exception as e:
             if k == attempts - 1 or not _transient(e):
-                if k and _transient(e):
+                if k and _transient(e) and not isinstance(e, ChecksumError):
                     raise StorageError(f"{what} failed {attempts} times, the last with {type(e).__name__}: "
                                        f"{e}; the storage or the network is unreliable: rerun later") from e
                 raise
@@ -198,9 +201,8 @@ class Store:
 
     @property
     def fs(self) -> Any:
-        """The fsspec filesystem (URLs only)."""
-        if self._fs is None:
-            self._fs, self._key = filesystem(self.root)
+        """The fsspec filesystem (URLs only; one per process, also after a fork)."""
+        self._fs, self._key = filesystem(self.root)
         return self._fs
 
     @property
