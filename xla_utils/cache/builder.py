@@ -38,6 +38,7 @@ from .config import CacheConfig
 from .errors import BadImageError, BuildError, Cancelled, describe
 from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text
 from .sources import Source, resolve_source
+from .space import check_space, disk_full, estimate_bytes, fmt_bytes, is_disk_full
 from .storage import LockedError, Store, load_manifest
 from .worker import build_shard, init_worker, pilot_item
 
@@ -399,16 +400,33 @@ def _build(src: Source, cfg: CacheConfig, out: Store, workers: int, strict: bool
         manifest["upscaled"].sort(key=lambda e: e["source_index"])
         _write_manifest(out, manifest)
 
-    if todo:
+    if not out.is_url:  # refuse before writing what cannot fit (one line naming both numbers)
+        check_space(str(out), out.free_bytes(), cfg, sources_built, len(todo))
+    try:
+        if todo:
+            save()
+            _run_pool(src, cfg, out, todo, per_shard, sources_built, min(workers, len(todo)), strict,
+                      verbose, record, save)
+        _finish(out, manifest, done, src)
         save()
-        _run_pool(src, cfg, out, todo, per_shard, sources_built, min(workers, len(todo)), strict,
-                  verbose, record, save)
-    _finish(out, manifest, done, src)
-    save()
+    except Exception as e:
+        if not (is_disk_full(e) or is_disk_full(e.__cause__)):
+            raise
+        _remove_temporaries(out)
+        left = [k for k in range(num_shards) if k not in done]
+        items = sum(min(src.num_items, (k + 1) * per_shard) - k * per_shard for k in left)
+        raise disk_full(str(out), len(done), num_shards, estimate_bytes(cfg, items, len(left))) from None
     report = _report(out, manifest, reused, sources_built, time.perf_counter() - t0)
     if verbose:
         print(_summary(report, manifest))
     return report
+
+
+def _remove_temporaries(out: Store) -> None:
+    """Delete the ``*.tmp-*`` files of this build (we hold the lock)."""
+    for name in fnmatch.filter(out.listdir(), "*.tmp-*"):
+        with contextlib.suppress(OSError):
+            out.remove(name)
 
 
 def _intact(entry: dict[str, Any] | None, shard: dict[str, Any]) -> bool:
@@ -487,7 +505,8 @@ def _run_pool(src: Source, cfg: CacheConfig, out: Store, todo: list[int], per_sh
         for f in shard_of:  # keep every shard that did finish, also while we were stopping
             if f not in recorded and not f.cancelled() and f.exception() is None:
                 record(f.result())
-        save()
+        with contextlib.suppress(OSError):  # a full disk may refuse this too: the last manifest stays
+            save()
         raise
     ex.shutdown(wait=True)
     if bad:
@@ -539,15 +558,6 @@ def _report(out: Store, manifest: dict[str, Any], reused: int, sources_built: in
         num_shards=manifest["num_shards"], shards_built=manifest["num_shards"] - reused,
         shards_reused=reused, sources_built=sources_built, bytes=sum(max(0, sizes.get(f, 0)) for f in files),
         files=len(files), seconds=seconds, skipped=manifest["skipped"], upscaled=manifest["upscaled"])
-
-
-def fmt_bytes(n: float) -> str:
-    """``n`` bytes in words: ``"512 B"``, ``"1.50 MiB"`` (binary units up to TiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _summary(r: BuildReport, m: dict[str, Any]) -> str:
