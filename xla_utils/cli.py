@@ -2,6 +2,7 @@
 
     tpu_cache_ds build SRC OUT --size 224 --variants 4 [--codec raw|jpeg] [--shard-size 256MB]
                        [--workers N] [--labels FILE.csv | --unlabeled] [--strict] [--overwrite] [--dry-run]
+                       [--engine local|ray [--ray-address HOST:PORT]]      (OUT may be gs://bucket/prefix)
     tpu_cache_ds info OUT [--json]
     tpu_cache_ds verify OUT [--full]
     tpu_cache_ds preview OUT --out grid.png
@@ -74,6 +75,11 @@ def _add_build(sub: Any) -> None:
     b.add_argument("--shard-size", type=parse_bytes, default=d.shard_size,
                    help="target shard size, e.g. 256MiB, 1GB (MB/GB decimal, MiB/GiB binary; default 256MiB)")
     b.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    b.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local process pool (default) or one task per shard on a Ray cluster "
+                   "(pip install 'xla_utils[ray]'; same bytes)")
+    b.add_argument("--ray-address", metavar="HOST:PORT", default=None,
+                   help="the Ray cluster for --engine ray (default: RAY_ADDRESS, else a local Ray)")
     b.add_argument("--labels", metavar="FILE.csv", help="CSV of path,label rows with paths relative to SRC")
     b.add_argument("--unlabeled", action="store_true", help="a test set: cache every image of SRC (or the "
                    "file names in a CSV's first column, e.g. sample_submission.csv) without labels; "
@@ -168,7 +174,8 @@ def _cmd_build(a: argparse.Namespace) -> int:
                       quality=a.quality, shard_size=a.shard_size, resample=a.resample, small=a.small,
                       max_pixels=a.max_pixels, multilabel=a.multilabel)
     build_cache(a.src, a.out, cfg, labels=a.labels, classes=classes, workers=a.workers, strict=a.strict,
-                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet, unlabeled=a.unlabeled)
+                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet, unlabeled=a.unlabeled,
+                engine=a.engine, ray_address=a.ray_address)
     return 0
 
 

@@ -22,25 +22,22 @@ import errno
 import fnmatch
 import io
 import math
-import multiprocessing as mp
 import os
-import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..progress import update_bar
 from .config import CacheConfig
-from .errors import BadImageError, BuildError, Cancelled, describe
+from .errors import BuildError
 from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text
 from .sources import Source, resolve_source
 from .space import check_space, disk_full, estimate_bytes, fmt_bytes, is_disk_full
 from .storage import LockedError, Store, load_manifest
-from .worker import build_shard, init_worker, pilot_item
+from .runners import ENGINES, mp_context, run_shards
+from .worker import init_worker, pilot_item
 
 __all__ = ["BuildReport", "DryRunEstimate", "build_cache", "fmt_bytes"]
 
@@ -127,19 +124,11 @@ def _default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _mp_context():
-    # fork works from notebooks and with datasets defined in __main__; workers only
-    # use PIL/numpy, so forking a parent that has torch threads is safe here.
-    if sys.platform == "linux" and "fork" in mp.get_all_start_methods():
-        return mp.get_context("fork")
-    return mp.get_context("spawn")
-
-
 def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None = None, *,
                 labels: str | os.PathLike | None = None, classes: Sequence[str] | None = None,
                 workers: int | None = None, strict: bool = False, overwrite: bool = False,
-                dry_run: bool = False, verbose: bool = True, unlabeled: bool = False,
-                **config_fields: Any) -> BuildReport | DryRunEstimate:
+                dry_run: bool = False, verbose: bool = True, unlabeled: bool = False, engine: str = "local",
+                ray_address: str | None = None, **config_fields: Any) -> BuildReport | DryRunEstimate:
     """Build (or resume) a sharded uint8 image cache in ``out``.
 
     Args:
@@ -158,6 +147,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         classes: fix the class list (e.g. a validation set reusing the training
             cache's ``classes``); items with other labels are skipped.
         workers: processes (default: all cores). Each holds about one shard in memory.
+            Local engine only.
         strict: stop at the first bad image with :class:`BadImageError` naming it
             (finished shards are kept); default skips and lists bad images.
         overwrite: replace an existing cache in ``out`` (only cache files are removed).
@@ -172,12 +162,20 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             ``sample_submission.csv``; other columns are ignored), with no labels. A
             flat folder without ``labels=`` is also cached unlabelled, but the summary
             then warns and says how to add labels; training refuses unlabelled caches.
+        engine: ``"local"`` (a process pool, default) or ``"ray"``: one task per shard on a
+            Ray cluster (``pip install 'xla_utils[ray]'``); the same bytes as a local build.
+            Every node must reach ``source`` and ``out`` (use ``gs://`` for ``out`` on a
+            real cluster); see :mod:`xla_utils.cache.runners`.
+        ray_address: the cluster's ``HOST:PORT`` for ``engine="ray"``. Default: Ray's own
+            ``RAY_ADDRESS``, else a local Ray (or the one this process already joined).
 
     Every cache records each image's id (``CachedImageDataset.ids``): its path
     relative to ``source`` (folders), the CSV's first-column value as written, or
     the index as a string (datasets).
     """
     cfg = dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
     workers = workers or _default_workers()
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
@@ -202,7 +200,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             raise
         raise err from e
     with _locked(out, src, cfg):
-        report = _build(src, cfg, out, workers, strict, overwrite, verbose)
+        report = _build(src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address)
     return _labels_note(report, src, unlabeled, verbose)
 
 
@@ -349,7 +347,7 @@ def _difference(m: dict[str, Any], src: Source, cfg: CacheConfig) -> str:
 
 
 def _build(src: Source, cfg: CacheConfig, out: Store, workers: int, strict: bool, overwrite: bool,
-           verbose: bool) -> BuildReport:
+           verbose: bool, engine: str = "local", ray_address: str | None = None) -> BuildReport:
     t0 = time.perf_counter()
     state, old = _existing_state(out, src, cfg)
     if state in ("foreign", "broken", "different") and not overwrite:
@@ -405,8 +403,8 @@ def _build(src: Source, cfg: CacheConfig, out: Store, workers: int, strict: bool
     try:
         if todo:
             save()
-            _run_pool(src, cfg, out, todo, per_shard, sources_built, min(workers, len(todo)), strict,
-                      verbose, record, save)
+            run_shards(engine, src, cfg, out, todo, per_shard, sources_built, min(workers, len(todo)), strict,
+                       verbose, record, save, ray_address)
         _finish(out, manifest, done, src)
         save()
     except Exception as e:
@@ -442,75 +440,6 @@ def _complete_report(out: Store, manifest: dict[str, Any], t0: float, verbose: b
     if verbose:
         print(_summary(report, manifest))
     return report
-
-
-def _run_pool(src: Source, cfg: CacheConfig, out: Store, todo: list[int], per_shard: int, total: int,
-              workers: int, strict: bool, verbose: bool, record: Callable[[dict[str, Any]], None],
-              save: Callable[[], None]) -> None:
-    """Build shards ``todo`` on ``workers`` processes, recording each one as it finishes.
-
-    ``stop_at`` (shared) is the first source index that no longer needs building: a
-    strict worker that meets a bad item lowers it to that item's index, so the others
-    stop after the items before it (one of which may be an earlier bad file) and
-    unstarted shards, later in source order, are cancelled. Once every task has
-    ended, the bad item with the smallest index is raised: the same file whatever
-    the worker count and timing. Any other stop sets ``stop_at`` to -1.
-    """
-    ctx = _mp_context()
-    counter, stop_at = ctx.Value("q", 0), ctx.Value("q", src.num_items)
-    bar = update_bar(total) if verbose else None
-    t_start = time.perf_counter()
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
-                             initargs=(src, cfg, out, strict, counter, stop_at))
-    shard_of = {ex.submit(build_shard, k, k * per_shard, min(src.num_items, (k + 1) * per_shard)): k
-                for k in todo}
-    pending = set(shard_of)
-    recorded: set[Any] = set()
-    bad: list[BadImageError] = []
-    try:
-        while pending:
-            finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-            for f in sorted(finished, key=shard_of.__getitem__):
-                if f.cancelled():
-                    continue
-                try:
-                    record(f.result())
-                    recorded.add(f)
-                except Cancelled:
-                    pass
-                except BadImageError as e:
-                    bad.append(e)
-                    for p in pending:
-                        p.cancel()
-                except BrokenProcessPool as e:
-                    raise BuildError("a worker process died (out of memory? each worker holds about one "
-                                     "shard: try fewer workers or a smaller shard size); finished shards "
-                                     "are kept, rerun to resume") from e
-                except Exception as e:
-                    raise BuildError(f"building shard {shard_of[f]} failed: {describe(e)}; finished shards "
-                                     "are kept, rerun to resume") from e
-            if finished:
-                save()
-            if bar is not None:
-                n = counter.value
-                rate = n / max(1e-9, time.perf_counter() - t_start)
-                bar.comment = f"{rate:,.1f} images/s"
-                bar.update(min(n, total))
-    except BaseException:
-        with stop_at.get_lock():
-            stop_at.value = -1
-        for f in pending:
-            f.cancel()
-        ex.shutdown(wait=True)
-        for f in shard_of:  # keep every shard that did finish, also while we were stopping
-            if f not in recorded and not f.cancelled() and f.exception() is None:
-                record(f.result())
-        with contextlib.suppress(OSError):  # a full disk may refuse this too: the last manifest stays
-            save()
-        raise
-    ex.shutdown(wait=True)
-    if bad:
-        raise min(bad, key=lambda e: e.index)
 
 
 def _finish(out: Store, manifest: dict[str, Any], done: dict[int, dict[str, Any]], src: Source) -> None:
@@ -584,7 +513,7 @@ def _summary(r: BuildReport, m: dict[str, Any]) -> str:
 def _dry_run(src: Source, cfg: CacheConfig, out: Store, workers: int, verbose: bool) -> DryRunEstimate:
     n_pilot = min(src.num_items, 32)
     idx = sorted({int(round(x)) for x in np.linspace(0, src.num_items - 1, n_pilot)})
-    ctx = _mp_context()
+    ctx = mp_context()
     with ProcessPoolExecutor(min(workers, len(idx)), mp_context=ctx, initializer=init_worker,
                              initargs=(src, cfg, out, False, ctx.Value("q", 0),
                                        ctx.Value("q", src.num_items))) as ex:

@@ -23,7 +23,7 @@ from .images import encode_jpeg, make_variants
 from .sources import Source, load_item
 from .storage import Store
 
-__all__ = ["init_worker", "build_shard", "pilot_item"]
+__all__ = ["init_worker", "set_state", "build_shard", "pilot_item"]
 
 # The build's state in a worker process, set once by init_worker.
 _W: dict[str, Any] = {}
@@ -46,6 +46,12 @@ def init_worker(src: Source, cfg: CacheConfig, out: Store, strict: bool, counter
         with contextlib.suppress(Exception):  # die with the coordinator (SIGKILL included)
             import ctypes
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    set_state(src, cfg, out, strict, counter, stop_at)
+
+
+def set_state(src: Source, cfg: CacheConfig, out: Store, strict: bool, counter: Any, stop_at: Any) -> None:
+    """Store the build's state in this process (the arguments of :func:`init_worker`), no signal setup:
+    for runners whose workers live longer than one build (Ray)."""
     Image.MAX_IMAGE_PIXELS = max(cfg.max_pixels, Image.MAX_IMAGE_PIXELS or 0)
     _W.update(src=src, cfg=cfg, out=out, strict=strict, counter=counter, stop_at=stop_at)
 
