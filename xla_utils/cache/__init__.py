@@ -18,7 +18,10 @@ reader :mod:`xla_utils.data` or the command line :mod:`xla_utils.cli`):
   publish, listing, the build lock, checked downloads (the reader uses it too).
 * :mod:`~xla_utils.cache.images` - decoding and the stored variants.
 * :mod:`~xla_utils.cache.sources` - folder, CSV and dataset sources.
-* :mod:`~xla_utils.cache.worker` - the process-pool tasks (one shard each).
+* :mod:`~xla_utils.cache.worker` - the shard tasks (one shard each).
+* :mod:`~xla_utils.cache.runners` - who runs the tasks: the local process pool or Ray.
+* :mod:`~xla_utils.cache.space` - free space: refuse before writing, one line when the disk fills.
+* :mod:`~xla_utils.cache.fetch` - the reader's bounded local copy of a cache in a bucket.
 * :mod:`~xla_utils.cache.builder` - :func:`build_cache`: resume, lock, pool, manifest.
 * :mod:`~xla_utils.cache.verify` - :func:`cache_info`, :func:`verify_cache`.
 
