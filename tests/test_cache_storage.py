@@ -185,3 +185,29 @@ def test_gs_build_killed_mid_way_resumes_to_the_same_bytes(gcs_emulator, tmp_pat
     subprocess.run([sys.executable, str(script), str(tmp_path / "clean")], env=env(), check=True, timeout=300)
     assert gs_files(url) == local_files(tmp_path / "clean")
     assert done < m["num_shards"] and not [n for n in st.listdir() if ".tmp-" in n or n == ".lock"]
+
+
+def test_build_from_a_gs_folder_and_a_csv_of_urls_gives_the_local_bytes(images, gcs_emulator, tmp_path):
+    src = gcs_emulator()
+    st = Store(src)
+    for p in sorted(images.rglob("*")):
+        if p.is_file():
+            st.write(p.relative_to(images).as_posix(), [p.read_bytes()])
+    st.write("readme.txt", [b"not an image"])
+    cfg = CacheConfig(size=24, variants=2, seed=3)
+    local = build_cache(images, tmp_path / "local", cfg, workers=2, verbose=False)
+    url = gcs_emulator()
+    r = build_cache(src, url, cfg, workers=2, verbose=False)  # gs:// -> gs://
+    assert r.num_images == local.num_images == 16
+    assert gs_files(url) == local_files(tmp_path / "local")
+    m, lm = load_manifest(url), read_manifest(tmp_path / "local")
+    assert [s["ids"] for s in m["shards"]] == [s["ids"] for s in lm["shards"]] and m["classes"] == ["cat", "dog"]
+    assert m["source"]["fingerprint"] == lm["source"]["fingerprint"] and m["source"]["path"] == src
+    # a local CSV of URLs
+    csv = tmp_path / "list.csv"
+    csv.write_text("path,label\n" + "".join(f"{src}/{c}/{i}.{'png' if i % 2 else 'jpg'},{c}\n"
+                                            for c in ("cat", "dog") for i in range(8)))
+    build_cache(csv, tmp_path / "from_csv", cfg, workers=1, verbose=False)
+    assert local_files(tmp_path / "from_csv") == local_files(tmp_path / "local")
+    with pytest.raises(BuildError, match=r"no objects under gs://"):
+        build_cache(gcs_emulator(), tmp_path / "none", cfg, verbose=False)

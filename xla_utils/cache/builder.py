@@ -132,7 +132,8 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
     """Build (or resume) a sharded uint8 image cache in ``out``.
 
     Args:
-        source: an image folder (one sub-folder per class; a flat folder is cached
+        source: an image folder or a URL prefix such as ``gs://bucket/images`` (one
+            sub-folder per class; a flat folder is cached
             unlabelled), a CSV of ``path,label`` rows (multi-label: space-separated
             labels; paths relative to the CSV's folder), or any map-style dataset
             returning ``(PIL image | HWC uint8 array | file path, label)`` where label
