@@ -211,3 +211,32 @@ def test_build_from_a_gs_folder_and_a_csv_of_urls_gives_the_local_bytes(images, 
     assert local_files(tmp_path / "from_csv") == local_files(tmp_path / "local")
     with pytest.raises(BuildError, match=r"no objects under gs://"):
         build_cache(gcs_emulator(), tmp_path / "none", cfg, verbose=False)
+
+
+def test_transient_errors_are_retried_with_backoff_and_others_are_not():
+    from xla_utils.cache.storage import retry
+
+    calls = []
+
+    def flaky():
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise ConnectionResetError("connection dropped mid-download")
+        return "ok"
+
+    assert retry(flaky, "reading gs://b/x", base_delay=0.01) == "ok" and len(calls) == 3
+
+    def always():
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(StorageError, match=r"reading gs://b/x failed 3 times.*TimeoutError.*rerun later"):
+        retry(always, "reading gs://b/x", attempts=3, base_delay=0.001)
+    missing = []
+
+    def gone():
+        missing.append(1)
+        raise FileNotFoundError("gs://b/x")
+
+    with pytest.raises(FileNotFoundError):
+        retry(gone, "reading gs://b/x", base_delay=0.001)
+    assert len(missing) == 1  # not retried

@@ -62,7 +62,8 @@ def _add_build(sub: Any) -> None:
     d = CacheConfig()
     b = sub.add_parser("build", help="build or resume a cache from an image folder, a CSV or labels",
                        description="Build a cache; rerunning the same command resumes it.")
-    b.add_argument("src", metavar="SRC", help="image folder or gs:// prefix (one sub-folder per class; flat = unlabelled) "
+    b.add_argument("src", metavar="SRC", help="image folder or gs:// prefix (one sub-folder per class; "
+                   "flat = unlabelled) "
                    "or a CSV of path,label rows (multi-label: space-separated labels)")
     b.add_argument("out", metavar="OUT", help="output directory, or a URL prefix such as gs://bucket/cache "
                    "(pip install 'xla_utils[gcs]')")

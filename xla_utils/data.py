@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -356,6 +357,10 @@ def _open_remote(url: str, m: dict[str, Any], local_cache: str | os.PathLike | N
         while not p.exists() and p != p.parent:
             p = p.parent
         budget = min(total, int(0.9 * (shutil.disk_usage(p).free + _folder_bytes(folder))))
+        if budget < total:
+            warnings.warn(f"{url} ({total:,} bytes) does not fit in {folder} (90% of its free disk: {budget:,} "
+                          "bytes): reading it with a shard-aware shuffle (see ShardWindowSampler); pass "
+                          "local_cache= on a bigger disk or max_local_bytes= to choose", stacklevel=3)
     else:
         budget = parse_bytes(max_local_bytes)
     return ShardCache(Store(url), m, folder, budget, opener)

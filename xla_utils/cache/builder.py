@@ -139,7 +139,8 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             returning ``(PIL image | HWC uint8 array | file path, label)`` where label
             is an int or a multi-hot vector.
         out: output directory (created), or a URL prefix such as ``gs://bucket/cache``
-            (needs ``pip install 'xla_utils[gcs]'``; see :mod:`xla_utils.cache.storage`). Rerunning the same build resumes it (finished
+            (needs ``pip install 'xla_utils[gcs]'``; see :mod:`xla_utils.cache.storage`).
+            Rerunning the same build resumes it (finished
             shards are kept); a different config or source (relative paths, file sizes,
             labels) raises :class:`BuildError` unless ``overwrite``.
         config: a :class:`CacheConfig`; keyword arguments (``size=224, variants=4``...)

@@ -191,7 +191,8 @@ def _url_folder_source(url: str, classes: Sequence[str] | None, unlabeled: bool 
             if "/" not in r:
                 continue
             d = r.split("/")[0]
-            chosen.append((r, index.get(d, -1), None if d in index else f"class folder {d!r} is not in the given classes"))
+            err = None if d in index else f"class folder {d!r} is not in the given classes"
+            chosen.append((r, index.get(d, -1), err))
         src.ignored = [r for r in rels if "/" not in r]
     for r, label, error in chosen:
         if not _is_image_name(r):
