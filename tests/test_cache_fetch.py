@@ -133,3 +133,30 @@ def test_training_from_gs_gives_the_local_losses(caches, tmp_path):
         h = t.fit()
         losses.append([e["train_loss"] for e in h])
     assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
+def test_two_readers_sharing_one_local_folder_read_exact_samples(caches, tmp_path):
+    """As the processes of one host do (one per core): one folder, concurrent passes."""
+    import threading
+
+    local, url = caches
+    a = CachedImageDataset(local)
+    readers = [CachedImageDataset(url, local_cache=tmp_path / "shared") for _ in range(2)]
+    errors, got = [], {}
+
+    def run(k):
+        try:
+            got[k] = [x.clone() for x, _, _ in iterate_batches(readers[k], 8, epoch=1, seed=k)]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for k in range(2):
+        want = [x.clone() for x, _, _ in iterate_batches(a, 8, epoch=1, seed=k)]
+        assert all(torch.equal(x, y) for x, y in zip(got[k], want)) and len(got[k]) == len(want) == 5
+    assert not [p for p in (tmp_path / "shared").iterdir() if ".part-" in p.name]

@@ -9,7 +9,10 @@ recently used first, when another needs its room. A process fetches only the sha
 that its own samples need.
 
 Shards already in the folder from an earlier run of the same cache (same manifest) are
-kept and reused; a folder holding another cache is emptied first.
+kept and reused; a folder holding another cache is emptied first. The processes of one
+host (one per TPU core) share the default folder: a shard another process has already
+published there is used, not downloaded again (files appear only complete and
+checked); the budget is counted per process.
 
 Only the standard library and :mod:`xla_utils.cache.storage` are imported here.
 """
@@ -21,6 +24,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,8 +113,10 @@ class ShardCache:
                     self._used + p.stat().st_size <= self.max_bytes:
                 self._resident[s] = None  # opened on first use
                 self._used += p.stat().st_size
-            elif p.name != _STAMP and p.is_file():
-                p.unlink()
+            elif p.name != _STAMP and p.is_file() and (
+                    ".part-" not in p.name or time.time() - p.stat().st_mtime > 3600):
+                with contextlib.suppress(FileNotFoundError):  # another process's download stays
+                    p.unlink()
         stamp_file.write_text(stamp)
 
     def local_bytes(self) -> int:
@@ -130,7 +136,15 @@ class ShardCache:
                     self._refs[s] = self._refs.get(s, 0) + 1
                     obj = self._resident[s]
                     if obj is None:
-                        obj = self._resident[s] = self.opener(self._path(s))
+                        try:
+                            obj = self._resident[s] = self.opener(self._path(s))
+                        except FileNotFoundError:  # evicted by another process sharing the folder
+                            self._refs[s] -= 1
+                            if not self._refs[s]:
+                                del self._refs[s]
+                            self._resident.pop(s)
+                            self._used -= self.entries[s]["bytes"]
+                            continue
                     return obj
                 if s not in self._inflight:
                     self._reserve(s, protect=set(), wait=True)
@@ -187,7 +201,9 @@ class ShardCache:
     def _download(self, s: int) -> None:
         e = self.entries[s]
         try:
-            self.store.download(e["file"], self._path(s), e["bytes"], e["crc32"])
+            done = self._path(s)
+            if not (done.is_file() and done.stat().st_size == e["bytes"]):  # else another process fetched it
+                self.store.download(e["file"], done, e["bytes"], e["crc32"])
         except BaseException as err:  # handed to the reader waiting for it
             with self._cond:
                 self._inflight.discard(s)
