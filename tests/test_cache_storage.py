@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -240,3 +241,28 @@ def test_transient_errors_are_retried_with_backoff_and_others_are_not():
     with pytest.raises(FileNotFoundError):
         retry(gone, "reading gs://b/x", base_delay=0.001)
     assert len(missing) == 1  # not retried
+
+
+def test_missing_or_bad_credentials_are_named_before_anything_runs(images, gcs_emulator, tmp_path, monkeypatch,
+                                                                    capsys):
+    import fsspec
+
+    url = gcs_emulator()
+    missing, garbage = tmp_path / "no-key.json", tmp_path / "key.json"
+    garbage.write_text("not json")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(missing))
+    for call in (lambda: build_cache(images, url, verbose=False), lambda: load_manifest(url)):
+        with pytest.raises(StorageError, match=rf"no credentials for {url}: GOOGLE_APPLICATION_CREDENTIALS="
+                                               rf"{missing} names no file.*gcloud auth application-default login"):
+            call()
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(garbage))
+    with pytest.raises(StorageError, match=rf"{garbage} is not a Google credentials file"):
+        build_cache(images, url, verbose=False)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS")
+    # fsspec's own setting (FSSPEC_GCS_TOKEN): gcsfs would send a missing path as an access token
+    monkeypatch.setitem(fsspec.config.conf, "gcs", {"token": str(missing)})
+    assert main(["info", url]) != 0
+    assert re.search(r"error: no credentials for gs://.*fsspec's gcs token setting \(FSSPEC_GCS_TOKEN\)=.*names no "
+                     r"file", capsys.readouterr().err)
+    monkeypatch.delitem(fsspec.config.conf, "gcs")
+    assert Store(url).listdir() == []  # nothing was written

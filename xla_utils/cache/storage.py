@@ -86,14 +86,64 @@ def filesystem(url: str) -> tuple[Any, str]:
         import fsspec
     except ImportError:
         raise ImportError(f"{url} is a {protocol}:// URL, which needs fsspec: {install_hint(protocol)}") from None
-    try:
-        fs = _FILESYSTEMS.get((protocol, os.getpid()))
-        if fs is None:  # one per process: fsspec's async filesystems are not fork-safe
-            fs = _FILESYSTEMS[protocol, os.getpid()] = fsspec.filesystem(protocol, skip_instance_cache=True)
-    except (ImportError, ValueError) as e:
-        raise ImportError(f"{url} is a {protocol}:// URL but that protocol is not installed ({e}): "
-                          f"{install_hint(protocol)}") from None
+    creds = _credential_settings(protocol, fsspec.config.conf)
+    key = (protocol, os.getpid(), creds)  # one per process (fsspec's async filesystems are not fork-safe)
+    fs = _FILESYSTEMS.get(key)  # and per credential setting: a new one is checked before use
+    if fs is None:
+        problem = _credentials_problem(url, creds)
+        if problem is not None:
+            raise problem
+        try:
+            fs = _FILESYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True)
+        except (ImportError, ValueError) as e:
+            raise ImportError(f"{url} is a {protocol}:// URL but that protocol is not installed ({e}): "
+                              f"{install_hint(protocol)}") from None
+        except Exception as e:
+            err = _explain(url, e)
+            if err is None:
+                raise
+            raise err from e
     return fs, fs._strip_protocol(url)
+
+
+_FIX_CREDENTIALS = ("`gcloud auth application-default login`, or GOOGLE_APPLICATION_CREDENTIALS=KEY.json (a "
+                    "service-account key); on Kaggle attach a Google Cloud account under Add-ons > Google Cloud "
+                    "Services; on Colab `from google.colab import auth; auth.authenticate_user()`")
+
+
+def _credential_settings(protocol: str, conf: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The settings that name a credentials file for ``protocol``: ``GOOGLE_APPLICATION_CREDENTIALS``
+    and a ``token`` path in fsspec's configuration (``FSSPEC_GCS_TOKEN``); GCS only."""
+    if _PACKAGES.get(protocol) != "gcsfs":
+        return ()
+    found = []
+    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        found.append(("GOOGLE_APPLICATION_CREDENTIALS", os.environ["GOOGLE_APPLICATION_CREDENTIALS"]))
+    for proto in ("gs", "gcs"):
+        token = (conf.get(proto) or {}).get("token")
+        if isinstance(token, str) and (token.endswith(".json") or "/" in token or os.sep in token):
+            found.append((f"fsspec's {proto} token setting (FSSPEC_{proto.upper()}_TOKEN)", token))
+    return tuple(found)
+
+
+def _credentials_problem(url: str, settings: Sequence[tuple[str, str]]) -> StorageError | None:
+    """A :class:`StorageError` naming ``url``, the setting and the fix when a credentials file that a
+    setting names is missing or is not a Google credentials JSON (gcsfs would otherwise go on
+    anonymously, or send the path as a token, and fail later with a less clear error)."""
+    for what, value in settings:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            problem = "names no file"
+        else:
+            try:
+                body = json.loads(path.read_text())
+                problem = None if isinstance(body, dict) and "type" in body else "is not a Google credentials file"
+            except (OSError, ValueError):
+                problem = "is not a Google credentials file (not JSON)"
+        if problem:
+            return StorageError(f"no credentials for {url}: {what}={value} {problem}. Fix: point it at the key "
+                                f"file, or unset it and use {_FIX_CREDENTIALS}")
+    return None
 
 
 def _http_code(e: BaseException) -> int | None:
@@ -161,9 +211,7 @@ def _explain(url: str, e: BaseException) -> StorageError | None:
     code = _http_code(e)
     if code in (401, 403) or "credential" in text.lower() or "Anonymous caller" in text:
         return StorageError(
-            f"no access to {url} ({text[:200]}): give this machine credentials (`gcloud auth application-default "
-            "login`, or GOOGLE_APPLICATION_CREDENTIALS=KEY.json; on Kaggle attach a Google Cloud account under "
-            "Add-ons > Google Cloud Services; on Colab `from google.colab import auth; auth.authenticate_user()`) "
+            f"no access to {url} ({text[:200]}): give this machine credentials ({_FIX_CREDENTIALS}) "
             "and check that the account may read/write the bucket")
     return None
 
