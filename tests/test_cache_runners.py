@@ -49,7 +49,8 @@ def ray_cluster(gcs_emulator):
     ray = pytest.importorskip("ray")
     port = free_port()
     ray_bin = str(Path(sys.executable).with_name("ray"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path,
            "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=80000000", "--block",
               "--disable-usage-stats"]
