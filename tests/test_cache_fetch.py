@@ -1,6 +1,15 @@
 """CachedImageDataset on gs:// (xla_utils.cache.fetch: the bounded local copy) against a real
-GCS emulator started by tests/conftest.py: exactly the local samples, a bounded folder, named errors."""
+GCS emulator started by tests/conftest.py: exactly the local samples, a bounded folder, named errors,
+downloads cut mid-body by a real TCP proxy in front of the emulator retried to exact bytes."""
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,3 +169,131 @@ def test_two_readers_sharing_one_local_folder_read_exact_samples(caches, tmp_pat
         want = [x.clone() for x, _, _ in iterate_batches(a, 8, epoch=1, seed=k)]
         assert all(torch.equal(x, y) for x, y in zip(got[k], want)) and len(got[k]) == len(want) == 5
     assert not [p for p in (tmp_path / "shared").iterdir() if ".part-" in p.name]
+
+
+class CuttingProxy:
+    """A real TCP proxy on 127.0.0.1 in front of the GCS emulator that cuts the first ``cuts`` downloads
+    of shard objects (``GET .../shard-*?alt=media``) mid-body: it forwards the response head and half
+    of the body, then closes the connection. One thread per connection; ``close()`` ends them all."""
+
+    def __init__(self, upstream: str, cuts: int):
+        host, port = upstream.rsplit("//", 1)[-1].split(":")
+        self.upstream, self.cuts_left, self.cut = (host, int(port)), cuts, 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.lock, self.socks, self.threads = threading.Lock(), [], []
+        self._spawn(self._accept)
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.socks.append(client)
+            self._spawn(self._requests, client)
+
+    def _requests(self, client: socket.socket) -> None:
+        # the emulator serves one connection at a time: connect to it only once a request comes
+        up, state = None, {"cut": False}
+        while data := self._recv(client):
+            if up is None:
+                up = socket.create_connection(self.upstream)
+                with self.lock:
+                    self.socks.append(up)
+                self._spawn(self._responses, up, client, state)
+            if data[:4] in (b"GET ", b"POST", b"PUT ", b"DELE", b"HEAD", b"PATC"):
+                line = data.split(b"\r\n", 1)[0]
+                with self.lock:
+                    if data.startswith(b"GET ") and b"alt=media" in line and b"shard-" in line and self.cuts_left:
+                        self.cuts_left -= 1
+                        state["cut"] = True
+            up.sendall(data)
+        if up is None:
+            client.close()
+
+    def _responses(self, up: socket.socket, client: socket.socket, state: dict) -> None:
+        buf = b""
+        while data := self._recv(up):
+            if not state["cut"]:
+                try:
+                    client.sendall(data)
+                except OSError:  # the client went away
+                    break
+                continue
+            buf += data
+            head, sep, body = buf.partition(b"\r\n\r\n")
+            length = [int(v) for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:])
+                      if k.strip().lower() == b"content-length"] if sep else []
+            if body and (not length or len(body) >= length[0] // 2):  # a chunked body: half of what came
+                with __import__("contextlib").suppress(OSError):
+                    client.sendall(head + sep + body[:(length[0] if length else len(body)) // 2])
+                with self.lock:
+                    self.cut += 1
+                break
+        for s in (client, up):
+            with __import__("contextlib").suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    @staticmethod
+    def _recv(s: socket.socket) -> bytes:
+        try:
+            return s.recv(1 << 16)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        self.server.close()
+        with self.lock:
+            for s in self.socks:
+                with __import__("contextlib").suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        for t in self.threads:
+            t.join(5)
+
+
+# The reader, in a process of its own (its gcsfs client connects through the proxy from the start).
+READER = """
+import sys, numpy as np
+from xla_utils.data import CachedImageDataset
+from xla_utils.cache.storage import StorageError
+local, url, copy = sys.argv[1:4]
+a, b = CachedImageDataset(local), CachedImageDataset(url, local_cache=copy)
+try:
+    same = all(np.array_equal(a.image(i, i % 2), b.image(i, i % 2)) for i in range(len(a)))
+    print("SAME" if same else "DIFFERENT", b._remote.downloaded)
+except StorageError as e:
+    print("ERROR", e)
+"""
+
+
+def _no_partial_files(folder: Path, manifest: dict) -> None:
+    """Nothing half-written under a final name: no partial download left, every shard complete."""
+    crc = {s["file"]: s["crc32"] for s in manifest["shards"]}
+    for p in folder.iterdir():
+        assert ".part-" not in p.name and ".tmp" not in p.name, p.name
+        if p.name in crc:
+            assert zlib.crc32(p.read_bytes()) == crc[p.name], p.name
+
+
+@pytest.mark.timeout(300)
+def test_downloads_cut_mid_body_are_retried_to_exact_bytes(caches, tmp_path):
+    local, url = caches
+    proxy = CuttingProxy(os.environ["STORAGE_EMULATOR_HOST"], cuts=3)
+    try:
+        out = subprocess.run([sys.executable, "-c", READER, str(local), url, str(tmp_path / "copy")],
+                             capture_output=True, text=True, timeout=240,
+                             env={**os.environ, "STORAGE_EMULATOR_HOST": proxy.url})
+    finally:
+        proxy.close()
+    assert out.stdout.startswith("SAME 14"), out.stdout + out.stderr[-2000:]  # exact samples, each shard once
+    assert proxy.cut == 3
+    _no_partial_files(tmp_path / "copy", CachedImageDataset(local).manifest)
