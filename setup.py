@@ -25,6 +25,8 @@ setup(
     extras_require={
         "plot": ["matplotlib"],
         "demo": ["scikit-learn"],
+        "gcs": ["fsspec", "gcsfs"],  # caches in gs:// buckets (xla_utils.cache.storage)
+        "ray": ["ray"],  # build_cache(..., engine="ray")
         "test": [
             "pytest",
             "pytest-timeout",
@@ -37,6 +39,10 @@ setup(
             # tests/test_install.py builds the wheel offline (no build isolation)
             "setuptools>=61",
             "wheel",
+            "fsspec",
+            "gcsfs",
+            "gcp-storage-emulator",
+            "ray",
         ],
     },
     entry_points={"console_scripts": ["tpu_cache_ds=xla_utils.cli:main"]},

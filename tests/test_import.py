@@ -148,11 +148,17 @@ def test_library_never_imports_its_cli():
     assert offenders == []
 
 
-def test_cache_reader_imports_only_the_format():
+def test_cache_reader_imports_only_the_format_and_the_storage_room():
     graph = _graph(import_time_only=False)
+    reader = {"xla_utils.cache.format", "xla_utils.cache.storage", "xla_utils.cache.fetch", "xla_utils.cache.config"}
     cache_deps = {d for d in graph["xla_utils.data"] if d.startswith("xla_utils.cache")}
-    assert cache_deps == {"xla_utils.cache.format"}
+    assert cache_deps == reader
     assert {d for d in graph["xla_utils.cache.format"] if d.startswith("xla_utils")} == set()
+    # the reader's side of the cache never reaches the builder's
+    writer = {"xla_utils.cache.builder", "xla_utils.cache.worker", "xla_utils.cache.sources",
+              "xla_utils.cache.images", "xla_utils.cache.runners"}
+    for m in reader:
+        assert not {d for d in graph[m] if d in writer}, m
 
 
 def test_type_checking_imports_match_the_lazy_exports():

@@ -65,7 +65,7 @@ def test_every_block_is_covered():
     assert langs == ["", "bash", "python"], langs  # "" = sample output, not code
     bash = [code for lang, code in BLOCKS if lang == "bash"]
     python = [code for lang, code in BLOCKS if lang == "python"]
-    assert len(bash) == 3 and len(python) == 6, "a README block was added: run it in this file"
+    assert len(bash) == 4 and len(python) == 6, "a README block was added: run it in this file"
 
 
 def test_setup_commands_are_what_ci_and_the_demo_test_run():
@@ -82,7 +82,7 @@ def test_setup_commands_are_what_ci_and_the_demo_test_run():
 @pytest.mark.timeout(300)
 def test_tpu_cache_ds_commands(tmp_path):
     _image_folders(tmp_path)
-    code = _substitute(_block("bash", "tpu_cache_ds build"), {
+    code = _substitute(_block("bash", "tpu_cache_ds build train_images/ cache/train "), {
         "--size 224": "--size 32",
         "[--json]": "--json",
         "[--full]": "--full",
@@ -104,6 +104,26 @@ def test_tpu_cache_ds_commands(tmp_path):
 
     manifest = json.loads((tmp_path / "cache" / "train_csv" / "manifest.json").read_text())
     assert manifest["complete"]
+
+
+@pytest.mark.timeout(300)
+def test_cloud_storage_commands(tmp_path, gcs_emulator):
+    """The "Data in Cloud Storage" commands, against the GCS emulator (tests/conftest.py)."""
+    _image_folders(tmp_path)
+    url = gcs_emulator()
+    code = _substitute(_block("bash", "gs://my-bucket/cache/train --size"), {
+        "gs://my-bucket/cache/train": url,
+        "--size 224": "--size 32",
+    })
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    lines = [ln.split("#")[0].strip() for ln in code.splitlines() if ln.split("#")[0].strip()]
+    for cmd in lines:
+        p = subprocess.run(shlex.split(cmd), cwd=tmp_path, capture_output=True, text=True, env=env, timeout=240)
+        assert p.returncode == 0, (cmd, p.stdout[-2000:], p.stderr[-2000:])
+    assert len(lines) == 3
+    from xla_utils.data import CachedImageDataset
+
+    assert len(CachedImageDataset(url, local_cache=tmp_path / "copy")) == 18
 
 
 @pytest.mark.timeout(900)  # the whole competition loop on resnet18 (torch CPU backend)

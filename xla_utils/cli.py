@@ -2,6 +2,7 @@
 
     tpu_cache_ds build SRC OUT --size 224 --variants 4 [--codec raw|jpeg] [--shard-size 256MB]
                        [--workers N] [--labels FILE.csv | --unlabeled] [--strict] [--overwrite] [--dry-run]
+                       [--engine local|ray [--ray-address HOST:PORT]]      (OUT may be gs://bucket/prefix)
     tpu_cache_ds info OUT [--json]
     tpu_cache_ds verify OUT [--full]
     tpu_cache_ds preview OUT --out grid.png
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from typing import Any, Sequence
@@ -24,31 +24,21 @@ from typing import Any, Sequence
 from .cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_info, parse_size, read_manifest,
                     verify_cache)
 from .cache.builder import fmt_bytes
+from .cache.config import parse_bytes as _parse_bytes
+from .cache.storage import StorageError
 
 __all__ = ["main", "parse_bytes"]
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
 def parse_bytes(text: str) -> int:
-    """Parse a byte count.
-
-    Args:
-        text: a number with an optional unit: ``"256MiB"`` -> 268435456, ``"256MB"`` ->
-            256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096 (MB/GB decimal,
-            MiB/GiB binary).
-
-    Returns:
-        The number of bytes.
+    """Parse a byte count for argparse (:func:`xla_utils.cache.parse_bytes`).
 
     Raises:
         argparse.ArgumentTypeError: ``text`` is not such a size.
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256MiB, 256MB, 1G or 4096")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return _parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -72,9 +62,11 @@ def _add_build(sub: Any) -> None:
     d = CacheConfig()
     b = sub.add_parser("build", help="build or resume a cache from an image folder, a CSV or labels",
                        description="Build a cache; rerunning the same command resumes it.")
-    b.add_argument("src", metavar="SRC", help="image folder (one sub-folder per class; flat = unlabelled) "
+    b.add_argument("src", metavar="SRC", help="image folder or gs:// prefix (one sub-folder per class; "
+                   "flat = unlabelled) "
                    "or a CSV of path,label rows (multi-label: space-separated labels)")
-    b.add_argument("out", metavar="OUT", help="output directory")
+    b.add_argument("out", metavar="OUT", help="output directory, or a URL prefix such as gs://bucket/cache "
+                   "(pip install 'xla_utils[gcs]')")
     b.add_argument("--size", type=_size, default=d.size, help="output size, 224 or HxW (default 224)")
     b.add_argument("--variants", type=int, default=d.variants,
                    help="stored variants per image; >1 means random-resized crops (default 1: plain)")
@@ -84,6 +76,11 @@ def _add_build(sub: Any) -> None:
     b.add_argument("--shard-size", type=parse_bytes, default=d.shard_size,
                    help="target shard size, e.g. 256MiB, 1GB (MB/GB decimal, MiB/GiB binary; default 256MiB)")
     b.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    b.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local process pool (default) or one task per shard on a Ray cluster "
+                   "(pip install 'xla_utils[ray]'; same bytes)")
+    b.add_argument("--ray-address", metavar="HOST:PORT", default=None,
+                   help="the Ray cluster for --engine ray (default: RAY_ADDRESS, else a local Ray)")
     b.add_argument("--labels", metavar="FILE.csv", help="CSV of path,label rows with paths relative to SRC")
     b.add_argument("--unlabeled", action="store_true", help="a test set: cache every image of SRC (or the "
                    "file names in a CSV's first column, e.g. sample_submission.csv) without labels; "
@@ -162,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BuildError, BadImageError, FileNotFoundError, ValueError) as e:
+    except (BuildError, BadImageError, FileNotFoundError, ValueError, StorageError, ImportError) as e:
         print(f"tpu_cache_ds {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -178,7 +175,8 @@ def _cmd_build(a: argparse.Namespace) -> int:
                       quality=a.quality, shard_size=a.shard_size, resample=a.resample, small=a.small,
                       max_pixels=a.max_pixels, multilabel=a.multilabel)
     build_cache(a.src, a.out, cfg, labels=a.labels, classes=classes, workers=a.workers, strict=a.strict,
-                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet, unlabeled=a.unlabeled)
+                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet, unlabeled=a.unlabeled,
+                engine=a.engine, ray_address=a.ray_address)
     return 0
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 import io
 import math
 import os
+import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -31,13 +33,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .cache.fetch import ShardCache, default_local_cache
 from .cache.format import LABELS, read_jpeg_index, read_manifest
+from .cache.storage import Store, is_url, load_manifest
 
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "CachedImageDataset",
     "DistributedBatchSampler",
+    "ShardWindowSampler",
     "BatchIterable",
     "iterate_batches",
     "images_to_float",
@@ -69,12 +74,26 @@ class CachedImageDataset:
         epoch: the epoch whose variant ``ds[i]`` shows (see :meth:`set_epoch`).
     """
 
-    def __init__(self, path: str | os.PathLike, epoch: int = 0):
+    def __init__(self, path: str | os.PathLike, epoch: int = 0, *, local_cache: str | os.PathLike | None = None,
+                 max_local_bytes: int | str | None = None):
         """Open the cache in folder ``path`` (memory maps; nothing is read into RAM).
 
+        A URL (``gs://bucket/cache``; ``pip install 'xla_utils[gcs]'``) is read through a
+        bounded local copy: shards are downloaded whole, several at once and ahead of
+        use, into ``local_cache``, checked against the manifest's crc32 (a short or
+        corrupt download is fetched again; transient errors are retried with backoff),
+        and evicted when no longer needed once ``max_local_bytes`` is reached. While the
+        whole cache fits, samples and their order are exactly those of a local folder;
+        beyond it, :func:`iterate_batches` switches to a shard-aware shuffle
+        (:class:`ShardWindowSampler`).
+
         Args:
-            path: a complete cache folder.
+            path: a complete cache folder, or its URL.
             epoch: the initial :attr:`epoch`. Default 0.
+            local_cache: URLs only: the local folder for downloaded shards. Default: under
+                ``/kaggle/working``, ``/content`` or ``~/.cache/xla_utils`` (one folder per URL).
+            max_local_bytes: URLs only: most bytes kept in ``local_cache`` (an int or
+                ``"20GiB"``). Default: the whole cache, or 90% of the free disk if less.
 
         Raises:
             FileNotFoundError: ``path`` does not exist or holds no cache (the message
@@ -82,13 +101,26 @@ class CachedImageDataset:
             ValueError: the cache is incomplete or damaged (unreadable ``manifest.json``,
                 missing or cut-short shard / ``labels.npy``); the message names the file
                 and the fix.
+            ImportError: a URL whose protocol is not installed (the message names the package).
+            xla_utils.cache.storage.StorageError: a missing bucket or credentials (named
+                with the fix), before any device time.
         """
-        self.path = Path(path).expanduser().resolve()
+        self._remote_args = (local_cache, max_local_bytes)
+        self.path: Path | str = str(path).rstrip("/") if is_url(path) else Path(path).expanduser().resolve()
         self.epoch = epoch
         self._open()
 
+    @property
+    def is_remote(self) -> bool:
+        """The cache is read from a URL through a bounded local copy."""
+        return isinstance(self.path, str)
+
+    def _file(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
     def _open(self) -> None:
-        m = read_manifest(self.path)  # its errors name the path and the fix
+        self._remote: ShardCache | None = None
+        m = load_manifest(self.path) if self.is_remote else read_manifest(self.path)  # errors name the fix
         if not m["complete"]:
             raise ValueError(f"the cache in {self.path} is incomplete ({len(m['shards'])}/{m['num_shards']} "
                              "shards): rerun the same build command to finish it")
@@ -108,7 +140,10 @@ class CachedImageDataset:
         self.image_size: tuple[int, int] = tuple(m["image_size"])
         self.num_variants: int = int(m["num_variants"])
         self.codec: str = m["codec"]
-        labels = np.load(self.path / LABELS)
+        if self.is_remote:
+            labels = np.load(io.BytesIO(Store(self.path).read_bytes(LABELS)))
+        else:
+            labels = np.load(self.path / LABELS)
         self.labels = labels.astype(np.float32) if self.multilabel else labels.astype(np.int64)
         counts = np.array([s["num_images"] for s in m["shards"]], dtype=np.int64)
         self._n = int(counts.sum())
@@ -117,7 +152,7 @@ class CachedImageDataset:
                                           and bool((self.labels < 0).all())))
         self._ids: list[str] | None = None
         if len(self.labels) != self._n:
-            raise ValueError(f"{self.path / LABELS} has {len(self.labels)} labels for {self._n} images")
+            raise ValueError(f"{self._file(LABELS)} has {len(self.labels)} labels for {self._n} images")
         self._shard_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         self._local = np.arange(self._n, dtype=np.int64) - starts[self._shard_of]
@@ -129,31 +164,55 @@ class CachedImageDataset:
         # jpeg: per shard, (memory map, int64 offsets, images in the shard).
         self._slabs: list[list[np.ndarray | None]] = []
         self._jpeg: list[tuple[np.memmap, np.ndarray, int] | None] = []
-        for s in m["shards"]:
-            f = self.path / s["file"]
-            if s["num_images"] == 0:
-                self._jpeg.append(None)
-                self._slabs.append([None] * self.num_variants)
-            elif self.codec == "raw":
-                # plain ndarray views: indexing an np.memmap subclass costs more per sample
-                self._slabs.append(list(np.load(f, mmap_mode="r").view(np.ndarray)))
+        if self.is_remote:
+            self._remote = _open_remote(self.path, m, *self._remote_args, opener=self._open_shard)
+        else:
+            opened = [self._open_shard(self.path / s["file"]) if s["num_images"] else None for s in m["shards"]]
+            if self.codec == "raw":
+                self._slabs = [[o[v] if o is not None else None for o in opened] for v in range(self.num_variants)]
             else:
-                mm = np.memmap(f, dtype=np.uint8, mode="r")
-                try:
-                    offsets = read_jpeg_index(mm)
-                except ValueError as e:
-                    raise ValueError(f"{f}: {e}") from None
-                self._jpeg.append((mm, offsets, s["num_images"]))
-        self._slabs = [list(v) for v in zip(*self._slabs)] if self._slabs else []
+                self._jpeg = opened
         self._rings: dict[tuple, _Ring] = {}  # batch buffers reused by consecutive passes (see _ring_batches)
         self._rings_lock = threading.Lock()
 
+    def _open_shard(self, f: Path) -> Any:
+        """raw: the shard's per-variant ``uint8[n, H, W, 3]`` views; jpeg: (memory map, offsets, n)."""
+        if self.codec == "raw":
+            # plain ndarray views: indexing an np.memmap subclass costs more per sample
+            return list(np.load(f, mmap_mode="r").view(np.ndarray))
+        mm = np.memmap(f, dtype=np.uint8, mode="r")
+        try:
+            offsets = read_jpeg_index(mm)
+        except ValueError as e:
+            raise ValueError(f"{f}: {e}") from None
+        return mm, offsets, (len(offsets) - 1) // self.num_variants
+
     def __getstate__(self) -> dict[str, Any]:  # memory maps are reopened, not pickled
-        return {"path": self.path, "epoch": self.epoch}
+        return {"path": self.path, "epoch": self.epoch, "remote_args": self._remote_args}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path, self.epoch = state["path"], state["epoch"]
+        self._remote_args = state.get("remote_args", (None, None))
         self._open()
+
+    @property
+    def shard_aware(self) -> bool:
+        """A remote cache larger than ``max_local_bytes``: :func:`iterate_batches` shuffles
+        within windows of shards (see :class:`ShardWindowSampler`)."""
+        return self._remote is not None and not self._remote.fits
+
+    @property
+    def shards_per_window(self) -> int:
+        """Shards shuffled together by :class:`ShardWindowSampler`: half the local budget's
+        worth, so that the next window downloads while this one is read."""
+        if self._remote is None:
+            return len(self.manifest["shards"])
+        return max(1, self._remote.max_bytes // (2 * max(1, self._remote.biggest)))
+
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """``int64[N]``: the shard holding each image."""
+        return self._shard_of
 
     def __len__(self) -> int:
         return self._n
@@ -182,7 +241,7 @@ class CachedImageDataset:
                     "image ids: rebuild it (build_cache(..., overwrite=True) or tpu_cache_ds build "
                     "... --overwrite) to get CachedImageDataset.ids")
             if len(ids) != self._n:
-                raise ValueError(f"{self.path / 'manifest.json'} lists {len(ids)} ids for {self._n} images")
+                raise ValueError(f"{self._file('manifest.json')} lists {len(ids)} ids for {self._n} images")
             self._ids = ids
         return list(self._ids)
 
@@ -222,10 +281,22 @@ class CachedImageDataset:
         return out
 
     def _read(self, s: int, v: int, j: int, out: np.ndarray) -> None:
-        if self.codec == "raw":
+        if self._remote is not None:
+            shard = self._remote.acquire(s)
+            try:
+                self._read_from(shard, v, j, out)
+            finally:
+                self._remote.release(s)
+        elif self.codec == "raw":
             out[...] = self._slabs[v][s][j]
+        else:
+            self._read_from(self._jpeg[s], v, j, out)
+
+    def _read_from(self, shard: Any, v: int, j: int, out: np.ndarray) -> None:
+        if self.codec == "raw":
+            out[...] = shard[v][j]
             return
-        mm, offsets, n = self._jpeg[s]
+        mm, offsets, n = shard
         e = v * n + j
         with Image.open(io.BytesIO(mm[offsets[e]:offsets[e + 1]])) as im:
             out[...] = np.asarray(im)
@@ -250,6 +321,9 @@ class CachedImageDataset:
         if idx.size and (idx.min() < 0 or idx.max() >= self._n):
             raise IndexError(f"indices out of range for {self._n} images")
         v = self.variant(epoch)
+        if self._remote is not None:
+            self._load_remote(idx, v, out)
+            return
         shards, local = self._shard_of[idx].tolist(), self._local[idx].tolist()
         if self.codec == "raw":
             slabs = self._slabs[v]
@@ -258,6 +332,44 @@ class CachedImageDataset:
         else:
             for k, (s, j) in enumerate(zip(shards, local)):
                 self._read(s, v, j, out[k])
+
+
+    def _load_remote(self, idx: np.ndarray, v: int, out: np.ndarray) -> None:
+        """load_batch from the local copy: one shard held at a time, in the batch's shard order."""
+        shards = self._shard_of[idx]
+        for s in dict.fromkeys(shards.tolist()):
+            rows = np.flatnonzero(shards == s)
+            shard = self._remote.acquire(s)
+            try:
+                for k in rows.tolist():
+                    self._read_from(shard, v, int(self._local[idx[k]]), out[k])
+            finally:
+                self._remote.release(s)
+
+
+def _open_remote(url: str, m: dict[str, Any], local_cache: str | os.PathLike | None,
+                 max_local_bytes: int | str | None, opener: Any) -> ShardCache:
+    """The bounded local copy of the remote cache ``url`` (manifest ``m``)."""
+    from .cache.config import parse_bytes
+
+    folder = Path(local_cache).expanduser() if local_cache is not None else default_local_cache(url)
+    total = sum(s["bytes"] for s in m["shards"])
+    if max_local_bytes is None:
+        p = folder
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        budget = min(total, int(0.9 * (shutil.disk_usage(p).free + _folder_bytes(folder))))
+        if budget < total:
+            warnings.warn(f"{url} ({total:,} bytes) does not fit in {folder} (90% of its free disk: {budget:,} "
+                          "bytes): reading it with a shard-aware shuffle (see ShardWindowSampler); pass "
+                          "local_cache= on a bigger disk or max_local_bytes= to choose", stacklevel=3)
+    else:
+        budget = parse_bytes(max_local_bytes)
+    return ShardCache(Store(url), m, folder, budget, opener)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) if folder.is_dir() else 0
 
 
 class DistributedBatchSampler:
@@ -345,6 +457,51 @@ class DistributedBatchSampler:
             yield idx
 
 
+class ShardWindowSampler(DistributedBatchSampler):
+    """The shard-aware shuffle of a remote cache larger than its local budget.
+
+    Each epoch (seeded by ``(seed, epoch)``, identical on every rank) the shards are put
+    in a random order and cut into windows of ``shards_per_window``; the samples of
+    each window are permuted together and the windows follow one another. Cutting into
+    batches and ranks, ``drop_last`` and padding are those of
+    :class:`DistributedBatchSampler`. So every sample is seen once per epoch and only
+    one window (plus the next one, downloading) needs to be on the local disk.
+
+    Effect on randomness: a batch mixes samples of one window (or two at a boundary),
+    not of the whole cache. Shards hold consecutive source images, and a folder source
+    is ordered by class, so with few shards per window a batch sees few classes: give
+    ``max_local_bytes`` room for many shards (or build from a CSV in random order).
+    While the cache fits its budget this sampler is not used.
+
+    Args:
+        shard_ids: ``int64[N]``, the shard of each sample (``CachedImageDataset.shard_ids``).
+        shards_per_window: shards shuffled together (>= 1).
+        batch_size, world_size, rank, shuffle, seed, drop_last: as :class:`DistributedBatchSampler`.
+    """
+
+    def __init__(self, shard_ids: np.ndarray, shards_per_window: int, batch_size: int, world_size: int = 1,
+                 rank: int = 0, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+        super().__init__(len(shard_ids), batch_size, world_size, rank, shuffle, seed, drop_last)
+        self.shard_ids = np.asarray(shard_ids, dtype=np.int64)
+        self.shards_per_window = max(1, int(shards_per_window))
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The global sample order of ``epoch``: windows of shards, shuffled within each."""
+        if epoch < 0:
+            raise ValueError(f"epoch={epoch} must be >= 0")
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, int(epoch), 1])
+        by_shard = np.argsort(self.shard_ids, kind="stable")
+        shards, starts, counts = np.unique(self.shard_ids[by_shard], return_index=True, return_counts=True)
+        members = {int(sh): by_shard[a:a + c] for sh, a, c in zip(shards, starts, counts)}
+        perm = rng.permutation(shards)
+        w = self.shards_per_window
+        parts = [rng.permutation(np.concatenate([members[int(sh)] for sh in perm[k:k + w]]))
+                 for k in range(0, len(perm), w)]
+        return np.concatenate(parts).astype(np.int64)
+
+
 class BatchIterable:
     """One pass over ``(x, y, valid)`` batches; see :func:`iterate_batches`.
 
@@ -400,6 +557,27 @@ class _Ring:
                       for r in range(size)]
 
 
+class _Prefetch:
+    """Downloads ahead for one pass over a remote cache: called with each requested batch ``m``,
+    it starts the downloads of the shards this rank needs next, in order of first use, as far
+    as the local budget allows without evicting a shard needed by batches ``m .. m + R``."""
+
+    def __init__(self, ds: CachedImageDataset, batches: list[tuple[np.ndarray, np.ndarray]], R: int):
+        self.cache, self.R = ds._remote, R
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for k, (idx, _) in enumerate(batches):
+            for sh in np.unique(ds._shard_of[idx]).tolist():
+                first.setdefault(sh, k)
+                last[sh] = k
+        self.uses = sorted((f, last[sh], sh) for sh, f in first.items())
+
+    def __call__(self, m: int) -> None:
+        live = [(f, last, sh) for f, last, sh in self.uses if last >= m]
+        protect = {sh for f, _, sh in live if f <= m + self.R}
+        self.cache.prefetch([sh for _, _, sh in live], protect)
+
+
 def _take_ring(ds: CachedImageDataset, sampler: DistributedBatchSampler, size: int) -> _Ring:
     key = (sampler.rank, sampler.world_size, sampler.batch_size, size)
     with ds._rings_lock:
@@ -424,6 +602,7 @@ def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoc
     nb, R = len(batches), workers + 3
     ring = _take_ring(ds, sampler, R)
     base = ring.base
+    prefetch = _Prefetch(ds, batches, R) if ds._remote is not None else None
 
     def fill(k: int) -> None:
         idx, valid = batches[k]
@@ -463,6 +642,8 @@ def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoc
         t.start()
     try:
         for m in range(nb):
+            if prefetch is not None:
+                prefetch(m)
             with cond:
                 st["requested"] = m + 1
                 cond.notify_all()
@@ -491,7 +672,8 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
     """Batches ``(x, y, valid)`` of host tensors for one rank and one epoch.
 
     The sampler is :class:`DistributedBatchSampler` (equal full batches on every
-    rank; ``valid`` is ``bool[B]``, all True when ``drop_last=True``).
+    rank; ``valid`` is ``bool[B]``, all True when ``drop_last=True``), or
+    :class:`ShardWindowSampler` for a remote cache larger than its ``max_local_bytes``.
 
     * :class:`CachedImageDataset`: ``x`` is ``uint8[B, H, W, 3]``, ``y`` is
       ``int64[B]`` or ``float32[B, C]``, filled by ``num_workers`` background
@@ -512,7 +694,11 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
     Returns:
         A :class:`BatchIterable`: each iteration is one pass; ``len()`` is its batch count.
     """
-    sampler = DistributedBatchSampler(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
+    if isinstance(dataset, CachedImageDataset) and dataset.shard_aware:
+        sampler = ShardWindowSampler(dataset.shard_ids, dataset.shards_per_window, batch_size, world_size, rank,
+                                     shuffle, seed, drop_last)
+    else:
+        sampler = DistributedBatchSampler(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
     return BatchIterable(dataset, sampler, epoch, num_workers)
 
 

@@ -19,26 +19,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fnmatch
 import io
 import math
-import multiprocessing as mp
 import os
-import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..progress import update_bar
 from .config import CacheConfig
-from .errors import BadImageError, BuildError, Cancelled, describe
-from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text, read_manifest
+from .errors import BuildError
+from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text
 from .sources import Source, resolve_source
-from .worker import atomic_write, build_shard, init_worker, pilot_item
+from .space import check_space, disk_full, estimate_bytes, fmt_bytes, is_disk_full
+from .storage import LockedError, Store, load_manifest
+from .runners import ENGINES, mp_context, run_shards
+from .worker import init_worker, pilot_item
 
 __all__ = ["BuildReport", "DryRunEstimate", "build_cache", "fmt_bytes"]
 
@@ -125,28 +124,23 @@ def _default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _mp_context():
-    # fork works from notebooks and with datasets defined in __main__; workers only
-    # use PIL/numpy, so forking a parent that has torch threads is safe here.
-    if sys.platform == "linux" and "fork" in mp.get_all_start_methods():
-        return mp.get_context("fork")
-    return mp.get_context("spawn")
-
-
 def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None = None, *,
                 labels: str | os.PathLike | None = None, classes: Sequence[str] | None = None,
                 workers: int | None = None, strict: bool = False, overwrite: bool = False,
-                dry_run: bool = False, verbose: bool = True, unlabeled: bool = False,
-                **config_fields: Any) -> BuildReport | DryRunEstimate:
+                dry_run: bool = False, verbose: bool = True, unlabeled: bool = False, engine: str = "local",
+                ray_address: str | None = None, **config_fields: Any) -> BuildReport | DryRunEstimate:
     """Build (or resume) a sharded uint8 image cache in ``out``.
 
     Args:
-        source: an image folder (one sub-folder per class; a flat folder is cached
+        source: an image folder or a URL prefix such as ``gs://bucket/images`` (one
+            sub-folder per class; a flat folder is cached
             unlabelled), a CSV of ``path,label`` rows (multi-label: space-separated
             labels; paths relative to the CSV's folder), or any map-style dataset
             returning ``(PIL image | HWC uint8 array | file path, label)`` where label
             is an int or a multi-hot vector.
-        out: output directory (created). Rerunning the same build resumes it (finished
+        out: output directory (created), or a URL prefix such as ``gs://bucket/cache``
+            (needs ``pip install 'xla_utils[gcs]'``; see :mod:`xla_utils.cache.storage`).
+            Rerunning the same build resumes it (finished
             shards are kept); a different config or source (relative paths, file sizes,
             labels) raises :class:`BuildError` unless ``overwrite``.
         config: a :class:`CacheConfig`; keyword arguments (``size=224, variants=4``...)
@@ -155,6 +149,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         classes: fix the class list (e.g. a validation set reusing the training
             cache's ``classes``); items with other labels are skipped.
         workers: processes (default: all cores). Each holds about one shard in memory.
+            Local engine only.
         strict: stop at the first bad image with :class:`BadImageError` naming it
             (finished shards are kept); default skips and lists bad images.
         overwrite: replace an existing cache in ``out`` (only cache files are removed).
@@ -169,36 +164,45 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             ``sample_submission.csv``; other columns are ignored), with no labels. A
             flat folder without ``labels=`` is also cached unlabelled, but the summary
             then warns and says how to add labels; training refuses unlabelled caches.
+        engine: ``"local"`` (a process pool, default) or ``"ray"``: one task per shard on a
+            Ray cluster (``pip install 'xla_utils[ray]'``); the same bytes as a local build.
+            Every node must reach ``source`` and ``out`` (use ``gs://`` for ``out`` on a
+            real cluster); see :mod:`xla_utils.cache.runners`.
+        ray_address: the cluster's ``HOST:PORT`` for ``engine="ray"``. Default: Ray's own
+            ``RAY_ADDRESS``, else a local Ray (or the one this process already joined).
 
     Every cache records each image's id (``CachedImageDataset.ids``): its path
     relative to ``source`` (folders), the CSV's first-column value as written, or
     the index as a string (datasets).
     """
     cfg = dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
     workers = workers or _default_workers()
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
+    out = Store(out)  # a URL whose protocol is not installed: ImportError naming the package
     src = resolve_source(source, labels, cfg, classes, unlabeled)
     if src.num_items == 0:
         raise BuildError(f"no images found in {src.description}")
-    out = Path(out).expanduser().resolve()
+    out.check()  # a missing bucket or credentials: named now, before any work
     if dry_run:
         return _dry_run(src, cfg, out, workers, verbose)
-    if not overwrite and out.is_dir():
+    if not overwrite:
         # A finished identical build needs no lock and no write (read-only mounts).
         t0 = time.perf_counter()
         state, old = _existing_state(out, src, cfg)
         if state == "complete":
             return _labels_note(_complete_report(out, old, t0, verbose), src, unlabeled, verbose)
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir()
     except OSError as e:
         err = _write_error(out, e, src, cfg)
         if err is None:
             raise
         raise err from e
     with _locked(out, src, cfg):
-        report = _build(src, cfg, out, workers, strict, overwrite, verbose)
+        report = _build(src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address)
     return _labels_note(report, src, unlabeled, verbose)
 
 
@@ -224,13 +228,13 @@ def _unlabeled_note(src: Source, intended: bool) -> str:
 _READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def _write_error(out: Path, e: OSError, src: Source, cfg: CacheConfig) -> BuildError | None:
+def _write_error(out: Store, e: OSError, src: Source, cfg: CacheConfig) -> BuildError | None:
     """A clear :class:`BuildError` for an output folder we may not write to (None for other errors)."""
-    if e.errno not in _READ_ONLY_ERRNOS:
+    if e.errno not in _READ_ONLY_ERRNOS or out.is_url:
         return None
     there = ""
     with contextlib.suppress(OSError):  # the folder may not even be listable
-        state, old = _existing_state(out, src, cfg) if out.is_dir() else ("empty", None)
+        state, old = _existing_state(out, src, cfg)
         if state == "compatible":
             there = " It holds an unfinished (or damaged) build of this cache, which cannot be finished here."
         elif state == "different" and old is not None:
@@ -245,8 +249,15 @@ def _write_error(out: Path, e: OSError, src: Source, cfg: CacheConfig) -> BuildE
 
 
 @contextlib.contextmanager
-def _locked(out: Path, src: Source, cfg: CacheConfig):
-    lock_path = out / ".lock"
+def _locked(out: Store, src: Source, cfg: CacheConfig):
+    if out.is_url:
+        try:
+            with out.lock():
+                yield
+        except LockedError as e:
+            raise BuildError(str(e)) from None
+        return
+    lock_path = out.local(".lock")
     try:
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
     except OSError as e:
@@ -299,32 +310,31 @@ def _new_manifest(src: Source, cfg: CacheConfig, per_shard: int) -> dict[str, An
     }
 
 
-def _cache_files(out: Path) -> list[Path]:
-    pats = ("shard-*.npy", "shard-*.jpgs", "shard-*.tmp-*", MANIFEST, MANIFEST + ".tmp", LABELS, LABELS + ".tmp-*")
-    return sorted({p for pat in pats for p in out.glob(pat)})
+def _cache_files(names: Sequence[str]) -> list[str]:
+    pats = ("shard-*.npy", "shard-*.jpgs", "shard-*.tmp-*", MANIFEST, MANIFEST + ".tmp*", LABELS, LABELS + ".tmp-*")
+    return sorted({n for pat in pats for n in fnmatch.filter(names, pat)})
 
 
-def _existing_state(out: Path, src: Source, cfg: CacheConfig) -> tuple[str, dict[str, Any] | None]:
+def _existing_state(out: Store, src: Source, cfg: CacheConfig) -> tuple[str, dict[str, Any] | None]:
     """('empty'|'compatible'|'complete'|'foreign'|'broken'|'different', manifest or None).
 
     'complete' also needs every shard and the labels file present at their recorded
     sizes; a complete manifest with a lost file is 'compatible' (a rerun rebuilds it).
     Reads only.
     """
-    mpath = out / MANIFEST
-    if not mpath.exists():
-        others = [p for p in out.iterdir() if not p.name.startswith(".")] if out.is_dir() else []
+    sizes = out.sizes()
+    if MANIFEST not in sizes:
+        others = [n for n in sizes if not n.startswith(".")]
         return ("foreign" if others else "empty"), None
     try:
-        m = read_manifest(out)
+        m = load_manifest(out)
     except (ValueError, OSError):
         return "broken", None
     if m["config_fingerprint"] != cfg.fingerprint() or m["source"]["fingerprint"] != src.fingerprint:
         return "different", m
     if not m["complete"]:
         return "compatible", m
-    intact = (out / LABELS).is_file() and all(
-        (out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["bytes"] for s in m["shards"])
+    intact = sizes.get(LABELS, -1) >= 0 and all(sizes.get(s["file"]) == s["bytes"] for s in m["shards"])
     return ("complete" if intact else "compatible"), m
 
 
@@ -338,8 +348,8 @@ def _difference(m: dict[str, Any], src: Source, cfg: CacheConfig) -> str:
     return "; ".join(diffs) or "format details differ"
 
 
-def _build(src: Source, cfg: CacheConfig, out: Path, workers: int, strict: bool, overwrite: bool,
-           verbose: bool) -> BuildReport:
+def _build(src: Source, cfg: CacheConfig, out: Store, workers: int, strict: bool, overwrite: bool,
+           verbose: bool, engine: str = "local", ray_address: str | None = None) -> BuildReport:
     t0 = time.perf_counter()
     state, old = _existing_state(out, src, cfg)
     if state in ("foreign", "broken", "different") and not overwrite:
@@ -347,19 +357,20 @@ def _build(src: Source, cfg: CacheConfig, out: Path, workers: int, strict: bool,
             raise BuildError(f"{out} is not empty and holds no cache manifest: choose an empty "
                              "directory or pass overwrite=True (--overwrite)")
         if state == "broken":
-            raise BuildError(f"{out / MANIFEST} is unreadable (damaged or cut short): pass overwrite=True "
+            raise BuildError(f"{out.path(MANIFEST)} is unreadable (damaged or cut short): pass overwrite=True "
                              "(--overwrite) to rebuild the cache from scratch")
         raise BuildError(f"{out} holds a cache built with a different config or source "
                          f"({_difference(old, src, cfg)}); pass overwrite=True (--overwrite) to "
                          "replace it or choose another output directory")
+    entries = out.entries()
     if overwrite:
-        for p in _cache_files(out):
-            p.unlink()
+        for name in _cache_files(list(entries)):
+            out.remove(name)
         old = None
     elif state == "complete":  # finished by another process since build_cache looked
         return _complete_report(out, old, t0, verbose)
-    for p in out.glob("*.tmp-*"):  # leftovers of a killed run (we hold the lock)
-        p.unlink()
+    for name in fnmatch.filter(entries, "*.tmp-*"):  # leftovers of a killed run (we hold the lock)
+        out.remove(name)
 
     per_shard = cfg.images_per_shard(src.num_items)
     manifest = _new_manifest(src, cfg, per_shard)
@@ -367,8 +378,7 @@ def _build(src: Source, cfg: CacheConfig, out: Path, workers: int, strict: bool,
     done: dict[int, dict[str, Any]] = {}
     if old is not None:
         for s in old["shards"]:
-            p = out / s["file"]
-            if p.is_file() and p.stat().st_size == s["bytes"]:
+            if _intact(entries.get(s["file"]), s):
                 done[s["index"]] = s
         keep = lambda e: any(  # noqa: E731
             s["first_source"] <= e["source_index"] < s["first_source"] + s["num_sources"]
@@ -390,19 +400,43 @@ def _build(src: Source, cfg: CacheConfig, out: Path, workers: int, strict: bool,
         manifest["upscaled"].sort(key=lambda e: e["source_index"])
         _write_manifest(out, manifest)
 
-    if todo:
+    if not out.is_url:  # refuse before writing what cannot fit (one line naming both numbers)
+        check_space(str(out), out.free_bytes(), cfg, sources_built, len(todo))
+    try:
+        if todo:
+            save()
+            run_shards(engine, src, cfg, out, todo, per_shard, sources_built, min(workers, len(todo)), strict,
+                       verbose, record, save, ray_address)
+        _finish(out, manifest, done, src)
         save()
-        _run_pool(src, cfg, out, todo, per_shard, sources_built, min(workers, len(todo)), strict,
-                  verbose, record, save)
-    _finish(out, manifest, done, src)
-    save()
+    except Exception as e:
+        if not (is_disk_full(e) or is_disk_full(e.__cause__)):
+            raise
+        _remove_temporaries(out)
+        left = [k for k in range(num_shards) if k not in done]
+        items = sum(min(src.num_items, (k + 1) * per_shard) - k * per_shard for k in left)
+        raise disk_full(str(out), len(done), num_shards, estimate_bytes(cfg, items, len(left))) from None
     report = _report(out, manifest, reused, sources_built, time.perf_counter() - t0)
     if verbose:
         print(_summary(report, manifest))
     return report
 
 
-def _complete_report(out: Path, manifest: dict[str, Any], t0: float, verbose: bool) -> BuildReport:
+def _remove_temporaries(out: Store) -> None:
+    """Delete the ``*.tmp-*`` files of this build (we hold the lock)."""
+    for name in fnmatch.filter(out.listdir(), "*.tmp-*"):
+        with contextlib.suppress(OSError):
+            out.remove(name)
+
+
+def _intact(entry: dict[str, Any] | None, shard: dict[str, Any]) -> bool:
+    """Whether a listed file matches its manifest entry: size, and the store's crc32c where recorded."""
+    if entry is None or entry["size"] != shard["bytes"]:
+        return False
+    return shard.get("crc32c") is None or entry.get("crc32c") == shard["crc32c"]
+
+
+def _complete_report(out: Store, manifest: dict[str, Any], t0: float, verbose: bool) -> BuildReport:
     """Report of a rerun that found the identical cache complete (writes nothing)."""
     report = _report(out, manifest, manifest["num_shards"], 0, time.perf_counter() - t0)
     if verbose:
@@ -410,75 +444,7 @@ def _complete_report(out: Path, manifest: dict[str, Any], t0: float, verbose: bo
     return report
 
 
-def _run_pool(src: Source, cfg: CacheConfig, out: Path, todo: list[int], per_shard: int, total: int,
-              workers: int, strict: bool, verbose: bool, record: Callable[[dict[str, Any]], None],
-              save: Callable[[], None]) -> None:
-    """Build shards ``todo`` on ``workers`` processes, recording each one as it finishes.
-
-    ``stop_at`` (shared) is the first source index that no longer needs building: a
-    strict worker that meets a bad item lowers it to that item's index, so the others
-    stop after the items before it (one of which may be an earlier bad file) and
-    unstarted shards, later in source order, are cancelled. Once every task has
-    ended, the bad item with the smallest index is raised: the same file whatever
-    the worker count and timing. Any other stop sets ``stop_at`` to -1.
-    """
-    ctx = _mp_context()
-    counter, stop_at = ctx.Value("q", 0), ctx.Value("q", src.num_items)
-    bar = update_bar(total) if verbose else None
-    t_start = time.perf_counter()
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
-                             initargs=(src, cfg, str(out), strict, counter, stop_at))
-    shard_of = {ex.submit(build_shard, k, k * per_shard, min(src.num_items, (k + 1) * per_shard)): k
-                for k in todo}
-    pending = set(shard_of)
-    recorded: set[Any] = set()
-    bad: list[BadImageError] = []
-    try:
-        while pending:
-            finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-            for f in sorted(finished, key=shard_of.__getitem__):
-                if f.cancelled():
-                    continue
-                try:
-                    record(f.result())
-                    recorded.add(f)
-                except Cancelled:
-                    pass
-                except BadImageError as e:
-                    bad.append(e)
-                    for p in pending:
-                        p.cancel()
-                except BrokenProcessPool as e:
-                    raise BuildError("a worker process died (out of memory? each worker holds about one "
-                                     "shard: try fewer workers or a smaller shard size); finished shards "
-                                     "are kept, rerun to resume") from e
-                except Exception as e:
-                    raise BuildError(f"building shard {shard_of[f]} failed: {describe(e)}; finished shards "
-                                     "are kept, rerun to resume") from e
-            if finished:
-                save()
-            if bar is not None:
-                n = counter.value
-                rate = n / max(1e-9, time.perf_counter() - t_start)
-                bar.comment = f"{rate:,.1f} images/s"
-                bar.update(min(n, total))
-    except BaseException:
-        with stop_at.get_lock():
-            stop_at.value = -1
-        for f in pending:
-            f.cancel()
-        ex.shutdown(wait=True)
-        for f in shard_of:  # keep every shard that did finish, also while we were stopping
-            if f not in recorded and not f.cancelled() and f.exception() is None:
-                record(f.result())
-        save()
-        raise
-    ex.shutdown(wait=True)
-    if bad:
-        raise min(bad, key=lambda e: e.index)
-
-
-def _finish(out: Path, manifest: dict[str, Any], done: dict[int, dict[str, Any]], src: Source) -> None:
+def _finish(out: Store, manifest: dict[str, Any], done: dict[int, dict[str, Any]], src: Source) -> None:
     """Labels file, class list, counts; then the manifest can say complete."""
     labels = [lab for k in sorted(done) for lab in done[k]["labels"]]
     n = len(labels)
@@ -498,37 +464,31 @@ def _finish(out: Path, manifest: dict[str, Any], done: dict[int, dict[str, Any]]
                          + "; ".join(f"{e['path']}: {e['reason']}" for e in manifest["skipped"][:3]))
     buf = io.BytesIO()
     np.save(buf, arr)
-    atomic_write(out / LABELS, [buf.getvalue()])
+    out.write(LABELS, [buf.getvalue()])
     manifest.update(classes=classes, num_images=n, complete=True)
 
 
-def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    atomic_write(out / MANIFEST, [manifest_text(manifest).encode()])
+def _write_manifest(out: Store, manifest: dict[str, Any]) -> None:
+    out.write(MANIFEST, [manifest_text(manifest).encode()])
+    if out.is_url:
+        return
     with contextlib.suppress(OSError, AttributeError):  # persist the renames
-        fd = os.open(out, os.O_RDONLY)
+        fd = os.open(out.local(), os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
 
-def _report(out: Path, manifest: dict[str, Any], reused: int, sources_built: int,
+def _report(out: Store, manifest: dict[str, Any], reused: int, sources_built: int,
             seconds: float) -> BuildReport:
-    files = [out / MANIFEST, out / LABELS] + [out / s["file"] for s in manifest["shards"]]
+    files = [MANIFEST, LABELS] + [s["file"] for s in manifest["shards"]]
+    sizes = out.sizes()
     return BuildReport(
         path=str(out), num_sources=manifest["source"]["num_items"], num_images=manifest["num_images"],
         num_shards=manifest["num_shards"], shards_built=manifest["num_shards"] - reused,
-        shards_reused=reused, sources_built=sources_built, bytes=sum(f.stat().st_size for f in files),
+        shards_reused=reused, sources_built=sources_built, bytes=sum(max(0, sizes.get(f, 0)) for f in files),
         files=len(files), seconds=seconds, skipped=manifest["skipped"], upscaled=manifest["upscaled"])
-
-
-def fmt_bytes(n: float) -> str:
-    """``n`` bytes in words: ``"512 B"``, ``"1.50 MiB"`` (binary units up to TiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _summary(r: BuildReport, m: dict[str, Any]) -> str:
@@ -552,12 +512,12 @@ def _summary(r: BuildReport, m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _dry_run(src: Source, cfg: CacheConfig, out: Path, workers: int, verbose: bool) -> DryRunEstimate:
+def _dry_run(src: Source, cfg: CacheConfig, out: Store, workers: int, verbose: bool) -> DryRunEstimate:
     n_pilot = min(src.num_items, 32)
     idx = sorted({int(round(x)) for x in np.linspace(0, src.num_items - 1, n_pilot)})
-    ctx = _mp_context()
+    ctx = mp_context()
     with ProcessPoolExecutor(min(workers, len(idx)), mp_context=ctx, initializer=init_worker,
-                             initargs=(src, cfg, str(out), False, ctx.Value("q", 0),
+                             initargs=(src, cfg, out, False, ctx.Value("q", 0),
                                        ctx.Value("q", src.num_items))) as ex:
         results = list(ex.map(pilot_item, idx))
     ok = [sizes for _, sizes in results if not isinstance(sizes, str)]
@@ -566,7 +526,7 @@ def _dry_run(src: Source, cfg: CacheConfig, out: Path, workers: int, verbose: bo
     per_image = float(np.mean([sum(s) for s in ok])) if ok else 0.0
     per_shard = cfg.images_per_shard(src.num_items)
     num_shards = math.ceil(src.num_items / per_shard)
-    state = _existing_state(out, src, cfg)[0] if out.is_dir() else "empty"
+    state = _existing_state(out, src, cfg)[0]
     est = DryRunEstimate(
         num_sources=src.num_items, num_shards=num_shards, images_per_shard=per_shard,
         estimated_bytes=int(per_image * good_frac * src.num_items + num_shards * 128),

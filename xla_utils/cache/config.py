@@ -5,12 +5,13 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["CacheConfig", "parse_size", "RESAMPLE_FILTERS"]
+__all__ = ["CacheConfig", "parse_size", "parse_bytes", "RESAMPLE_FILTERS"]
 
 # Small data sets still get this many shards so that every core has work.
 MIN_SHARDS = 16
@@ -44,7 +45,8 @@ class CacheConfig:
         codec: ``"raw"`` (uint8 pixels, fastest to load, default) or ``"jpeg"``
             (about 8-10x smaller, to ship a cache as a Kaggle data set).
         quality: JPEG quality for ``codec="jpeg"`` (4:2:0 chroma). Default 90.
-        shard_size: target shard size in bytes. Default 256 MiB.
+        shard_size: target shard size in bytes, or the command line's notation
+            (``"256MiB"``, ``"1GB"``; see :func:`parse_bytes`). Default 256 MiB.
         resample: ``"bilinear"`` (torchvision's default, default), ``"bicubic"`` or
             ``"lanczos"``; downscaling is always antialiased.
         small: images smaller than ``size``: ``"upscale"`` (default; listed in the
@@ -67,7 +69,7 @@ class CacheConfig:
     seed: int = 0
     codec: str = "raw"
     quality: int = 90
-    shard_size: int = 256 * 2**20
+    shard_size: int | str = 256 * 2**20
     resample: str = "bilinear"
     small: str = "upscale"
     max_pixels: int = 89_478_485
@@ -77,6 +79,8 @@ class CacheConfig:
         h, w = parse_size(self.size)
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("size", (h, w))
+        if isinstance(self.shard_size, str):
+            set_("shard_size", parse_bytes(self.shard_size))
         set_("scale", tuple(float(x) for x in self.scale))
         set_("ratio", tuple(float(x) for x in self.ratio))
         if self.augment is None:
@@ -162,3 +166,29 @@ def parse_size(size: int | str | Sequence[int]) -> tuple[int, int]:
     if h < 1 or w < 1:
         raise ValueError(f"size must be positive, got {size!r}")
     return h, w
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte count (the notation of ``--shard-size`` and ``max_local_bytes``).
+
+    Args:
+        text: an int, or a number with an optional unit: ``"256MiB"`` -> 268435456,
+            ``"256MB"`` -> 256000000, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096
+            (MB/GB decimal, MiB/GiB binary).
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        ValueError: ``text`` is not such a size.
+    """
+    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size such as 256MiB, 256MB, 1G or 4096")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

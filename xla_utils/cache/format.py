@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "LABELS", "JPEG_MAGIC", "shard_name", "npy_header",
-           "jpeg_shard_chunks", "read_jpeg_index", "manifest_text", "read_manifest"]
+           "jpeg_shard_chunks", "read_jpeg_index", "manifest_text", "read_manifest", "parse_manifest"]
 
 FORMAT = "xla_utils-image-cache"
 FORMAT_VERSION = 1
@@ -135,22 +135,32 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         mpath = p
     else:
         raise FileNotFoundError(f"{p} does not exist" + _nearest_parent(p) + _how_to_build(p))
-    fix = (f"the cache in {mpath.parent} is damaged or was copied incompletely: rebuild it with the same "
+    with open(mpath, "rb") as f:
+        return parse_manifest(f.read(), str(mpath))
+
+
+def parse_manifest(data: bytes | str, where: str) -> dict[str, Any]:
+    """Parse and check the text of a ``manifest.json`` read from ``where`` (a path or URL).
+
+    Raises:
+        ValueError: as :func:`read_manifest`; the message names ``where`` and the fix.
+    """
+    folder = where.rsplit("/", 1)[0] if "/" in where else "."
+    fix = (f"the cache in {folder} is damaged or was copied incompletely: rebuild it with the same "
            "build command plus overwrite=True (--overwrite), or copy it again; `tpu_cache_ds verify "
-           f"{mpath.parent}` checks the other files")
+           f"{folder}` checks the other files")
     try:
-        with open(mpath, encoding="utf-8") as f:
-            m = json.load(f)
+        m = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{mpath} is not valid JSON ({e}): {fix}") from None
+        raise ValueError(f"{where} is not valid JSON ({e}): {fix}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ValueError(f"{mpath} is not an xla_utils image cache manifest (no \"format\": \"{FORMAT}\")")
+        raise ValueError(f"{where} is not an xla_utils image cache manifest (no \"format\": \"{FORMAT}\")")
     if m.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{mpath} has format version {m['format_version']}; this xla_utils reads up to "
+        raise ValueError(f"{where} has format version {m['format_version']}; this xla_utils reads up to "
                          f"{FORMAT_VERSION}: upgrade xla_utils")
     missing = [k for k in MANIFEST_KEYS if k not in m]
     if missing:
-        raise ValueError(f"{mpath} lacks {', '.join(missing)}: {fix}")
+        raise ValueError(f"{where} lacks {', '.join(missing)}: {fix}")
     return m
 
 

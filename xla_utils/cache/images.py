@@ -32,7 +32,7 @@ def decode_source(item: Any, config: CacheConfig) -> tuple[Image.Image, tuple[in
     size (PIL ``draft``) that still covers the smallest crop the config can take.
 
     Args:
-        item: a file path, a PIL image, or an HWC (or CHW) ``uint8``/``uint16`` array.
+        item: a file path, an open binary file, a PIL image, or an HWC (or CHW) ``uint8``/``uint16`` array.
         config: the cache config (its ``size``, ``augment``, ``scale`` and
             ``max_pixels`` matter here).
 
@@ -45,7 +45,7 @@ def decode_source(item: Any, config: CacheConfig) -> tuple[Image.Image, tuple[in
             pixels than ``config.max_pixels``); the builder records or raises it as a
             :class:`~xla_utils.cache.BadImageError`.
     """
-    if isinstance(item, (str, os.PathLike)):
+    if isinstance(item, (str, os.PathLike)) or hasattr(item, "read"):
         with Image.open(item) as img:  # leaving the block closes the file, not the pixels
             return _prepare(img, config)
     if isinstance(item, Image.Image):

@@ -1,5 +1,8 @@
 """Sources of a cache build: an image folder, a CSV of file names and labels, or a dataset.
 
+A folder may also be a URL prefix (``gs://bucket/images``, same layouts), and a CSV may
+list URLs; their objects are read through :mod:`xla_utils.cache.storage`.
+
 :func:`resolve_source` turns what the user passed into a :class:`Source`: the item
 count, labels, class list and a fingerprint (a rerun resumes only the same source).
 :func:`load_item` decodes one item (in a worker process).
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -20,6 +24,7 @@ from PIL import Image
 from .config import CacheConfig
 from .errors import BuildError
 from .images import decode_source
+from .storage import filesystem, is_url, retry
 
 __all__ = ["IMAGE_EXTENSIONS", "Source", "resolve_source", "load_item"]
 
@@ -76,6 +81,11 @@ def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: Cache
     if unlabeled and labels_csv is not None:
         raise BuildError("unlabeled=True (--unlabeled) and labels= (--labels) contradict each other: "
                          "pass the test set's CSV of file names as the source instead")
+    if is_url(source):
+        if labels_csv is not None:
+            raise BuildError(f"labels= (--labels) with a URL source ({source}): put the CSV's rows as full URLs "
+                             "in a local CSV and pass that CSV as the source")
+        return _url_folder_source(str(source).rstrip("/"), classes, unlabeled)
     if isinstance(source, (str, os.PathLike)):
         p = Path(source).expanduser().resolve()
         if labels_csv is not None:
@@ -147,6 +157,56 @@ def _folder_source(root: Path, classes: Sequence[str] | None, unlabeled: bool = 
     return _finish_file_source(src)
 
 
+def _walk_key(rel: str) -> list[tuple[int, str]]:
+    """Sort key putting relative paths in :func:`_walk_files` order (a folder's files, then its sub-folders)."""
+    parts = rel.split("/")
+    return [(1, d) for d in parts[:-1]] + [(0, parts[-1])]
+
+
+def _url_folder_source(url: str, classes: Sequence[str] | None, unlabeled: bool = False) -> Source:
+    """A folder source whose folder is a URL prefix: the same layouts, ids and order as a local folder."""
+    fs, key = filesystem(url)
+    try:
+        found = retry(lambda: fs.find(key, detail=True), f"listing {url}")
+    except FileNotFoundError:
+        found = {}
+    files = {}
+    for path, info in found.items():
+        rel = path[len(key):].lstrip("/")
+        if info.get("type") != "directory" and rel and not any(c.startswith(".") for c in rel.split("/")):
+            files[rel] = int(info.get("size") or 0)
+    if not files:
+        raise BuildError(f"no objects under {url}: check the URL (`gcloud storage ls {url}`) and the credentials")
+    rels = sorted(files, key=_walk_key)
+    subdirs = sorted({r.split("/")[0] for r in rels if "/" in r})
+    src = Source(kind="folder", description=url, num_items=0, paths=[], names=[], labels=[])
+    if unlabeled or not subdirs:  # every image (unlabeled=True) or the top-level ones (a flat prefix)
+        src.classes, src.unlabeled = (list(classes) if classes is not None else []), True
+        chosen = [(r, -1, None) for r in rels if unlabeled or "/" not in r]
+    else:  # one sub-folder per class
+        src.classes = list(classes) if classes is not None else subdirs
+        index = {c: i for i, c in enumerate(src.classes)}
+        chosen = []
+        for r in rels:
+            if "/" not in r:
+                continue
+            d = r.split("/")[0]
+            err = None if d in index else f"class folder {d!r} is not in the given classes"
+            chosen.append((r, index.get(d, -1), err))
+        src.ignored = [r for r in rels if "/" not in r]
+    for r, label, error in chosen:
+        if not _is_image_name(r):
+            src.ignored.append(r)
+            continue
+        if error:
+            src.errors[len(src.paths)] = error
+        src.paths.append(f"{url}/{r}")
+        src.names.append(r)
+        src.labels.append(label)
+    sizes = {f"{url}/{r}": n for r, n in files.items()}
+    return _finish_file_source(src, sizes)
+
+
 def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[str] | None,
                 unlabeled: bool = False) -> Source:
     if not csv_path.is_file():
@@ -208,7 +268,16 @@ _HEADER_NAMES = {"path", "paths", "file", "filename", "file_name", "filepath", "
                  "image_id", "image_name", "img", "id", "name"}
 
 
-def _csv_path(root: Path, rel: str) -> Path:
+class _Url(str):
+    """A CSV cell that is a URL: taken as it is, not checked here (its read fails per item)."""
+
+    def exists(self) -> bool:
+        return True
+
+
+def _csv_path(root: Path, rel: str) -> Path | _Url:
+    if is_url(rel):
+        return _Url(rel)
     p = root / rel
     if not p.exists() and not p.suffix:  # CSVs often list ids without the extension
         for ext in (".jpg", ".png", ".jpeg"):
@@ -217,13 +286,13 @@ def _csv_path(root: Path, rel: str) -> Path:
     return p
 
 
-def _finish_file_source(src: Source) -> Source:
+def _finish_file_source(src: Source, sizes: dict[str, int] | None = None) -> Source:
     src.num_items = len(src.paths)
     h = hashlib.sha256()
     for name, path, label in zip(src.names, src.paths, src.labels):
         try:
-            size = os.stat(path).st_size
-        except OSError:
+            size = sizes[path] if sizes is not None else -1 if is_url(path) else os.stat(path).st_size
+        except (OSError, KeyError):
             size = -1
         h.update(f"{name}\0{size}\0{label}\n".encode())
     h.update(json.dumps([src.classes, src.multilabel, sorted(src.errors.items())]).encode())
@@ -299,5 +368,9 @@ def load_item(src: Source, cfg: CacheConfig, i: int) -> tuple[Image.Image, int |
             raise ValueError(f"dataset items must be (image, label) pairs, got {type(item).__name__}")
         img, wh = decode_source(item[0], cfg)
         return img, _dataset_label(item[1], src.multilabel), wh
-    img, wh = decode_source(src.paths[i], cfg)
+    path = src.paths[i]
+    if is_url(path):
+        fs, key = filesystem(path)
+        path = io.BytesIO(retry(lambda: fs.cat_file(key), f"reading {path}"))
+    img, wh = decode_source(path, cfg)
     return img, src.labels[i], wh

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,8 @@ import numpy as np
 from PIL import Image
 
 from .errors import describe
-from .format import LABELS, MANIFEST, read_jpeg_index, read_manifest
+from .format import LABELS, MANIFEST, read_jpeg_index
+from .storage import Store, load_manifest
 
 __all__ = ["cache_info", "VerifyReport", "verify_cache"]
 
@@ -24,7 +25,7 @@ def cache_info(path: str | os.PathLike) -> dict[str, Any]:
     """Summary of a cache (complete or not).
 
     Args:
-        path: the cache folder.
+        path: the cache folder or URL prefix (``gs://...``).
 
     Returns:
         A JSON-ready dict: ``path``, ``complete``, ``num_images``, ``num_sources``,
@@ -36,12 +37,13 @@ def cache_info(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         FileNotFoundError, ValueError: as :func:`~xla_utils.cache.read_manifest`.
     """
-    out = Path(path)
-    m = read_manifest(out)
-    files = [out / MANIFEST, out / LABELS] + [out / s["file"] for s in m["shards"]]
-    present = [f for f in files if f.exists()]
+    out = Store(path)
+    m = load_manifest(out)
+    sizes = out.sizes()
+    files = [MANIFEST, LABELS] + [s["file"] for s in m["shards"]]
+    present = [f for f in files if f in sizes]
     return {
-        "path": str(out.resolve()),
+        "path": out.root,
         "complete": m["complete"],
         "num_images": m["num_images"] if m["complete"] else sum(s["num_images"] for s in m["shards"]),
         "num_sources": m["source"]["num_items"],
@@ -51,7 +53,7 @@ def cache_info(path: str | os.PathLike) -> dict[str, Any]:
         "num_shards": m["num_shards"],
         "shards_done": len(m["shards"]),
         "files": len(present),
-        "bytes": sum(f.stat().st_size for f in present),
+        "bytes": sum(sizes[f] for f in present),
         "multilabel": m["multilabel"],
         "unlabeled": bool(m.get("unlabeled", False)),
         "num_classes": len(m["classes"] or []),
@@ -89,7 +91,8 @@ def verify_cache(path: str | os.PathLike, full: bool = False) -> VerifyReport:
     Reads every byte of the cache (crc32 runs at disk speed).
 
     Args:
-        path: the cache folder.
+        path: the cache folder or URL prefix (``gs://...``; shards are streamed, and
+            downloaded one at a time to a temporary file for ``full``).
         full: also parse every shard (npy header shape, JPEG offset table) and decode
             every JPEG. Default False.
 
@@ -100,48 +103,28 @@ def verify_cache(path: str | os.PathLike, full: bool = False) -> VerifyReport:
         FileNotFoundError, ValueError: the manifest is missing or unreadable (as
             :func:`~xla_utils.cache.read_manifest`).
     """
-    out = Path(path)
+    out = Store(path)
     problems: list[str] = []
     bad: list[str] = []
-    m = read_manifest(out)
+    m = load_manifest(out)
     if not m["complete"]:
         problems.append(f"incomplete build: {len(m['shards'])}/{m['num_shards']} shards done "
                         "(rerun the build command to finish it)")
     expected = set(range(m["num_shards"]))
     checked, nbytes = 0, 0
-    h, w = m["image_size"]
+    sizes = out.sizes()
     for s in m["shards"]:
         expected.discard(s["index"])
-        f = out / s["file"]
-        if not f.exists():
-            problems.append(f"{s['file']}: missing")
+        err, read = _check_shard(out, s, sizes.get(s["file"]), m, full)
+        checked, nbytes = checked + read, nbytes + (s["bytes"] if read else 0)
+        if err:
+            problems.append(f"{s['file']}: {err}")
             bad.append(s["file"])
-            continue
-        size = f.stat().st_size
-        if size != s["bytes"]:
-            problems.append(f"{s['file']}: {size} bytes, manifest says {s['bytes']}")
-            bad.append(s["file"])
-            continue
-        crc = 0
-        with open(f, "rb") as fh:
-            while chunk := fh.read(8 << 20):
-                crc = zlib.crc32(chunk, crc)
-        checked += 1
-        nbytes += size
-        if crc != s["crc32"]:
-            problems.append(f"{s['file']}: crc32 {crc:08x} != manifest {s['crc32']:08x} (corrupted)")
-            bad.append(s["file"])
-            continue
-        if full:
-            err = _check_shard_contents(f, m["codec"], m["num_variants"], s["num_images"], h, w)
-            if err:
-                problems.append(f"{s['file']}: {err}")
-                bad.append(s["file"])
     if m["complete"]:
         if expected:
             problems.append(f"manifest lacks shards {sorted(expected)[:10]}")
         try:
-            lab = np.load(out / LABELS)
+            lab = np.load(io.BytesIO(out.read_bytes(LABELS)))
             if len(lab) != m["num_images"]:
                 problems.append(f"{LABELS}: {len(lab)} labels for {m['num_images']} images")
                 bad.append(LABELS)
@@ -150,6 +133,29 @@ def verify_cache(path: str | os.PathLike, full: bool = False) -> VerifyReport:
             bad.append(LABELS)
     return VerifyReport(ok=not problems, problems=problems, bad_files=bad, checked_files=checked,
                         checked_bytes=nbytes)
+
+
+def _check_shard(out: Store, s: dict[str, Any], size: int | None, m: dict[str, Any],
+                 full: bool) -> tuple[str | None, bool]:
+    """(what is wrong with shard entry ``s`` of manifest ``m`` or None, whether its crc32 was
+    computed); ``size`` is its listed size (None: not listed)."""
+    if size is None:
+        return "missing", False
+    if size != s["bytes"]:
+        return f"{size} bytes, manifest says {s['bytes']}", False
+    crc = out.crc32(s["file"])
+    if crc != s["crc32"]:
+        return f"crc32 {crc:08x} != manifest {s['crc32']:08x} (corrupted)", True
+    if not full:
+        return None, True
+    h, w = m["image_size"]
+    args = (m["codec"], m["num_variants"], s["num_images"], h, w)
+    if not out.is_url:
+        return _check_shard_contents(out.local(s["file"]), *args), True
+    with tempfile.TemporaryDirectory(prefix="xla_utils-verify-") as tmp:
+        f = Path(tmp, s["file"])
+        out.download(s["file"], f, s["bytes"], s["crc32"])
+        return _check_shard_contents(f, *args), True
 
 
 def _check_shard_contents(f: Path, codec: str, V: int, n: int, h: int, w: int) -> str | None:

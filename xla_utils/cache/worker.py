@@ -2,19 +2,16 @@
 
 :func:`init_worker` stores the build's source and config in the worker process once;
 :func:`build_shard` (a build) and :func:`pilot_item` (a dry run) are the tasks.
-Workers write only their own shard files (temp file, fsync, rename); the manifest
+Workers publish only their own shard files (:meth:`Store.write`: complete or absent); the manifest
 is the coordinator's (:mod:`xla_utils.cache.builder`).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 import time
-import zlib
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -24,20 +21,21 @@ from .errors import BadImageError, Cancelled, describe
 from .format import jpeg_shard_chunks, npy_header, shard_name
 from .images import encode_jpeg, make_variants
 from .sources import Source, load_item
+from .storage import Store
 
-__all__ = ["init_worker", "build_shard", "pilot_item", "atomic_write"]
+__all__ = ["init_worker", "set_state", "build_shard", "pilot_item"]
 
 # The build's state in a worker process, set once by init_worker.
 _W: dict[str, Any] = {}
 
 
-def init_worker(src: Source, cfg: CacheConfig, out: str, strict: bool, counter: Any, stop_at: Any) -> None:
+def init_worker(src: Source, cfg: CacheConfig, out: Store, strict: bool, counter: Any, stop_at: Any) -> None:
     """Process-pool initializer.
 
     Args:
         src: the build's source.
         cfg: the build's config.
-        out: the cache folder.
+        out: the cache folder or URL prefix.
         strict: raise :class:`BadImageError` at a bad item instead of skipping it.
         counter: shared ``multiprocessing.Value`` counting processed items (progress).
         stop_at: shared ``multiprocessing.Value``: the first source index no longer
@@ -48,8 +46,14 @@ def init_worker(src: Source, cfg: CacheConfig, out: str, strict: bool, counter: 
         with contextlib.suppress(Exception):  # die with the coordinator (SIGKILL included)
             import ctypes
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    set_state(src, cfg, out, strict, counter, stop_at)
+
+
+def set_state(src: Source, cfg: CacheConfig, out: Store, strict: bool, counter: Any, stop_at: Any) -> None:
+    """Store the build's state in this process (the arguments of :func:`init_worker`), no signal setup:
+    for runners whose workers live longer than one build (Ray)."""
     Image.MAX_IMAGE_PIXELS = max(cfg.max_pixels, Image.MAX_IMAGE_PIXELS or 0)
-    _W.update(src=src, cfg=cfg, out=Path(out), strict=strict, counter=counter, stop_at=stop_at)
+    _W.update(src=src, cfg=cfg, out=out, strict=strict, counter=counter, stop_at=stop_at)
 
 
 def _process_item(src: Source, cfg: CacheConfig, i: int) -> tuple[list[np.ndarray], Any, dict | None]:
@@ -110,32 +114,15 @@ def build_shard(k: int, start: int, stop: int) -> dict[str, Any]:
     else:
         chunks = jpeg_shard_chunks([b for v in range(V) for b in jpegs[v]])
     name = shard_name(cfg.codec, k)
-    nbytes, crc = atomic_write(out / name, chunks)
-    return {"index": k, "file": name, "first_source": start, "num_sources": stop - start,
-            "num_images": n, "bytes": nbytes, "crc32": crc, "labels": labels, "ids": ids,
-            "skipped": skipped, "upscaled": upscaled}
-
-
-def atomic_write(path: Path, chunks: Sequence[Any]) -> tuple[int, int]:
-    """Write ``chunks`` (bytes or arrays) to ``path`` via temp file + fsync + rename.
-
-    Returns:
-        ``(bytes written, crc32 of them)``.
-    """
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    crc, nbytes = 0, 0
-    with open(tmp, "wb") as f:
-        for c in chunks:
-            if not len(c):  # an empty slab (every image of the shard skipped) cannot be cast
-                continue
-            mv = memoryview(c).cast("B") if not isinstance(c, bytes) else c
-            f.write(mv)
-            crc = zlib.crc32(mv, crc)
-            nbytes += len(mv)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return nbytes, crc
+    nbytes, crc = out.write(name, chunks)
+    entry = {"index": k, "file": name, "first_source": start, "num_sources": stop - start,
+             "num_images": n, "bytes": nbytes, "crc32": crc, "labels": labels, "ids": ids,
+             "skipped": skipped, "upscaled": upscaled}
+    if out.is_url:  # the store's own checksum: a resumed build checks reused objects by listing
+        crc32c = out.info(name).get("crc32c")
+        if crc32c:
+            entry["crc32c"] = crc32c
+    return entry
 
 
 def pilot_item(i: int) -> tuple[float, list[int] | str]:
