@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .dist import DIST_DIRS, patch_distributed
 from .protocol import (ABORT, SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, arrival_key,
                        finished_key, read_payload, rendezvous_name, td, tensor_name, timeout_s,
                        write_payload)
@@ -80,12 +81,18 @@ def _call_site() -> tuple[str, str]:
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
         lib = ("torch_xla" in f.filename or _SIMULATE_DIR in f.filename
-               or _RUNTIME_DIR in f.filename)
+               or _RUNTIME_DIR in f.filename or any(d in f.filename for d in DIST_DIRS))
         if not lib:
             where = f"{f.filename}:{f.lineno}"
             if i + 1 < len(frames):
                 nxt = frames[i + 1]
-                mod = "xla_utils.runtime" if _RUNTIME_DIR in nxt.filename else "xm"
+                # torch.distributed's functions are wrapped (c10d_logger's `wrapper`)
+                for f2 in frames[i + 1:]:
+                    if f2.name not in ("wrapper", "inner", "_fn"):
+                        nxt = f2
+                        break
+                mod = ("xla_utils.runtime" if _RUNTIME_DIR in nxt.filename else
+                       "dist" if any(d in nxt.filename for d in DIST_DIRS) else "xm")
                 # our replacements of torch_xla's collectives are _sim_<name>
                 api = f"{mod}.{nxt.name.removeprefix('_sim_')}"
             break
@@ -200,11 +207,24 @@ def _materialize() -> None:
     torch_xla._XLAC._xla_step_marker(torch_xla._XLAC._xla_get_default_device(), [], wait=False)
 
 
-def _check_groups(groups, api: str) -> None:
-    if groups and sorted(map(sorted, groups)) != [list(range(_World.size))]:
-        raise NotImplementedError(
-            f"{api}(groups={groups}): replica groups are not simulated; use groups=None "
-            "(all replicas) on simulated cores")
+def _group_of(groups, api: str) -> list[int]:
+    """The ranks of this replica's replica group, in group order (all ranks when
+    ``groups`` is empty). ``groups`` must partition the ranks into equal groups,
+    as XLA requires."""
+    n = _World.size
+    if not groups:
+        return list(range(n))
+    groups = [list(map(int, g)) for g in groups]
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(n)) or len({len(g) for g in groups}) != 1:
+        raise ValueError(
+            f"{api}(groups={groups}): replica groups must split the {n} replicas "
+            f"(0..{n - 1}) into groups of equal size, each replica in exactly one group")
+    return next(g for g in groups if _World.rank in g)
+
+
+def _gsig(groups) -> str:
+    return f"groups={[list(g) for g in groups]}|" if groups else ""
 
 
 def _sig(tensors: list) -> str:
@@ -235,14 +255,15 @@ def _publish(seq: int, data: list) -> None:
         paths.append(path)
 
 
-def _collect(seq: int, i: int, like) -> list:
-    """Every rank's tensor ``i`` of collective ``seq`` (same shape/dtype as ``like``)."""
+def _collect(seq: int, i: int, like, ranks: list[int] | None = None) -> list:
+    """Tensor ``i`` of collective ``seq`` of each of ``ranks`` (default all), in
+    that order (same shape/dtype as ``like``)."""
     import numpy as np
     import torch
 
     w = _World
     out = []
-    for k in range(w.size):
+    for k in (range(w.size) if ranks is None else ranks):
         if k == w.rank:
             out.append(like)
             continue
@@ -311,8 +332,10 @@ def _reduce(reduce_type: str, parts: list):
 _PROF: list | None = [] if os.environ.get("XLA_UTILS_SIM_PROFILE") else None
 
 
-def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str) -> list:
-    """Arrive at the collective, then all-reduce CPU copies of ``tensors``; CPU results."""
+def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str,
+                     group: list[int] | None = None) -> list:
+    """Arrive at the collective, then all-reduce CPU copies of ``tensors`` over the
+    ranks of ``group`` (default all); CPU results."""
     if reduce_type not in ("sum", "mul", "min", "max", "and", "or"):
         raise ValueError(f"unknown reduce_type {reduce_type!r}")
     t0 = time.perf_counter()
@@ -327,7 +350,7 @@ def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str
         _PROF.append((len(tensors), t3, t1 - t0, t2 - t1, t3 - t2))
     out: list = [None] * len(tensors)
     for gi, (buf, idx) in enumerate(zip(bufs, groups)):
-        work = _reduce(reduce_type, _collect(seq, gi, buf))
+        work = _reduce(reduce_type, _collect(seq, gi, buf, group))
         if scale != 1.0:
             work = work * scale
         work = work.to(buf.dtype)
@@ -355,11 +378,14 @@ def _patch_torch_xla(rank: int, n: int) -> None:
     xr.local_ordinal = lambda: rank
     xr.local_process_count = lambda: n
     xr.global_device_count = lambda: n
+    xr.process_index = lambda: rank  # one process per device, as xmp.spawn on a TPU VM
+    xr.process_count = lambda: n
     xr._WORLD_SIZE, xr._ORDINAL = n, rank
     for name, value in (("get_ordinal", lambda local=False: rank),
                         ("xrt_world_size", lambda: n)):
         if hasattr(xm, name):
             setattr(xm, name, value)
+    patch_distributed(rank, n, _World.store)
     if n == 1:
         return  # torch_xla's own collectives are no-ops on one device
     _sim_rendezvous.__wrapped__ = xm.rendezvous
@@ -393,7 +419,10 @@ def _copy_into(output, single: bool, moved: list):
     outs = [output] if single else list(output)
     with torch.no_grad():
         for o, m in zip(outs, moved):
-            o.copy_(m)
+            if o.shape == m.shape:
+                o.copy_(m)
+            else:  # torch_xla's *_out collectives give the output the result's shape
+                o.data = m.to(o.dtype)
     return output
 
 
@@ -401,13 +430,14 @@ def _copy_into(output, single: bool, moved: list):
 def _sim_all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
     import torch
 
-    _check_groups(groups, "xm.all_reduce")
+    group = _group_of(groups, "xm.all_reduce")
     single = isinstance(inputs, torch.Tensor)
     tensors = [inputs] if single else list(inputs)
     if not tensors:
         return inputs
     cpu = _host_all_reduce(reduce_type, tensors, scale,
-                           f"all_reduce:{reduce_type}|{scale}|{_sig(tensors)}")
+                           f"all_reduce:{reduce_type}|{scale}|{_gsig(groups)}{_sig(tensors)}",
+                           group)
     t4 = time.perf_counter()
     moved = _to_device(cpu, tensors[0].device)
     if single:
@@ -422,13 +452,13 @@ def _sim_all_gather(value, dim=0, groups=None, output=None, pin_layout=True, cha
                     use_global_device_ids=None):
     import torch
 
-    _check_groups(groups, "xm.all_gather")
+    group = _group_of(groups, "xm.all_gather")
     single = isinstance(value, torch.Tensor)
     tensors = [value] if single else list(value)
     _materialize()
     cpu = [t.detach().to("cpu").contiguous() for t in tensors]
-    seq = _arrive("all_gather", f"{dim}|{_sig(tensors)}", cpu)
-    results = [torch.cat(_collect(seq, i, c), dim=dim if dim >= 0 else c.dim() + dim)
+    seq = _arrive("all_gather", f"{dim}|{_gsig(groups)}{_sig(tensors)}", cpu)
+    results = [torch.cat(_collect(seq, i, c, group), dim=dim if dim >= 0 else c.dim() + dim)
                for i, c in enumerate(cpu)]
     moved = _to_device(results, tensors[0].device)
     if output is not None:
@@ -441,17 +471,20 @@ def _sim_reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, gro
                         use_global_device_ids=None):
     import torch
 
-    n = _World.size
-    _check_groups(groups, "xm.reduce_scatter")
+    group = _group_of(groups, "xm.reduce_scatter")
+    n = len(group)
     if shard_count != n:
-        raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}) on {n} simulated "
-                         f"cores: shard_count must equal the world size ({n})")
+        raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}) on {_World.size} "
+                         f"simulated cores (groups={groups}): shard_count must equal the "
+                         f"number of replicas in a group ({n})")
     single = isinstance(input, torch.Tensor)
     tensors = [input] if single else list(input)
     reduced = _host_all_reduce(
         reduce_type, tensors, scale,
-        f"reduce_scatter:{reduce_type}|{scale}|{scatter_dim}|{_sig(tensors)}")
-    shards = [torch.chunk(c, n, dim=scatter_dim)[_World.rank].contiguous() for c in reduced]
+        f"reduce_scatter:{reduce_type}|{scale}|{scatter_dim}|{_gsig(groups)}{_sig(tensors)}",
+        group)
+    me = group.index(_World.rank)
+    shards = [torch.chunk(c, n, dim=scatter_dim)[me].contiguous() for c in reduced]
     moved = _to_device(shards, tensors[0].device)
     if output is not None:
         return _copy_into(output, single, moved)
@@ -462,10 +495,10 @@ def _sim_rendezvous(tag, payload=b"", replicas=[]):  # noqa: B006 (torch_xla's s
     import torch_xla
 
     n = _World.size
-    if replicas and sorted(replicas) != list(range(n)):
-        raise NotImplementedError(
-            f"xm.rendezvous(replicas={replicas}): only a rendezvous of all replicas is "
-            "supported (as on PJRT)")
+    if replicas and len(replicas) != n:
+        # torch_xla's PJRT rendezvous raises the same type
+        raise ValueError(f"Only global rendezvous is supported: xm.rendezvous(tag={tag!r}, "
+                         f"replicas={replicas}) names {len(replicas)} of the {n} replicas")
     if not isinstance(payload, bytes):
         raise TypeError(f"`payload` must be bytes, not {type(payload)}")
     torch_xla.sync()  # as torch_xla's rendezvous does
