@@ -3,6 +3,11 @@ reduce_scatter with outputs, replica groups, torch.distributed's ``xla``
 backend and DDP, SPMD on N real XLA:CPU devices. Scripts in tests/fixtures/forms/."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -13,6 +18,7 @@ from xla_utils import runtime as rt
 from xla_utils import simulate
 
 FORMS = Path(__file__).resolve().parent / "fixtures" / "forms"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multicore
@@ -77,3 +83,92 @@ def test_dist_rank_dependent_collective_is_named_not_a_hang():
     assert info.value.exc_type == "CollectiveError"
     assert "rank 0: dist.all_reduce" in msg and "rank 1: dist.all_gather" in msg
     assert "test_simulate_forms.py" in msg
+
+
+# --------------------------------------------------------------------------
+# SPMD: one process with N real XLA:CPU devices
+# --------------------------------------------------------------------------
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "xla_utils.simulate", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_spmd_script_gets_8_devices_and_an_8_way_sharding_via_cli():
+    p = _cli("--cores", "8", str(FORMS / "spmd_devices.py"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "spmd ok: 8 devices, {devices=[8,1]0,1,2,3,4,5,6,7}" in p.stdout
+    assert "as SPMD (one process with 8 XLA:CPU devices) because it uses `use_spmd`" in p.stderr
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_spmd_script_via_run_script_4_devices(capfd):
+    assert simulate.run_script(FORMS / "spmd_devices.py", cores=4, args=["4"]) == 0
+    assert "spmd ok: 4 devices, {devices=[4,1]0,1,2,3}" in capfd.readouterr().out
+
+
+def test_form_detection_reads_code_not_comments(tmp_path):
+    from xla_utils.simulate.spmd import detect_form
+
+    spawn = tmp_path / "spawn.py"
+    spawn.write_text("# no xr.use_spmd() here\ns = 'mark_sharding'\nimport torch_xla\n")
+    assert detect_form(spawn)[0] == "spawn"
+    spmd = tmp_path / "spmd.py"
+    spmd.write_text("import torch_xla.distributed.spmd as xs\nm = xs.Mesh([0], (1,))\n")
+    assert detect_form(spmd) == ("spmd", "it uses `Mesh` (line 2)")
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_mixing_spmd_and_spawn_is_named(tmp_path):
+    script = tmp_path / "mixed.py"
+    script.write_text(textwrap.dedent("""
+        import torch_xla.distributed.xla_multiprocessing as xmp
+        import torch_xla.runtime as xr
+
+        def _mp_fn(index):
+            xr.use_spmd()
+
+        if __name__ == "__main__":
+            xmp.spawn(_mp_fn)
+    """))
+    p = _cli("--cores", "2", str(script))
+    assert p.returncode == 1
+    assert "mixes SPMD and multi-process forms" in p.stderr and "--form spawn" in p.stderr
+    p = _cli("--cores", "2", "--form", "spawn", str(script))
+    assert p.returncode == 1
+    assert "xr.use_spmd() inside a simulated xmp.spawn" in p.stderr
+    assert "--form spmd" in p.stderr
+
+
+# --------------------------------------------------------------------------
+# One model, every form: the same loss curve as one device
+# --------------------------------------------------------------------------
+@pytest.mark.multicore
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_every_form_gives_the_one_device_loss_curve(tmp_path, capfd):
+    script = FORMS / "train_forms.py"
+    curves = {}
+    for name, cores, mode, form in (("one", 1, "xm", "spawn"), ("xm", 8, "xm", "spawn"),
+                                    ("ddp", 8, "ddp", "spawn"),
+                                    ("compiled", 8, "compiled", "spawn"),
+                                    ("spmd", 8, "spmd", "spmd")):
+        out = tmp_path / f"{name}.json"
+        assert simulate.run_script(script, cores=cores, form=form,
+                                   args=["--mode", mode, "--out", str(out)]) == 0
+        got = json.loads(out.read_text())
+        if mode == "spmd":
+            assert got["devices"] == 8
+            got = got["losses"]
+        assert len(got) == 20 and all(v == v for v in got)
+        curves[name] = got
+    for name, curve in curves.items():
+        assert curve == pytest.approx(curves["one"], abs=1e-4), name
+    assert curves["one"][-1] < 0.5 * curves["one"][0]  # it trains
+    err = capfd.readouterr().err
+    assert err.count("torch_xla.compile(full_graph=True) is not checked") == 1

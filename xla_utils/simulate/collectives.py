@@ -199,6 +199,37 @@ def _where_message(seq: int, api: str, where: str, gone: list[int], waited: floa
             "a collective inside a rank-dependent `if` (e.g. `if xm.is_master_ordinal():`).")
 
 
+_WARNED_FULL_GRAPH: list = []
+
+
+@contextlib.contextmanager
+def _host_exchange():
+    """Allow graph execution during a host collective.
+
+    Inside ``torch_xla.compile(full_graph=True)`` torch_xla forbids executing a
+    graph before the step's end; a host collective must run the pending graph to
+    read its inputs. It is allowed here, and one warning says what is then not
+    checked (the step is still traced and run by XLA, numbers are unchanged).
+    """
+    import torch_xla
+
+    allowed = torch_xla._XLAC._get_allow_execution()
+    if not allowed:
+        if not _WARNED_FULL_GRAPH and _World.rank == 0:
+            print("xla_utils.simulate: warning: torch_xla.compile(full_graph=True) is not "
+                  "checked on simulated cores: the step's collectives are host exchanges, "
+                  "which run the step as several graphs (on a TPU it must be one graph; "
+                  "run it on a TPU to check that). The numbers are unchanged.",
+                  file=sys.stderr, flush=True)
+        _WARNED_FULL_GRAPH.append(1)
+        torch_xla._XLAC._set_allow_execution(True)
+    try:
+        yield
+    finally:
+        if not allowed:
+            torch_xla._XLAC._set_allow_execution(False)
+
+
 def _materialize() -> None:
     """Run the pending graph (without step closures), so that reading collective
     inputs is a transfer, not a recomputation of the forward/backward."""
@@ -334,6 +365,12 @@ _PROF: list | None = [] if os.environ.get("XLA_UTILS_SIM_PROFILE") else None
 
 def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str,
                      group: list[int] | None = None) -> list:
+    with _host_exchange():
+        return _host_all_reduce_body(reduce_type, tensors, scale, api_sig, group)
+
+
+def _host_all_reduce_body(reduce_type: str, tensors: list, scale: float, api_sig: str,
+                          group: list[int] | None) -> list:
     """Arrive at the collective, then all-reduce CPU copies of ``tensors`` over the
     ranks of ``group`` (default all); CPU results."""
     if reduce_type not in ("sum", "mul", "min", "max", "and", "or"):
@@ -394,14 +431,22 @@ def _patch_torch_xla(rank: int, n: int) -> None:
                                          "use xm.all_gather and pick the source rank's part")
     xm.send = _unsupported("xm.send", "use xm.all_gather (or xm.rendezvous for bytes)")
     xm.recv = _unsupported("xm.recv", "use xm.all_gather (or xm.rendezvous for bytes)")
-    xr.use_spmd = _unsupported("xr.use_spmd (SPMD)", "simulate the multi-process "
-                               "(xmp.spawn) form of the code, or run SPMD on a real TPU")
+    xr.use_spmd = _spmd_in_replica
     xm.all_reduce = _sim_all_reduce
     xm.all_gather = _sim_all_gather
     xm.reduce_scatter = _sim_reduce_scatter
     xm.rendezvous = _sim_rendezvous
     xm.xla_rendezvous = lambda payload=b"", ordinals=None, tag=None: _sim_rendezvous(
         tag or "", payload, ordinals or [])
+
+
+def _spmd_in_replica(*args, **kwargs):
+    raise RuntimeError(
+        "xr.use_spmd() inside a simulated xmp.spawn / torch_xla.launch replica: a program "
+        "is either SPMD (one process, all devices) or multi-process, not both. Run an "
+        "SPMD program as SPMD: `python -m xla_utils.simulate --form spmd --cores N "
+        "script.py` (or run_script(..., form='spmd')), which gives it N XLA:CPU devices "
+        "in one process; do not call it from xmp.spawn / torch_xla.launch.")
 
 
 def _unsupported(api: str, alternative: str) -> Callable[..., Any]:
@@ -455,9 +500,10 @@ def _sim_all_gather(value, dim=0, groups=None, output=None, pin_layout=True, cha
     group = _group_of(groups, "xm.all_gather")
     single = isinstance(value, torch.Tensor)
     tensors = [value] if single else list(value)
-    _materialize()
-    cpu = [t.detach().to("cpu").contiguous() for t in tensors]
-    seq = _arrive("all_gather", f"{dim}|{_gsig(groups)}{_sig(tensors)}", cpu)
+    with _host_exchange():
+        _materialize()
+        cpu = [t.detach().to("cpu").contiguous() for t in tensors]
+        seq = _arrive("all_gather", f"{dim}|{_gsig(groups)}{_sig(tensors)}", cpu)
     results = [torch.cat(_collect(seq, i, c, group), dim=dim if dim >= 0 else c.dim() + dim)
                for i, c in enumerate(cpu)]
     moved = _to_device(results, tensors[0].device)
