@@ -28,6 +28,15 @@ def test_list_reduce_scatter_groups_and_subset_rendezvous_8_cores(capfd):
     assert capfd.readouterr().out.count("mp_collectives ok") == 8
 
 
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_torch_compile_fullgraph_over_collectives_warns_once(capfd):
+    assert simulate.run_script(FORMS / "compiled_collectives.py", cores=4) == 0
+    out, err = capfd.readouterr()
+    assert out.count("compiled_collectives ok") == 4
+    assert err.count("torch.compile(fullgraph=True) is not checked") == 1
+
+
 def _rank_dependent_groups():
     import torch_xla
     import torch_xla.core.xla_model as xm

@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .compiled import patch_torch_compile
 from .dist import DIST_DIRS, patch_distributed
 from .protocol import (ABORT, SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, arrival_key,
                        finished_key, read_payload, rendezvous_name, td, tensor_name, timeout_s,
@@ -23,6 +24,7 @@ from .protocol import (ABORT, SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, ar
 # Frames in these folders are xla_utils' own (a call site is the frame before them).
 _RUNTIME_DIR = os.path.join("xla_utils", "runtime", "")
 _SIMULATE_DIR = os.path.join("xla_utils", "simulate", "")
+_DYNAMO_DIR = os.path.join("torch", "_dynamo", "")
 
 
 class _World:
@@ -81,7 +83,8 @@ def _call_site() -> tuple[str, str]:
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
         lib = ("torch_xla" in f.filename or _SIMULATE_DIR in f.filename
-               or _RUNTIME_DIR in f.filename or any(d in f.filename for d in DIST_DIRS))
+               or _RUNTIME_DIR in f.filename or _DYNAMO_DIR in f.filename
+               or any(d in f.filename for d in DIST_DIRS))
         if not lib:
             where = f"{f.filename}:{f.lineno}"
             if i + 1 < len(frames):
@@ -436,6 +439,9 @@ def _patch_torch_xla(rank: int, n: int) -> None:
     xm.all_gather = _sim_all_gather
     xm.reduce_scatter = _sim_reduce_scatter
     xm.rendezvous = _sim_rendezvous
+    patch_torch_compile(rank, {"all_reduce": _sim_all_reduce, "all_gather": _sim_all_gather,
+                               "reduce_scatter": _sim_reduce_scatter,
+                               "rendezvous": _sim_rendezvous})
     xm.xla_rendezvous = lambda payload=b"", ordinals=None, tag=None: _sim_rendezvous(
         tag or "", payload, ordinals or [])
 
