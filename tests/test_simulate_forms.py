@@ -181,3 +181,21 @@ def test_every_form_gives_the_one_device_loss_curve(tmp_path, capfd):
     assert curves["one"][-1] < 0.5 * curves["one"][0]  # it trains
     err = capfd.readouterr().err
     assert err.count("torch_xla.compile(full_graph=True) is not checked") == 1
+
+
+@pytest.mark.multicore
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mp_mnist_style_script_three_modes_agree(capfd):
+    """test_train_mp_mnist.py's three modes (xm.optimizer_step, --pjrt_distributed,
+    --ddp) on 8 simulated cores: the same final loss and accuracy."""
+    script = FORMS / "train_mp_mnist_style.py"
+    finals = []
+    for mode in ([], ["--pjrt_distributed"], ["--ddp"]):
+        assert simulate.run_script(script, cores=8, args=mode) == 0
+        lines = [l for l in capfd.readouterr().out.splitlines() if l.startswith("final ")]
+        assert len(lines) == 1, lines
+        finals.append(lines[0])
+    assert finals[0] == finals[1] == finals[2], finals
+    acc = float(finals[0].split("accuracy=")[1])
+    assert acc > 0.8, finals[0]  # it learns
