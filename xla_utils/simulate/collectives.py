@@ -368,14 +368,14 @@ _PROF: list | None = [] if os.environ.get("XLA_UTILS_SIM_PROFILE") else None
 
 def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str,
                      group: list[int] | None = None) -> list:
+    """Arrive at the collective, then all-reduce CPU copies of ``tensors`` over the
+    ranks of ``group`` (default all); CPU results."""
     with _host_exchange():
         return _host_all_reduce_body(reduce_type, tensors, scale, api_sig, group)
 
 
 def _host_all_reduce_body(reduce_type: str, tensors: list, scale: float, api_sig: str,
                           group: list[int] | None) -> list:
-    """Arrive at the collective, then all-reduce CPU copies of ``tensors`` over the
-    ranks of ``group`` (default all); CPU results."""
     if reduce_type not in ("sum", "mul", "min", "max", "and", "or"):
         raise ValueError(f"unknown reduce_type {reduce_type!r}")
     t0 = time.perf_counter()

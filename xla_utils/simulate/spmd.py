@@ -47,7 +47,7 @@ def run_spmd(path: str, cores: int, args: Sequence[str] = (),
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cores))
     env.pop("XLA_USE_SPMD", None)
     here = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([here, *sys.path[:1], env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "xla_utils.simulate", "--spmd-child", str(cores), path,
            *map(str, args)]
     try:
