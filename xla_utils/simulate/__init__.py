@@ -43,7 +43,10 @@ Modules: :mod:`.protocol` (store keys, events, payload files: the one place
 the two sides meet), :mod:`.caller` (zygote, job, :func:`run_replicas`),
 :mod:`.runner` (``python -m xla_utils.simulate``, :func:`run_script`,
 :func:`simulated_spawn`), :mod:`.job` (the zygote's and job's code, replica
-bootstrap) and :mod:`.collectives` (torch_xla patched inside a replica).
+bootstrap), :mod:`.collectives` (torch_xla patched inside a replica),
+:mod:`.dist` (torch.distributed's ``xla`` backend in a replica), :mod:`.compiled`
+(``torch.compile`` in a replica) and :mod:`.spmd` (SPMD programs: one process with
+N XLA:CPU devices).
 """
 from __future__ import annotations
 

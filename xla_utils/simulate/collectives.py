@@ -15,6 +15,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .compiled import patch_torch_compile
+from .dist import DIST_DIRS, patch_distributed
 from .protocol import (ABORT, SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, arrival_key,
                        finished_key, read_payload, rendezvous_name, td, tensor_name, timeout_s,
                        write_payload)
@@ -22,6 +24,7 @@ from .protocol import (ABORT, SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, ar
 # Frames in these folders are xla_utils' own (a call site is the frame before them).
 _RUNTIME_DIR = os.path.join("xla_utils", "runtime", "")
 _SIMULATE_DIR = os.path.join("xla_utils", "simulate", "")
+_DYNAMO_DIR = os.path.join("torch", "_dynamo", "")
 
 
 class _World:
@@ -80,12 +83,19 @@ def _call_site() -> tuple[str, str]:
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
         lib = ("torch_xla" in f.filename or _SIMULATE_DIR in f.filename
-               or _RUNTIME_DIR in f.filename)
+               or _RUNTIME_DIR in f.filename or _DYNAMO_DIR in f.filename
+               or any(d in f.filename for d in DIST_DIRS))
         if not lib:
             where = f"{f.filename}:{f.lineno}"
             if i + 1 < len(frames):
                 nxt = frames[i + 1]
-                mod = "xla_utils.runtime" if _RUNTIME_DIR in nxt.filename else "xm"
+                # torch.distributed's functions are wrapped (c10d_logger's `wrapper`)
+                for f2 in frames[i + 1:]:
+                    if f2.name not in ("wrapper", "inner", "_fn"):
+                        nxt = f2
+                        break
+                mod = ("xla_utils.runtime" if _RUNTIME_DIR in nxt.filename else
+                       "dist" if any(d in nxt.filename for d in DIST_DIRS) else "xm")
                 # our replacements of torch_xla's collectives are _sim_<name>
                 api = f"{mod}.{nxt.name.removeprefix('_sim_')}"
             break
@@ -192,6 +202,37 @@ def _where_message(seq: int, api: str, where: str, gone: list[int], waited: floa
             "a collective inside a rank-dependent `if` (e.g. `if xm.is_master_ordinal():`).")
 
 
+_WARNED_FULL_GRAPH: list = []
+
+
+@contextlib.contextmanager
+def _host_exchange():
+    """Allow graph execution during a host collective.
+
+    Inside ``torch_xla.compile(full_graph=True)`` torch_xla forbids executing a
+    graph before the step's end; a host collective must run the pending graph to
+    read its inputs. It is allowed here, and one warning says what is then not
+    checked (the step is still traced and run by XLA, numbers are unchanged).
+    """
+    import torch_xla
+
+    allowed = torch_xla._XLAC._get_allow_execution()
+    if not allowed:
+        if not _WARNED_FULL_GRAPH and _World.rank == 0:
+            print("xla_utils.simulate: warning: torch_xla.compile(full_graph=True) is not "
+                  "checked on simulated cores: the step's collectives are host exchanges, "
+                  "which run the step as several graphs (on a TPU it must be one graph; "
+                  "run it on a TPU to check that). The numbers are unchanged.",
+                  file=sys.stderr, flush=True)
+        _WARNED_FULL_GRAPH.append(1)
+        torch_xla._XLAC._set_allow_execution(True)
+    try:
+        yield
+    finally:
+        if not allowed:
+            torch_xla._XLAC._set_allow_execution(False)
+
+
 def _materialize() -> None:
     """Run the pending graph (without step closures), so that reading collective
     inputs is a transfer, not a recomputation of the forward/backward."""
@@ -200,11 +241,24 @@ def _materialize() -> None:
     torch_xla._XLAC._xla_step_marker(torch_xla._XLAC._xla_get_default_device(), [], wait=False)
 
 
-def _check_groups(groups, api: str) -> None:
-    if groups and sorted(map(sorted, groups)) != [list(range(_World.size))]:
-        raise NotImplementedError(
-            f"{api}(groups={groups}): replica groups are not simulated; use groups=None "
-            "(all replicas) on simulated cores")
+def _group_of(groups, api: str) -> list[int]:
+    """The ranks of this replica's replica group, in group order (all ranks when
+    ``groups`` is empty). ``groups`` must partition the ranks into equal groups,
+    as XLA requires."""
+    n = _World.size
+    if not groups:
+        return list(range(n))
+    groups = [list(map(int, g)) for g in groups]
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(n)) or len({len(g) for g in groups}) != 1:
+        raise ValueError(
+            f"{api}(groups={groups}): replica groups must split the {n} replicas "
+            f"(0..{n - 1}) into groups of equal size, each replica in exactly one group")
+    return next(g for g in groups if _World.rank in g)
+
+
+def _gsig(groups) -> str:
+    return f"groups={[list(g) for g in groups]}|" if groups else ""
 
 
 def _sig(tensors: list) -> str:
@@ -235,14 +289,15 @@ def _publish(seq: int, data: list) -> None:
         paths.append(path)
 
 
-def _collect(seq: int, i: int, like) -> list:
-    """Every rank's tensor ``i`` of collective ``seq`` (same shape/dtype as ``like``)."""
+def _collect(seq: int, i: int, like, ranks: list[int] | None = None) -> list:
+    """Tensor ``i`` of collective ``seq`` of each of ``ranks`` (default all), in
+    that order (same shape/dtype as ``like``)."""
     import numpy as np
     import torch
 
     w = _World
     out = []
-    for k in range(w.size):
+    for k in (range(w.size) if ranks is None else ranks):
         if k == w.rank:
             out.append(like)
             continue
@@ -311,8 +366,16 @@ def _reduce(reduce_type: str, parts: list):
 _PROF: list | None = [] if os.environ.get("XLA_UTILS_SIM_PROFILE") else None
 
 
-def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str) -> list:
-    """Arrive at the collective, then all-reduce CPU copies of ``tensors``; CPU results."""
+def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str,
+                     group: list[int] | None = None) -> list:
+    """Arrive at the collective, then all-reduce CPU copies of ``tensors`` over the
+    ranks of ``group`` (default all); CPU results."""
+    with _host_exchange():
+        return _host_all_reduce_body(reduce_type, tensors, scale, api_sig, group)
+
+
+def _host_all_reduce_body(reduce_type: str, tensors: list, scale: float, api_sig: str,
+                          group: list[int] | None) -> list:
     if reduce_type not in ("sum", "mul", "min", "max", "and", "or"):
         raise ValueError(f"unknown reduce_type {reduce_type!r}")
     t0 = time.perf_counter()
@@ -327,7 +390,7 @@ def _host_all_reduce(reduce_type: str, tensors: list, scale: float, api_sig: str
         _PROF.append((len(tensors), t3, t1 - t0, t2 - t1, t3 - t2))
     out: list = [None] * len(tensors)
     for gi, (buf, idx) in enumerate(zip(bufs, groups)):
-        work = _reduce(reduce_type, _collect(seq, gi, buf))
+        work = _reduce(reduce_type, _collect(seq, gi, buf, group))
         if scale != 1.0:
             work = work * scale
         work = work.to(buf.dtype)
@@ -355,11 +418,14 @@ def _patch_torch_xla(rank: int, n: int) -> None:
     xr.local_ordinal = lambda: rank
     xr.local_process_count = lambda: n
     xr.global_device_count = lambda: n
+    xr.process_index = lambda: rank  # one process per device, as xmp.spawn on a TPU VM
+    xr.process_count = lambda: n
     xr._WORLD_SIZE, xr._ORDINAL = n, rank
     for name, value in (("get_ordinal", lambda local=False: rank),
                         ("xrt_world_size", lambda: n)):
         if hasattr(xm, name):
             setattr(xm, name, value)
+    patch_distributed(rank, n, _World.store)
     if n == 1:
         return  # torch_xla's own collectives are no-ops on one device
     _sim_rendezvous.__wrapped__ = xm.rendezvous
@@ -368,14 +434,25 @@ def _patch_torch_xla(rank: int, n: int) -> None:
                                          "use xm.all_gather and pick the source rank's part")
     xm.send = _unsupported("xm.send", "use xm.all_gather (or xm.rendezvous for bytes)")
     xm.recv = _unsupported("xm.recv", "use xm.all_gather (or xm.rendezvous for bytes)")
-    xr.use_spmd = _unsupported("xr.use_spmd (SPMD)", "simulate the multi-process "
-                               "(xmp.spawn) form of the code, or run SPMD on a real TPU")
+    xr.use_spmd = _spmd_in_replica
     xm.all_reduce = _sim_all_reduce
     xm.all_gather = _sim_all_gather
     xm.reduce_scatter = _sim_reduce_scatter
     xm.rendezvous = _sim_rendezvous
+    patch_torch_compile(rank, {"all_reduce": _sim_all_reduce, "all_gather": _sim_all_gather,
+                               "reduce_scatter": _sim_reduce_scatter,
+                               "rendezvous": _sim_rendezvous})
     xm.xla_rendezvous = lambda payload=b"", ordinals=None, tag=None: _sim_rendezvous(
         tag or "", payload, ordinals or [])
+
+
+def _spmd_in_replica(*args, **kwargs):
+    raise RuntimeError(
+        "xr.use_spmd() inside a simulated xmp.spawn / torch_xla.launch replica: a program "
+        "is either SPMD (one process, all devices) or multi-process, not both. Run an "
+        "SPMD program as SPMD: `python -m xla_utils.simulate --form spmd --cores N "
+        "script.py` (or run_script(..., form='spmd')), which gives it N XLA:CPU devices "
+        "in one process; do not call it from xmp.spawn / torch_xla.launch.")
 
 
 def _unsupported(api: str, alternative: str) -> Callable[..., Any]:
@@ -393,7 +470,10 @@ def _copy_into(output, single: bool, moved: list):
     outs = [output] if single else list(output)
     with torch.no_grad():
         for o, m in zip(outs, moved):
-            o.copy_(m)
+            if o.shape == m.shape:
+                o.copy_(m)
+            else:  # torch_xla's *_out collectives give the output the result's shape
+                o.data = m.to(o.dtype)
     return output
 
 
@@ -401,13 +481,14 @@ def _copy_into(output, single: bool, moved: list):
 def _sim_all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
     import torch
 
-    _check_groups(groups, "xm.all_reduce")
+    group = _group_of(groups, "xm.all_reduce")
     single = isinstance(inputs, torch.Tensor)
     tensors = [inputs] if single else list(inputs)
     if not tensors:
         return inputs
     cpu = _host_all_reduce(reduce_type, tensors, scale,
-                           f"all_reduce:{reduce_type}|{scale}|{_sig(tensors)}")
+                           f"all_reduce:{reduce_type}|{scale}|{_gsig(groups)}{_sig(tensors)}",
+                           group)
     t4 = time.perf_counter()
     moved = _to_device(cpu, tensors[0].device)
     if single:
@@ -422,13 +503,14 @@ def _sim_all_gather(value, dim=0, groups=None, output=None, pin_layout=True, cha
                     use_global_device_ids=None):
     import torch
 
-    _check_groups(groups, "xm.all_gather")
+    group = _group_of(groups, "xm.all_gather")
     single = isinstance(value, torch.Tensor)
     tensors = [value] if single else list(value)
-    _materialize()
-    cpu = [t.detach().to("cpu").contiguous() for t in tensors]
-    seq = _arrive("all_gather", f"{dim}|{_sig(tensors)}", cpu)
-    results = [torch.cat(_collect(seq, i, c), dim=dim if dim >= 0 else c.dim() + dim)
+    with _host_exchange():
+        _materialize()
+        cpu = [t.detach().to("cpu").contiguous() for t in tensors]
+        seq = _arrive("all_gather", f"{dim}|{_gsig(groups)}{_sig(tensors)}", cpu)
+    results = [torch.cat(_collect(seq, i, c, group), dim=dim if dim >= 0 else c.dim() + dim)
                for i, c in enumerate(cpu)]
     moved = _to_device(results, tensors[0].device)
     if output is not None:
@@ -441,17 +523,20 @@ def _sim_reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, gro
                         use_global_device_ids=None):
     import torch
 
-    n = _World.size
-    _check_groups(groups, "xm.reduce_scatter")
+    group = _group_of(groups, "xm.reduce_scatter")
+    n = len(group)
     if shard_count != n:
-        raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}) on {n} simulated "
-                         f"cores: shard_count must equal the world size ({n})")
+        raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}) on {_World.size} "
+                         f"simulated cores (groups={groups}): shard_count must equal the "
+                         f"number of replicas in a group ({n})")
     single = isinstance(input, torch.Tensor)
     tensors = [input] if single else list(input)
     reduced = _host_all_reduce(
         reduce_type, tensors, scale,
-        f"reduce_scatter:{reduce_type}|{scale}|{scatter_dim}|{_sig(tensors)}")
-    shards = [torch.chunk(c, n, dim=scatter_dim)[_World.rank].contiguous() for c in reduced]
+        f"reduce_scatter:{reduce_type}|{scale}|{scatter_dim}|{_gsig(groups)}{_sig(tensors)}",
+        group)
+    me = group.index(_World.rank)
+    shards = [torch.chunk(c, n, dim=scatter_dim)[me].contiguous() for c in reduced]
     moved = _to_device(shards, tensors[0].device)
     if output is not None:
         return _copy_into(output, single, moved)
@@ -462,10 +547,10 @@ def _sim_rendezvous(tag, payload=b"", replicas=[]):  # noqa: B006 (torch_xla's s
     import torch_xla
 
     n = _World.size
-    if replicas and sorted(replicas) != list(range(n)):
-        raise NotImplementedError(
-            f"xm.rendezvous(replicas={replicas}): only a rendezvous of all replicas is "
-            "supported (as on PJRT)")
+    if replicas and len(replicas) != n:
+        # torch_xla's PJRT rendezvous raises the same type
+        raise ValueError(f"Only global rendezvous is supported: xm.rendezvous(tag={tag!r}, "
+                         f"replicas={replicas}) names {len(replicas)} of the {n} replicas")
     if not isinstance(payload, bytes):
         raise TypeError(f"`payload` must be bytes, not {type(payload)}")
     torch_xla.sync()  # as torch_xla's rendezvous does

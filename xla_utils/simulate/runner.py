@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .caller import run_replicas
+from .spmd import FORMS, detect_form, run_spmd
 
 
 @contextlib.contextmanager
@@ -50,14 +51,29 @@ def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[No
 
 
 def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = (),
-               timeout: float | None = None) -> int:
-    """Run a torch_xla script as ``__main__`` with ``xmp.spawn`` / ``torch_xla.launch``
-    on ``cores`` simulated cores (``%run``-like; ``args`` become ``sys.argv[1:]``).
+               timeout: float | None = None, form: str = "auto") -> int:
+    """Run a torch_xla script as ``__main__`` on ``cores`` simulated cores
+    (``%run``-like; ``args`` become ``sys.argv[1:]``).
+
+    ``form``: ``"spawn"`` (``xmp.spawn`` / ``torch_xla.launch`` replicas with host
+    collectives), ``"spmd"`` (one fresh process with ``cores`` XLA:CPU devices,
+    see :mod:`.spmd`) or ``"auto"`` (SPMD if the script names an SPMD API such as
+    ``use_spmd`` or ``mark_sharding``; the SPMD choice is printed to stderr).
 
     Returns the script's exit status (0 when it ends normally or calls
     ``sys.exit(0)``); a replica's exception propagates as ``ReplicaError``.
     """
     path = str(path)
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}: use one of {FORMS}")
+    if form == "auto":
+        form, why = detect_form(path)
+        if form == "spmd":
+            print(f"xla_utils.simulate: running {path} as SPMD (one process with {cores} "
+                  f"XLA:CPU devices) because {why}; pass --form spawn (form='spawn') to "
+                  "run it as xmp.spawn replicas", file=sys.stderr, flush=True)
+    if form == "spmd":
+        return run_spmd(path, cores, args, timeout)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [path, *map(str, args)]
     sys.path.insert(0, str(Path(path).resolve().parent))
@@ -85,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         zygote_main(int(argv[1]))
         return 0
+    if argv[:1] == ["--spmd-child"]:
+        from .spmd import spmd_child_main
+
+        return spmd_child_main(int(argv[1]), argv[2], argv[3:])
     p = argparse.ArgumentParser(
         prog="python -m xla_utils.simulate",
         description="Run a torch_xla script (xmp.spawn / torch_xla.launch) on N simulated "
@@ -92,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=8, help="simulated cores: 1, 2, 4 or 8 (default 8)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds after which the replicas are killed (default: none)")
+    p.add_argument("--form", choices=FORMS, default="auto",
+                   help="spawn: xmp.spawn/torch_xla.launch replicas; spmd: one process with "
+                        "N XLA:CPU devices; auto (default): spmd if the script names an SPMD "
+                        "API (use_spmd, Mesh, mark_sharding, ...)")
     p.add_argument("script", help="path of the script to run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     ns = p.parse_args(argv)
@@ -100,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..runtime.replica import ReplicaError
 
     try:
-        return run_script(ns.script, cores=ns.cores, args=ns.args, timeout=ns.timeout)
+        return run_script(ns.script, cores=ns.cores, args=ns.args, timeout=ns.timeout,
+                          form=ns.form)
     except ReplicaError as exc:
         print(f"xla_utils.simulate: {exc}", file=sys.stderr)
         return 1
