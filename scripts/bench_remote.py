@@ -131,7 +131,8 @@ def _builds(a, tmp: Path) -> dict:
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")])}
-    procs = [start_ray_node(port, env, head_temp_dir=f"/tmp/xlr-{secrets.token_hex(3)}")]
+    temp = f"/tmp/xlr-{secrets.token_hex(3)}"
+    procs = [start_ray_node(port, env, head_temp_dir=temp)]
     address = f"127.0.0.1:{port}"
     try:
         time.sleep(3)
@@ -151,6 +152,7 @@ def _builds(a, tmp: Path) -> dict:
             ray.shutdown()
         for p in reversed(procs):
             stop(p)
+        shutil.rmtree(temp, ignore_errors=True)
     return rows
 
 
