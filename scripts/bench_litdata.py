@@ -6,8 +6,8 @@ litdata install (``--litdata DIR``), so that litdata never enters the stack's ow
 
 ``litdata.optimize`` writes the same uint8 ``size x size x 3`` noise images (and labels) as the
 benchmark into 16 MB chunks under ``--url`` on the emulator; then, per rep, a fresh ``StreamingDataset``
-(empty cache folder) + ``StreamingDataLoader`` (batch 128, or all images if fewer) reads a first epoch (downloads) and a second
-(local chunks). Prints one JSON object: build seconds and the images/s lists.
+(empty cache folder) + ``StreamingDataLoader`` (batch 128, or all images if fewer) reads a first epoch
+(downloads) and a second (local chunks). Prints one JSON object: build seconds and the images/s lists.
 """
 from __future__ import annotations
 
