@@ -7,34 +7,15 @@ gcsfs reaches it through ``STORAGE_EMULATOR_HOST``. No mock of gcsfs or of the s
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import uuid
 
 import pytest
 
+from local_servers import free_port, start_emulator, stop, wait_port
+
+__all__ = ["free_port"]  # test modules import it from here
+
 BUCKET = "xla-utils-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the process serving port {port} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {seconds} s")
 
 
 @pytest.fixture(scope="session")
@@ -47,11 +28,9 @@ def gcs_emulator():
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # else gcsfs waits 60 s on a gRPC probe
     pytest.importorskip("gcsfs")
     pytest.importorskip("gcp_storage_emulator")
-    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-                             "--port", str(port), "--in-memory", "--default-bucket", BUCKET],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = start_emulator(port, BUCKET)
     try:
-        _wait_port(port, proc, 60)
+        wait_port(port, proc, 60)
         import fsspec
 
         fsspec.filesystem("gs").invalidate_cache()
@@ -62,8 +41,4 @@ def gcs_emulator():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)

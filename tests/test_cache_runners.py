@@ -21,23 +21,11 @@ from PIL import Image
 from xla_utils.cache import CacheConfig, build_cache, read_manifest
 from xla_utils.cache.storage import Store, load_manifest
 
-from conftest import free_port
+from local_servers import free_port, ray_connect, start_ray_node, stop, wait_ray_nodes
 from slow_images import SlowImages
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    with __import__("contextlib").suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(8)
-    except subprocess.TimeoutExpired:
-        pass
-    with __import__("contextlib").suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # ray's daemons that outlived the TERM
-    proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -48,35 +36,16 @@ def ray_cluster(gcs_emulator):
     (that node's Ray id)."""
     ray = pytest.importorskip("ray")
     port = free_port()
-    ray_bin = str(Path(sys.executable).with_name("ray"))
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path,
            "RAY_USAGE_STATS_ENABLED": "0"}
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=80000000", "--block",
-              "--disable-usage-stats"]
-    temp = f"/tmp/xlr-{secrets.token_hex(3)}"
-    head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                             f"--temp-dir={temp}", *common], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    procs = [head]
+    procs = [start_ray_node(port, env, head_temp_dir=f"/tmp/xlr-{secrets.token_hex(3)}")]
     try:
         time.sleep(3)
-        procs.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *common], env=env,
-                                      start_new_session=True, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        procs.append(start_ray_node(port, env))
         address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
-        while sum(n["Alive"] for n in ray.nodes()) < 2:
-            assert time.monotonic() < deadline, "the second Ray node did not join"
-            time.sleep(0.5)
+        ray_connect(address)
+        wait_ray_nodes(2)
         head_node = ray.get_runtime_context().get_node_id()
         worker_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head_node)
         yield SimpleNamespace(address=address, worker=procs[1], worker_node=worker_node, env=env)
@@ -84,7 +53,7 @@ def ray_cluster(gcs_emulator):
         if ray.is_initialized():
             ray.shutdown()
         for p in reversed(procs):
-            _stop(p)
+            stop(p)
 
 
 @pytest.fixture(scope="module")
