@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -44,7 +45,20 @@ def caches(gcs_emulator, tmp_path_factory):
 
 
 def folder_bytes(path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    """Bytes of the files in ``path``, partial downloads included; a file renamed or
+    removed by the reader's download threads between the listing and its stat counts 0
+    (its bytes are counted under the new name, if it was listed after the rename)."""
+    total = 0
+    for p in path.iterdir():
+        if p.name.startswith("."):
+            continue
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
 
 
 def test_gs_dataset_returns_exactly_the_local_samples_and_order(caches, tmp_path):
