@@ -422,20 +422,6 @@ class _JobWatch:
                                  "killer", "ProcessDied"))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by the zygote) counts as dead.
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
 def _pid_exists(pid: int) -> bool:
     """Whether ``pid`` exists at all (a zombie not yet reaped does)."""
     try:
@@ -444,6 +430,16 @@ def _pid_exists(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (exited, not yet reaped by the zygote)."""
+    if not _pid_exists(pid):
+        return False
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
