@@ -35,7 +35,7 @@ _CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size",
 # Config fields the optimizer state and the one-cycle schedule depend on: a
 # resumed run with any of them changed would not continue the same run.
 _RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_factor",
-                 "final_div_factor", "moms", "lr_scaling", "mean", "std")
+                 "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema")
 
 
 def _epoch_of(path: Path) -> int | None:
@@ -229,7 +229,7 @@ def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch
 def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any, *, epoch: int,
                     history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
                     steps_per_epoch: int, run_id: str, host_state: dict | None,
-                    initial_loss: float | None) -> None:
+                    initial_loss: float | None, ema: dict | None = None) -> None:
     """Write this run's epoch checkpoint from every replica; keep its newest files.
 
     Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
@@ -248,6 +248,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
         run_id: Names this run's files.
         host_state: A host copy of the weights to save instead of the model's.
         initial_loss: The untrained model's loss at the run's first step.
+        ema: The EMA weights (``cfg.ema`` set), saved under ``"ema"``.
     """
     directory = Path(cfg.checkpoint_dir)
     state = {
@@ -258,6 +259,8 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
         "optimizer_name": _optimizer_name(cfg.optimizer),
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
     }
+    if ema is not None:
+        state["ema"] = ema
     runtime.save(state, directory / f"epoch_{epoch:03d}-{run_id}.pt")
     if runtime.is_master():
         # Only this run's files, ranked by epoch number: a rerun into the same

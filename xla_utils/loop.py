@@ -110,6 +110,9 @@ class Setup:
         start_epoch: First epoch to run (0, or the resumed checkpoint's epoch).
         history: Per-epoch records so far (the resumed checkpoint's).
         autocast: The forward/backward autocast context (bf16 when configured).
+        accum_steps: Micro-batches per optimizer step.
+        ema: The :class:`~xla_utils.ema.DeviceEMA` (``cfg.ema`` set) or None.
+        mix: The :class:`~xla_utils.mixup.DeviceMix` (mixup/cutmix/smoothing on) or None.
     """
 
     model: torch.nn.Module
@@ -127,6 +130,9 @@ class Setup:
     start_epoch: int
     history: list[dict[str, Any]]
     autocast: Any
+    accum_steps: int = 1
+    ema: Any = None
+    mix: Any = None
 
 
 @dataclass
@@ -154,7 +160,7 @@ class TrainState:
 
 
 def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
-           ckpt: dict | None) -> Setup:
+           ckpt: dict | None, mix: Any = None) -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
 
     Args:
@@ -162,9 +168,10 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
         cfg: The trainer's :class:`~xla_utils.trainer.TrainerConfig`.
         train_data: The training dataset (sets the steps per epoch).
         base_lr: ``max_lr`` for ``lr_world`` cores.
-        lr_world: The world size ``base_lr`` is meant for (1, or the world
-            ``lr_find`` measured for).
+        lr_world: The global-batch multiple ``base_lr`` is meant for (1, or the
+            cores x accum_steps ``lr_find`` measured for).
         ckpt: A checkpoint to resume from, or ``None``.
+        mix: The run's :class:`~xla_utils.mixup.MixConfig`, or None.
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
@@ -172,19 +179,25 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
     """
     from .checkpoint import ResumeError
 
+    from .ema import DeviceEMA
+    from .mixup import DeviceMix
+
     ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
+    k = cfg.accum_steps
+    ema_from = None if cfg.ema is None else copy.deepcopy(model).cpu()  # before it moves
     model = replica_model(model, dev, None if ckpt is None else ckpt["model"])
     rule = cfg.scaling_rule
-    max_lr = scale_lr(base_lr, ws, rule) / scale_lr(1.0, lr_world, rule)
+    max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
     how = f"{rule} scaling" if lr_world == 1 else \
         f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
     runtime.master_print(
-        f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core = "
-        f"{ws * cfg.batch_size} global batch; max_lr {base_lr:.3g} x "
+        f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core"
+        + (f" x {k} accumulated" if k > 1 else "") + f" = "
+        f"{ws * cfg.batch_size * k} global batch; max_lr {base_lr:.3g} x "
         f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})")
     opt = make_optimizer(cfg.optimizer, model.parameters(), lr=max_lr / cfg.div_factor,
                          weight_decay=cfg.weight_decay)
-    steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True))
+    steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True)) // k
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
                              pct_start=cfg.pct_start, div_factor=cfg.div_factor,
                              final_div_factor=cfg.final_div_factor, moms=cfg.moms)
@@ -200,10 +213,14 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
         opt.load_state_dict(ckpt["optimizer"])
         start_epoch, history = ckpt["epoch"], list(ckpt["history"])
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    ema = None if cfg.ema is None else DeviceEMA(
+        ema_from, cfg.ema, start_epoch * steps_per_epoch, dev,
+        state=None if ckpt is None else ckpt.get("ema", ckpt["model"]))
     return Setup(model=model, opt=opt, sched=sched, world_size=ws, rank=rk, device=dev,
                  base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
-                 autocast=autocast)
+                 autocast=autocast, accum_steps=k, ema=ema,
+                 mix=None if mix is None else DeviceMix(mix, dev))
 
 
 @dataclass
@@ -248,7 +265,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     Returns:
         The epoch's :class:`EpochResult`.
     """
-    spe, model, opt = s.steps_per_epoch, s.model, s.opt
+    spe, model, opt, k = s.steps_per_epoch, s.model, s.opt, s.accum_steps
     runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
     model.train()
     t0 = time.perf_counter()
@@ -259,25 +276,34 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     lr_last = s.sched.lr(state.step)
     train_loss = math.nan
     it = runtime.device_prefetch(batches)
-    for i, (x, y, _valid) in zip(progress if progress is not None else range(spe), it):
+    for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
         x = prepare_input(x, cfg, True, inputs)
-        lr_last = s.sched.apply(opt, state.step)
-        opt.zero_grad(set_to_none=True)
+        if s.mix is not None:
+            x, y = s.mix(x, y)
+        i, last = divmod(m, k)[0], m % k == k - 1  # i: optimizer step in the epoch
+        if m % k == 0:
+            lr_last = s.sched.apply(opt, state.step)
+            opt.zero_grad(set_to_none=True)
         with s.autocast:
             loss = train_step(model, (x, y), loss_fn)
-        loss.backward()
-        runtime.optimizer_step(opt)
+        (loss / k if k > 1 else loss).backward()
+        if last:
+            runtime.optimizer_step(opt)
+            if s.ema is not None:
+                s.ema.update(model)
         loss_sum = loss_sum + loss.detach().float()
         runtime.sync()
+        if not last:
+            continue
         state.step += 1
         if state.step == 1:
             state.initial_loss = runtime.all_reduce(float(loss.detach().float().cpu()), op="mean")
         if (i + 1) % cfg.log_every == 0 or i + 1 == spe:
             # Every rank reads and the mean is exchanged on the host, so all
             # ranks see the same value and stop at the same step.
-            train_loss = runtime.all_reduce(float(loss_sum.cpu()) / (i + 1), op="mean")
+            train_loss = runtime.all_reduce(float(loss_sum.cpu()) / (m + 1), op="mean")
             if progress is not None:
-                seen = (i + 1) * cfg.batch_size * s.world_size
+                seen = (m + 1) * cfg.batch_size * s.world_size
                 progress.comment = (f"loss {train_loss:.4f}  "
                                     f"{seen / (time.perf_counter() - t0):.0f} img/s")
             if not math.isfinite(train_loss) and not state.diverged:
@@ -289,6 +315,8 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                 if cfg.on_nan == "stop":
                     state.stop_reason = msg
                     break
+    if hasattr(it, "close"):
+        it.close()  # micro-batches beyond the last full accumulation group are not used
     return EpochResult(train_loss=train_loss, lr_last=lr_last,
                        to_host=runtime.xla_counters()["to_host"] - to_host0,
                        seconds=time.perf_counter() - t0)

@@ -32,9 +32,11 @@ from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_
                          resolve_resume, save_checkpoint)
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
+from .ema import check_ema
 from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
                      require_labels, shape_mismatch)
 from .loop import scale_lr
+from .mixup import check_mix_options, mix_config_for
 from .optim import resolve_optimizer
 
 if TYPE_CHECKING:
@@ -97,6 +99,16 @@ class TrainerConfig:
             else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
             on XLA:CPU, which writes entries but cannot load them); ``None`` off.
             See :mod:`xla_utils.runtime.compile_cache`.
+        accum_steps: Micro-batches accumulated per optimizer step (default 1): global
+            batch = batch_size x cores x accum_steps; the LR is scaled by that global
+            batch and the one-cycle schedule counts optimizer steps.
+        ema: Decay of a weight EMA updated on the device after every optimizer step
+            (timm ``ModelEmaV3`` with warm-up, see :mod:`xla_utils.ema`); validation,
+            ``evaluate`` and ``predict`` then use the EMA weights. Default None (off).
+        mixup, cutmix: Beta alphas of timm-style mixup / cutmix on the device (0 = off,
+            the default; usual 0.2 and 1.0; both on: one of them per batch).
+        label_smoothing: Soft-target smoothing in [0, 1) (default 0). With any of these
+            three the loss gets [B, C] probability targets (see :mod:`xla_utils.mixup`).
     """
 
     batch_size: int = 32
@@ -121,6 +133,11 @@ class TrainerConfig:
     num_workers: int | None = None
     on_nan: str = "stop"
     compile_cache: str | os.PathLike | bool | None = "auto"
+    accum_steps: int = 1
+    ema: float | None = None
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -140,6 +157,12 @@ class TrainerConfig:
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime._check_compile_cache_option(self.compile_cache)
+        if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
+                or self.accum_steps < 1:
+            raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step; "
+                             f"1 = no accumulation), got {self.accum_steps!r}")
+        check_ema(self.ema)
+        check_mix_options(self.mixup, self.cutmix, self.label_smoothing, self.batch_size)
 
     @property
     def scaling_rule(self) -> str:
@@ -173,6 +196,7 @@ class History:
             replica): its state and folder, how many graphs were loaded from it
             and how many compiled (see ``TrainerConfig.compile_cache``), or why
             it was off. ``str(history)`` shows it unless it was deliberately off.
+        ema_state_dict: The final EMA weights on the CPU (``ema`` set), else empty.
     """
 
     epochs: list[dict[str, Any]]
@@ -188,6 +212,7 @@ class History:
     warnings: list[str] = field(default_factory=list)
     run_id: str | None = None
     compile_cache: str | None = None
+    ema_state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.epochs[i]
@@ -274,6 +299,8 @@ class OneCycleTrainer:
         self.lr_finder_result = None
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
+        self.ema_state: dict[str, torch.Tensor] | None = None  # EMA weights of the last fit
+        self._mix = None  # the fit run's MixConfig (set by fit on the host)
         # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
         # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
         runtime._prestart_if_simulation_likely()
@@ -370,7 +397,9 @@ class OneCycleTrainer:
                           "the same DebugReport", DeprecationWarning, stacklevel=2)
             return self._debug(inputs["train"][1])
         world = _planned_world_size(cores, simulate)
-        check_batches(self.train_data, cfg.batch_size, world)
+        check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
+        self._mix = mix_config_for(cfg, self.loss, self.model, *inputs["train"],
+                                   self._prepare(inputs["train"][1], train=False), self.eval_step)
         ckpt = None
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
@@ -378,7 +407,7 @@ class OneCycleTrainer:
             # the replica compares cores and steps per epoch there.
             exact = cores == 1 or simulate is not None or runtime.backend() != "xla"
             check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
-                         len(self.train_data) // (cfg.batch_size * world))
+                         len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps)
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
         else:
             base_lr, lr_world = self._new_run_lr(max_lr, simulate, world)
@@ -391,6 +420,7 @@ class OneCycleTrainer:
             self.model.load_state_dict(out.state_dict)
             self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
                                                       else self._epochs_trained)
+            self.ema_state = out.ema_state_dict or None
         for w in out.warnings:
             warnings.warn(w, RuntimeWarning, stacklevel=2)
         return out
@@ -438,20 +468,20 @@ class OneCycleTrainer:
         # of the per-core batch are exactly one k-core step's gradient, so
         # the answer needs no scaling rule on top of the finder's rule.
         res = self.find_lr(simulate=1 if simulate is not None else None,
-                           accum_steps=world, epochs=cfg.epochs)
+                           accum_steps=world * cfg.accum_steps, epochs=cfg.epochs)
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
             raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
                                "pass max_lr=<number> or look at "
                                "trainer.lr_finder_result.plot()")
         print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
-              f"{res.batch_size} ({cfg.batch_size} x {world} micro-batches on one "
+              f"{res.batch_size} ({cfg.batch_size} x {world * cfg.accum_steps} micro-batches on one "
               f"core, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
         if not res.confident:
             warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
                           f"{base_lr:.3g} anyway; check trainer.lr_finder_result.plot() "
                           "and pass fit(max_lr=<number>)", RuntimeWarning, stacklevel=3)
-        return base_lr, world
+        return base_lr, world * cfg.accum_steps
 
     def predict(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                 batch_size: int | None = None, activation: str | None = "auto",
@@ -544,7 +574,7 @@ class OneCycleTrainer:
             if why is not None:
                 raise ValueError(why)
         views = self._tta_views(data, tta, spec.shape)
-        model = self.model if weights is None else model_with_weights(self.model, weights)
+        model = self.eval_model() if weights is None else model_with_weights(self.model, weights)
         fed = spec.feed(data)
         return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
@@ -624,14 +654,15 @@ class OneCycleTrainer:
         cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
         counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                        ckpt=ckpt)
+                        ckpt=ckpt, mix=self._mix)
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                                 initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
         master_bar, progress_bar = runtime.progress_bars()
         epochs = range(s.start_epoch, cfg.epochs)
         mb = master_bar(epochs) if runtime.is_master() else None
         for epoch in (mb if mb is not None else epochs):
-            pb = progress_bar(range(s.steps_per_epoch), parent=mb) if mb is not None else None
+            pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
+                              parent=mb) if mb is not None else None
             batches = loop.loader(train_data, cfg, world_size=s.world_size, rank=s.rank,
                                   epoch=epoch, train=True)
             res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
@@ -651,12 +682,13 @@ class OneCycleTrainer:
             if cfg.checkpoint_dir is not None:
                 runtime.save(final, Path(cfg.checkpoint_dir) / "final.pt")
         return History(epochs=s.history, world_size=s.world_size,
-                       global_batch=s.world_size * cfg.batch_size, base_lr=s.base_lr,
+                       global_batch=s.world_size * cfg.batch_size * s.accum_steps, base_lr=s.base_lr,
                        max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
                        backend=runtime.backend(), state_dict=final, stop_reason=state.stop_reason,
                        warnings=state.warnings, run_id=run_id,
                        compile_cache=runtime._compile_cache_summary(cache, counters0,
-                                                                    runtime.xla_counters()))
+                                                                    runtime.xla_counters()),
+                       ema_state_dict={} if s.ema is None else s.ema.state_dict())
 
     def _epoch_record(self, epoch: int, s: loop.Setup, state: loop.TrainState,
                       res: loop.EpochResult, val: tuple[Any, InputSpec] | None) -> dict[str, Any]:
@@ -665,7 +697,7 @@ class OneCycleTrainer:
         cfg = self.config
         record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
         if val is not None:
-            metrics = loop.evaluate(s.model, loop.loader(val[0], cfg, world_size=s.world_size,
+            metrics = loop.evaluate(s.model if s.ema is None else s.ema.module, loop.loader(val[0], cfg, world_size=s.world_size,
                                                          rank=s.rank, epoch=epoch, train=False),
                                     cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
                                     autocast=s.autocast, dev=s.device, inputs=val[1])
@@ -676,7 +708,8 @@ class OneCycleTrainer:
                 runtime.master_print(msg)
                 state.warnings.append(msg)
         record.update(lr_max=s.max_lr, lr_last=res.lr_last,
-                      images_per_s=s.steps_per_epoch * cfg.batch_size * s.world_size / res.seconds,
+                      images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
+                      / res.seconds,
                       compiles=runtime.xla_counters()["compiles"],
                       host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
         return record
@@ -694,10 +727,26 @@ class OneCycleTrainer:
             save_checkpoint(s.model, s.opt, cfg, epoch=epoch + 1, history=s.history,
                             base_lr=s.base_lr, lr_world=s.lr_world, world_size=s.world_size,
                             steps_per_epoch=s.steps_per_epoch, run_id=run_id,
-                            host_state=state.finite_state, initial_loss=state.initial_loss)
+                            host_state=state.finite_state, initial_loss=state.initial_loss,
+                            ema=None if s.ema is None else s.ema.state_dict())
         else:
             runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                                  "(non-finite loss); older checkpoints are kept")
+
+    def eval_weights(self) -> dict[str, torch.Tensor]:
+        """The weights ``evaluate``/``predict`` use: the last fit's EMA weights when
+        ``ema`` is set (and a fit ran), else ``self.model``'s."""
+        return self.ema_state if self.ema_state else self.model.state_dict()
+
+    def eval_model(self) -> torch.nn.Module:
+        """``self.model``, or a copy holding the EMA weights (see :meth:`eval_weights`)."""
+        if not self.ema_state:
+            return self.model
+        import copy
+
+        net = copy.deepcopy(self.model)
+        net.load_state_dict(self.ema_state)
+        return net
 
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""

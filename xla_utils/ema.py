@@ -1,0 +1,103 @@
+"""Weight EMA on the device, as timm's ``ModelEmaV3(model, decay, use_warmup=True)``.
+
+``OneCycleTrainer(..., ema=0.999)`` keeps an exponential moving average of the
+model's floating-point parameters and buffers (integer buffers such as
+BatchNorm's ``num_batches_tracked`` are copied), updated after every optimizer
+step inside the step's graph. The decay warms up as timm's ``ModelEmaV3`` with
+``use_warmup=True`` and its defaults (``warmup_gamma=1``, ``warmup_power=2/3``,
+``update_after_step=0``, ``min_decay=0``): after optimizer step ``n`` (1-based)
+
+    ``decay(n) = 0`` for ``n <= 1`` (the EMA starts as a copy),
+    ``decay(n) = min(ema, 1 - (1 + (n - 1)) ** (-2/3))`` afterwards,
+
+so short runs average over their recent steps and long ones reach ``ema``.
+The step count lives on the device (device data, updated in the graph), so the
+decay never compiles in as a constant. ``evaluate``/``predict`` and the
+validation of each epoch use the EMA weights; checkpoints hold them (key
+``"ema"``) and a resumed run continues them exactly.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+__all__ = ["WARMUP_GAMMA", "WARMUP_POWER", "check_ema", "ema_decay", "DeviceEMA"]
+
+WARMUP_GAMMA = 1.0
+WARMUP_POWER = 2.0 / 3.0
+
+
+def check_ema(decay: Any) -> None:
+    """Refuse a bad ``ema`` setting (``TrainerConfig`` calls it).
+
+    Raises:
+        ValueError: ``decay`` is not a number in (0, 1).
+    """
+    if decay is None:
+        return
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        raise ValueError(f"ema is the EMA decay per optimizer step and must be in (0, 1) "
+                         f"(usual 0.999 or 0.9999; None = off), got {decay!r}")
+
+
+def ema_decay(decay: float, step: int) -> float:
+    """The decay used after optimizer step ``step`` (1-based), as timm's
+    ``ModelEmaV3(decay=decay, use_warmup=True).get_decay(step)``."""
+    s = max(0, step - 1)
+    if s <= 0:
+        return 0.0
+    return max(min(1 - (1 + s / WARMUP_GAMMA) ** -WARMUP_POWER, decay), 0.0)
+
+
+class DeviceEMA:
+    """The EMA copy of a replica's model, updated on its device.
+
+    Args:
+        model: The replica's model (already on ``dev``).
+        decay: The target decay (``TrainerConfig.ema``).
+        step: Optimizer steps already done (0, or the resumed run's).
+        dev: The replica's device.
+        state: The EMA weights to start from (a resumed checkpoint's), or None
+            (a copy of ``model``).
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float, step: int, dev: torch.device,
+                 state: dict[str, torch.Tensor] | None = None):
+        from . import runtime
+
+        self.decay = float(decay)
+        self.module = copy.deepcopy(model).eval()
+        if state is not None:
+            self.module.load_state_dict(state)
+        self.module.to(dev)
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        # Device data: the count and decay change every step without recompiling.
+        self._step = runtime.to_device(torch.tensor(float(step)), dev)
+        self._max = runtime.to_device(torch.tensor(self.decay), dev)
+
+    def _pairs(self, model: torch.nn.Module):
+        mine = list(self.module.parameters()) + list(self.module.buffers())
+        theirs = list(model.parameters()) + list(model.buffers())
+        return zip(mine, theirs)
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """One EMA step after an optimizer step of ``model`` (no sync: it joins the step's graph)."""
+        self._step = self._step + 1
+        s = (self._step - 1).clamp_min(0)
+        warm = 1 - (1 + s / WARMUP_GAMMA) ** -WARMUP_POWER
+        decay = torch.where(s <= 0, torch.zeros_like(s), torch.minimum(warm, self._max).clamp_min(0))
+        weight = 1 - decay
+        for e, m in self._pairs(model):
+            if e.is_floating_point():
+                e.lerp_(m.detach().to(e.dtype), weight.to(e.dtype))
+            else:
+                e.copy_(m)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The EMA weights (on the device)."""
+        return self.module.state_dict()
+

@@ -1,0 +1,291 @@
+"""Mixup, cutmix and label smoothing on the device, as timm's ``Mixup`` (``mode="batch"``).
+
+``OneCycleTrainer(..., mixup=0.2, cutmix=1.0, label_smoothing=0.1)`` mixes every
+training batch on the device after normalisation: one ``lam`` per batch drawn
+from ``Beta(alpha, alpha)`` with the device RNG (when both are on, cutmix is
+chosen with probability 0.5 per batch, as timm's ``switch_prob``), the batch
+mixed with its reverse (``x.flip(0)``), the cutmix box pasted through a mask
+(fixed shapes: no slicing by drawn numbers) and ``lam`` corrected to the box
+area (timm's ``correct_lam=True``). Targets become soft targets
+(:func:`soft_targets`): one-hot with ``label_smoothing`` (``1 - s + s/C`` on,
+``s/C`` off) for class indices, ``y (1 - s) + s/2`` for multi-hot rows, mixed
+with the same ``lam``. ``nn.CrossEntropyLoss`` and ``nn.BCEWithLogitsLoss``
+accept such targets as they are (timm's ``SoftTargetCrossEntropy``).
+
+Every random number comes from the device RNG and every branch is computed
+with ``torch.where``, so each step runs the same graph (no recompiles, no host
+reads). The Beta draws use :func:`sample_gamma` (Marsaglia-Tsang with a fixed
+number of vectorised candidates).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["MixConfig", "check_mix_options", "check_mix_loss", "sample_gamma", "sample_beta",
+           "soft_targets", "cutmix_box", "mix_batch", "DeviceMix", "SOFT_TARGET_LOSSES",
+           "mix_config_for"]
+
+# Candidates per Gamma draw: Marsaglia-Tsang accepts >= 95% of them, so all
+# GAMMA_CANDIDATES are rejected with probability < 0.05 ** 16 (about 1e-21).
+GAMMA_CANDIDATES = 16
+SWITCH_PROB = 0.5  # timm's default chance of cutmix per batch when both are on
+
+# Losses that take [B, C] probability targets as they are.
+SOFT_TARGET_LOSSES = ("CrossEntropyLoss", "BCEWithLogitsLoss", "SoftTargetCrossEntropy",
+                      "BinaryCrossEntropy", "cross_entropy", "binary_cross_entropy_with_logits")
+
+
+@dataclass(frozen=True)
+class MixConfig:
+    """What :class:`DeviceMix` does to each training batch.
+
+    Attributes:
+        mixup: Beta alpha of mixup (0 = off).
+        cutmix: Beta alpha of cutmix (0 = off).
+        label_smoothing: Target smoothing ``s`` in [0, 1).
+        num_classes: Output width (the one-hot width for class-index targets).
+        multilabel: Targets are multi-hot float rows ``[B, C]``.
+    """
+
+    mixup: float
+    cutmix: float
+    label_smoothing: float
+    num_classes: int
+    multilabel: bool = False
+
+
+def check_mix_options(mixup: Any, cutmix: Any, label_smoothing: Any, batch_size: int) -> None:
+    """Refuse bad mixup/cutmix/label-smoothing settings (``TrainerConfig`` calls it).
+
+    Raises:
+        ValueError: a negative or non-numeric alpha, ``label_smoothing`` outside
+            [0, 1), or an odd ``batch_size`` with mixup/cutmix on.
+    """
+    for name, v in (("mixup", mixup), ("cutmix", cutmix)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                or not math.isfinite(v):
+            raise ValueError(f"{name} must be a Beta alpha >= 0 (0 = off; timm's usual values: "
+                             f"mixup=0.2 or 0.8, cutmix=1.0), got {v!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0 <= label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1) (0 = off, usual 0.1), got "
+                         f"{label_smoothing!r}")
+    if (mixup > 0 or cutmix > 0) and batch_size % 2:
+        raise ValueError(f"mixup/cutmix pair each sample with the batch's reverse and need an even "
+                         f"batch_size (per core), got {batch_size}: use batch_size="
+                         f"{batch_size + 1} or {max(batch_size - 1, 2)}")
+
+
+def check_mix_loss(loss: Callable, targets_kind: str, input_shape: tuple | None,
+                   cutmix: float) -> None:
+    """Refuse mixing that cannot work, before any device time.
+
+    Args:
+        loss: The trainer's loss.
+        targets_kind: ``"index"`` (class indices), ``"multihot"`` or ``"other"``
+            (regression or anything else).
+        input_shape: One sample's input shape (None: unknown).
+        cutmix: The cutmix alpha.
+
+    Raises:
+        ValueError: regression targets, a loss that does not take soft targets, or
+            cutmix on inputs that are not images.
+    """
+    name = getattr(loss, "__name__", None)
+    if not isinstance(name, str):
+        name = type(loss).__name__
+    if targets_kind == "other":
+        raise ValueError("mixup/cutmix/label_smoothing need classification targets (class indices "
+                         "or multi-hot rows); these targets look like regression. Fix: mixup=0, "
+                         "cutmix=0, label_smoothing=0")
+    if name not in SOFT_TARGET_LOSSES and not getattr(loss, "soft_targets", False):
+        raise ValueError(f"mixup/cutmix/label_smoothing turn targets into [B, C] probabilities, "
+                         f"which the loss {name} does not take (a regression or hard-label loss). "
+                         "Fix: loss=nn.CrossEntropyLoss() (single-label) or nn.BCEWithLogitsLoss() "
+                         "(multi-label), mark a custom soft-target loss with "
+                         "loss.soft_targets = True, or set mixup=0, cutmix=0, label_smoothing=0")
+    if cutmix > 0 and input_shape is not None and len(input_shape) != 3:
+        raise ValueError(f"cutmix pastes boxes into images [C, H, W]; these inputs have shape "
+                         f"{tuple(input_shape)}. Fix: cutmix=0 (mixup works on any input)")
+
+
+def sample_gamma(alpha: torch.Tensor, candidates: int = GAMMA_CANDIDATES) -> torch.Tensor:
+    """``Gamma(alpha, 1)`` draws, one per element of ``alpha``, from the RNG of ``alpha``'s device.
+
+    Marsaglia and Tsang (2000) with ``candidates`` vectorised proposals per draw
+    (the first accepted one is kept) and the ``alpha < 1`` boost
+    ``Gamma(alpha) = Gamma(alpha + 1) U^(1/alpha)``: fixed shapes, no host reads.
+
+    Args:
+        alpha: float tensor of shape parameters (> 0), any shape.
+        candidates: Proposals per draw (default 16).
+
+    Returns:
+        float32 tensor shaped like ``alpha``.
+    """
+    a = alpha.float()
+    boost = a < 1
+    a1 = torch.where(boost, a + 1, a)
+    d = (a1 - 1.0 / 3.0).unsqueeze(-1)
+    c = 1.0 / torch.sqrt(9.0 * d)
+    shape = tuple(a.shape) + (candidates,)
+    x = torch.randn(shape, device=a.device)
+    u = torch.rand(shape, device=a.device)
+    v = (1 + c * x) ** 3
+    vpos = v.clamp_min(1e-30)
+    ok = (v > 0) & (torch.log(u.clamp_min(1e-30)) < 0.5 * x * x + d - d * vpos + d * torch.log(vpos))
+    first = ok & (torch.cumsum(ok.to(torch.int32), dim=-1) == 1)
+    g = torch.where(first, d * vpos, torch.zeros_like(vpos)).sum(-1)
+    g = torch.where(ok.any(-1), g, d.squeeze(-1))  # never in practice: the mean instead
+    ub = torch.rand(tuple(a.shape), device=a.device).clamp_min(1e-30)
+    return torch.where(boost, g * ub ** (1.0 / a), g)
+
+
+def sample_beta(alpha: torch.Tensor) -> torch.Tensor:
+    """``Beta(alpha, alpha)`` draws (one per element of ``alpha``) as ``G1 / (G1 + G2)``."""
+    g = sample_gamma(torch.stack([alpha, alpha]))
+    return g[0] / (g[0] + g[1]).clamp_min(1e-30)
+
+
+def soft_targets(y: torch.Tensor, num_classes: int, smoothing: float,
+                 multilabel: bool) -> torch.Tensor:
+    """timm's smoothed targets before mixing: one-hot ``1 - s + s/C`` / ``s/C`` for class
+    indices, ``y (1 - s) + s/2`` for multi-hot rows (float32 ``[B, C]``)."""
+    if multilabel:
+        return y.float() * (1.0 - smoothing) + 0.5 * smoothing if smoothing else y.float()
+    off = smoothing / num_classes
+    on = 1.0 - smoothing + off
+    hit = y.long().view(-1, 1) == torch.arange(num_classes, device=y.device).view(1, -1)
+    return torch.where(hit, torch.full_like(hit, on, dtype=torch.float32),
+                       torch.full_like(hit, off, dtype=torch.float32))
+
+
+def cutmix_box(lam: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, h: int, w: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """timm's ``rand_bbox`` for the drawn centre ``(cy, cx)`` (integer tensors):
+    ``(yl, yh, xl, xh)`` as int tensors, the box of side ``sqrt(1 - lam)`` of the image."""
+    ratio = torch.sqrt((1 - lam).clamp_min(0))
+    cut_h = torch.floor(h * ratio).long()
+    cut_w = torch.floor(w * ratio).long()
+    yl = (cy - torch.div(cut_h, 2, rounding_mode="floor")).clamp(0, h)
+    yh = (cy + torch.div(cut_h + 1, 2, rounding_mode="floor")).clamp(0, h)
+    xl = (cx - torch.div(cut_w, 2, rounding_mode="floor")).clamp(0, w)
+    xh = (cx + torch.div(cut_w + 1, 2, rounding_mode="floor")).clamp(0, w)
+    return yl, yh, xl, xh
+
+
+def mix_batch(x: torch.Tensor, y_soft: torch.Tensor, lam: torch.Tensor,
+              use_cutmix: torch.Tensor | bool, cy: torch.Tensor | None = None,
+              cx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mix a batch with its reverse as timm's ``Mixup._mix_batch`` + ``mixup_target``.
+
+    Args:
+        x: float inputs ``[B, ...]`` (``[B, C, H, W]`` for cutmix).
+        y_soft: float targets ``[B, C]`` (see :func:`soft_targets`).
+        lam: 0-d float tensor, the drawn mixing weight.
+        use_cutmix: 0-d bool tensor (or a Python bool) choosing cutmix over mixup.
+        cy, cx: 0-d integer tensors, the cutmix box centre (needed unless
+            ``use_cutmix is False``).
+
+    Returns:
+        ``(x_mixed, y_mixed)``; with cutmix ``lam`` is corrected to ``1 - box area / (H W)``.
+    """
+    xf = x.flip(0)
+    if use_cutmix is False:
+        x_out, lam_eff = x * lam + xf * (1.0 - lam), lam
+    else:
+        h, w = x.shape[-2], x.shape[-1]
+        yl, yh, xl, xh = cutmix_box(lam, cy, cx, h, w)
+        rows = torch.arange(h, device=x.device).view(h, 1)
+        cols = torch.arange(w, device=x.device).view(1, w)
+        box = (rows >= yl) & (rows < yh) & (cols >= xl) & (cols < xh)
+        x_cut = torch.where(box, xf, x)
+        lam_cut = 1.0 - ((yh - yl) * (xh - xl)).float() / float(h * w)
+        if use_cutmix is True:
+            x_out, lam_eff = x_cut, lam_cut
+        else:
+            x_out = torch.where(use_cutmix, x_cut, x * lam + xf * (1.0 - lam))
+            lam_eff = torch.where(use_cutmix, lam_cut, lam)
+    lam_eff = lam_eff.to(y_soft.dtype)
+    return x_out.to(x.dtype), y_soft * lam_eff + y_soft.flip(0) * (1.0 - lam_eff)
+
+
+class DeviceMix:
+    """``(x, y) -> (x mixed, soft targets)`` for one training batch, all on the device.
+
+    Args:
+        cfg: The :class:`MixConfig`.
+        dev: The replica's device (the alphas live there as device data).
+    """
+
+    def __init__(self, cfg: MixConfig, dev: torch.device):
+        from . import runtime
+
+        self.cfg = cfg
+        # Device data, not constants: the graph is the same whatever the values.
+        self._alphas = runtime.to_device(torch.tensor([cfg.mixup or 1.0, cfg.cutmix or 1.0]), dev)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        y_soft = soft_targets(y, cfg.num_classes, cfg.label_smoothing, cfg.multilabel)
+        if not (cfg.mixup > 0 or cfg.cutmix > 0):
+            return x, y_soft
+        lams = sample_beta(self._alphas)  # [mixup lam, cutmix lam]
+        u = torch.rand(3, device=x.device)
+        if cfg.mixup > 0 and cfg.cutmix > 0:
+            use_cutmix: torch.Tensor | bool = u[0] < SWITCH_PROB
+            lam = torch.where(use_cutmix, lams[1], lams[0])
+        else:
+            use_cutmix = cfg.cutmix > 0
+            lam = lams[1] if use_cutmix else lams[0]
+        cy = cx = None
+        if use_cutmix is not False:
+            h, w = x.shape[-2], x.shape[-1]
+            cy = torch.floor(u[1] * h).long().clamp(0, h - 1)
+            cx = torch.floor(u[2] * w).long().clamp(0, w - 1)
+        return mix_batch(x, y_soft, lam, use_cutmix, cy, cx)
+
+
+def mix_config_for(cfg: Any, loss: Callable, model: torch.nn.Module, data, spec: Any,
+                   prepare: Callable, eval_step: Callable) -> MixConfig | None:
+    """The :class:`MixConfig` of a fit run (None when mixup, cutmix and label smoothing
+    are off), found and checked on the host before any device time.
+
+    Args:
+        cfg: The trainer's configuration (``mixup``, ``cutmix``, ``label_smoothing``).
+        loss, model, eval_step: The trainer's.
+        data: The training data as the loader collates it.
+        spec: Its :class:`~xla_utils.inputs.InputSpec`.
+        prepare: ``x -> model input`` (to measure the output width on the host).
+
+    Raises:
+        ValueError: see :func:`check_mix_loss`; or the number of classes is unknown.
+    """
+    if not (cfg.mixup > 0 or cfg.cutmix > 0 or cfg.label_smoothing > 0):
+        return None
+    from .inputs import _output_width, _targets_of
+
+    targets, _ = _targets_of(data)
+    kind = "other"
+    if targets is not None and targets.dtype.kind in "iu" and targets.ndim == 1:
+        kind = "index"
+    elif targets is not None and targets.dtype.kind == "f" and targets.ndim == 2:
+        kind = "multihot"
+    shape = getattr(spec, "shape", None)
+    check_mix_loss(loss, kind, shape, cfg.cutmix)
+    width = targets.shape[1] if kind == "multihot" else _output_width(model, data, prepare,
+                                                                      eval_step)
+    if width is None:
+        width = getattr(data, "num_classes", None)
+    if width is None:
+        raise ValueError("mixup/cutmix/label_smoothing need the number of classes and it could not "
+                         "be found (the model's output on two samples was not [B, C]). Fix: give "
+                         "the training data a num_classes attribute, or set mixup=0, cutmix=0, "
+                         "label_smoothing=0")
+    return MixConfig(mixup=float(cfg.mixup), cutmix=float(cfg.cutmix),
+                     label_smoothing=float(cfg.label_smoothing), num_classes=int(width),
+                     multilabel=kind == "multihot")
