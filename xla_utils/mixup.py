@@ -113,7 +113,8 @@ def check_mix_loss(loss: Callable, targets_kind: str, input_shape: tuple | None,
                          f"{tuple(input_shape)}. Fix: cutmix=0 (mixup works on any input)")
 
 
-def sample_gamma(alpha: torch.Tensor, candidates: int = GAMMA_CANDIDATES) -> torch.Tensor:
+def sample_gamma(alpha: torch.Tensor, candidates: int = GAMMA_CANDIDATES,
+                 log: bool = False) -> torch.Tensor:
     """``Gamma(alpha, 1)`` draws, one per element of ``alpha``, from the RNG of ``alpha``'s device.
 
     Marsaglia and Tsang (2000) with ``candidates`` vectorised proposals per draw
@@ -123,6 +124,7 @@ def sample_gamma(alpha: torch.Tensor, candidates: int = GAMMA_CANDIDATES) -> tor
     Args:
         alpha: float tensor of shape parameters (> 0), any shape.
         candidates: Proposals per draw (default 16).
+        log: Return ``log G`` instead of ``G`` (default False).
 
     Returns:
         float32 tensor shaped like ``alpha``.
@@ -141,14 +143,19 @@ def sample_gamma(alpha: torch.Tensor, candidates: int = GAMMA_CANDIDATES) -> tor
     first = ok & (torch.cumsum(ok.to(torch.int32), dim=-1) == 1)
     g = torch.where(first, d * vpos, torch.zeros_like(vpos)).sum(-1)
     g = torch.where(ok.any(-1), g, d.squeeze(-1))  # never in practice: the mean instead
-    ub = torch.rand(tuple(a.shape), device=a.device).clamp_min(1e-30)
-    return torch.where(boost, g * ub ** (1.0 / a), g)
+    ub = torch.rand(tuple(a.shape), device=a.device).clamp_min(1e-38)
+    if not log:
+        return torch.where(boost, g * ub ** (1.0 / a), g)
+    # log space: for small alpha, G(alpha) underflows float32 (U ** (1 / alpha))
+    return torch.log(g.clamp_min(1e-38)) + torch.where(boost, torch.log(ub) / a,
+                                                       torch.zeros_like(a))
 
 
 def sample_beta(alpha: torch.Tensor) -> torch.Tensor:
-    """``Beta(alpha, alpha)`` draws (one per element of ``alpha``) as ``G1 / (G1 + G2)``."""
-    g = sample_gamma(torch.stack([alpha, alpha]))
-    return g[0] / (g[0] + g[1]).clamp_min(1e-30)
+    """``Beta(alpha, alpha)`` draws (one per element of ``alpha``) as ``G1 / (G1 + G2)``,
+    computed as ``sigmoid(log G1 - log G2)`` (no underflow for small alphas)."""
+    lg = sample_gamma(torch.stack([alpha, alpha]), log=True)
+    return torch.sigmoid(lg[0] - lg[1])
 
 
 def soft_targets(y: torch.Tensor, num_classes: int, smoothing: float,

@@ -1,0 +1,141 @@
+"""Mixup / cutmix / label smoothing on the device (xla_utils.mixup) against timm's ``Mixup``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from xla_utils import OneCycleTrainer, runtime
+from xla_utils.mixup import mix_batch, sample_beta, sample_gamma, soft_targets
+from xla_utils.trainer import TrainerConfig
+
+timm_mixup = pytest.importorskip("timm.data.mixup")
+
+H, W, B, C = 16, 20, 8, 5  # H != W catches a swapped box
+
+
+def _timm_cases():
+    """Inputs, timm's outputs and timm's own random draws, replayed from numpy's seed."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(B, 3, H, W, generator=g)
+    y_idx = torch.randint(0, C, (B,), generator=g)
+    y_hot = (torch.rand(B, C, generator=g) < 0.4).float()
+    cases = []
+    settings = [dict(mixup_alpha=0.2, cutmix_alpha=1.0), dict(mixup_alpha=0.8, cutmix_alpha=0.0),
+                dict(mixup_alpha=0.0, cutmix_alpha=1.0)]
+    for k, opts in enumerate(settings):
+        for multi in (False, True):
+            for seed in range(6):
+                m = timm_mixup.Mixup(**opts, label_smoothing=0.1, num_classes=C, multi_label=multi)
+                y = y_hot if multi else y_idx
+                np.random.seed(100 * k + seed)
+                xt, yt = m(x0.clone(), y.clone())
+                np.random.seed(100 * k + seed)  # replay timm's draws
+                lam, use_cutmix = m._params_per_batch()
+                cy = cx = 0
+                if use_cutmix:
+                    cy, cx = np.random.randint(0, H), np.random.randint(0, W)
+                cases.append(dict(x=x0, y=y, multi=multi, lam=lam, cut=bool(use_cutmix), cy=int(cy),
+                                  cx=int(cx), x_timm=xt, y_timm=yt))
+    return cases
+
+
+def _ours_on_xla(cases):
+    """Our mixing of every case, on an XLA:CPU device (one replica)."""
+    def job(cases):
+        dev = runtime.device()
+        out = []
+        for c in cases:
+            y = runtime.to_device(c["y"], dev)
+            ys = soft_targets(y, C, 0.1, c["multi"])
+            lam = runtime.to_device(torch.tensor(c["lam"], dtype=torch.float32), dev)
+            cut = runtime.to_device(torch.tensor(c["cut"]), dev)
+            cy = runtime.to_device(torch.tensor(c["cy"]), dev)
+            cx = runtime.to_device(torch.tensor(c["cx"]), dev)
+            xm, ym = mix_batch(runtime.to_device(c["x"], dev), ys, lam, cut, cy, cx)
+            runtime.sync()
+            out.append((xm.cpu(), ym.cpu()))
+        draws = _beta_f64(runtime.to_device(torch.full((4000,), 0.4), dev))
+        return out, draws
+    slim = [{k: v for k, v in c.items() if not k.endswith("_timm")} for c in cases]
+    return runtime.launch(job, slim, simulate=1, timeout=600)
+
+
+@pytest.mark.timeout(600)
+def test_mixup_cutmix_smoothing_equal_timm_on_the_same_draws():
+    cases = _timm_cases()
+    assert any(c["cut"] for c in cases) and any(not c["cut"] and c["lam"] < 1 for c in cases)
+    ours, draws = _ours_on_xla(cases)
+    for c, (xm, ym) in zip(cases, ours):
+        torch.testing.assert_close(xm, c["x_timm"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ym, c["y_timm"], rtol=0, atol=1e-6)
+    # The device Beta sampler: timm draws lam from Beta(alpha, alpha)
+    from scipy import stats
+
+    assert _ks_pvalue(draws, 0.4) > 1e-3
+
+
+def _beta_f64(alpha: torch.Tensor) -> np.ndarray:
+    """sample_beta's draws with the last step (sigmoid of the log-Gamma difference) in
+    float64: in float32 the 1.9% of Beta(0.2, 0.2) within 6e-8 of 1 round to exactly 1,
+    a jump that the KS test sees but mixing does not care about."""
+    lg = sample_gamma(torch.stack([alpha, alpha]), log=True).cpu().double()
+    return torch.sigmoid(lg[0] - lg[1]).numpy()
+
+
+def _ks_pvalue(d: np.ndarray, alpha: float) -> float:
+    """KS test of draws against Beta(alpha, alpha)."""
+    from scipy import stats
+
+    return stats.kstest(d, stats.beta(alpha, alpha).cdf).pvalue
+
+
+@pytest.mark.parametrize("alpha", [0.2, 1.0, 3.0])
+def test_beta_sampler_distribution(alpha):
+    from scipy import stats
+
+    torch.manual_seed(1)
+    assert _ks_pvalue(_beta_f64(torch.full((20000,), alpha)), alpha) > 1e-3
+    d = sample_beta(torch.full((2000,), alpha))  # the float32 draws the trainer uses
+    assert torch.isfinite(d).all() and d.min() >= 0 and d.max() <= 1
+
+
+def test_label_smoothing_alone_equals_timm_targets():
+    y = torch.tensor([0, 3, 1, 4])
+    ours = soft_targets(y, 5, 0.1, False)
+    torch.testing.assert_close(ours, timm_mixup.mixup_target(y, 5, 1.0, 0.1), rtol=0, atol=1e-7)
+    hot = torch.tensor([[1.0, 0, 1], [0, 0, 1]])
+    torch.testing.assert_close(soft_targets(hot, 3, 0.2, True),
+                               timm_mixup.mixup_target(hot, 3, 1.0, 0.2, multi_label=True))
+
+
+def _images(n=64):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data[:n], dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    return torch.utils.data.TensorDataset(x, torch.tensor(d.target[:n]))
+
+
+def _net():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+
+def test_bad_values_refused_before_any_device_time():
+    with pytest.raises(ValueError, match="mixup must be a Beta alpha"):
+        TrainerConfig(mixup=-0.2)
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        TrainerConfig(label_smoothing=1.0)
+    with pytest.raises(ValueError, match="even batch_size"):
+        TrainerConfig(cutmix=1.0, batch_size=15)
+    data = _images()
+    with pytest.raises(ValueError, match="does not take"):
+        OneCycleTrainer(_net(), nn.NLLLoss(), data, batch_size=8, mixup=0.2).fit()
+    reg = torch.utils.data.TensorDataset(data.tensors[0], data.tensors[1].float())
+    with pytest.raises(ValueError, match="regression"):
+        OneCycleTrainer(_net(), nn.MSELoss(), reg, batch_size=8, mixup=0.2).fit()
+    flat = torch.utils.data.TensorDataset(data.tensors[0].view(-1, 64), data.tensors[1])
+    with pytest.raises(ValueError, match="cutmix=0"):
+        OneCycleTrainer(nn.Linear(64, 10), nn.CrossEntropyLoss(), flat, batch_size=8,
+                        cutmix=1.0).fit()
