@@ -1,0 +1,113 @@
+"""Weight EMA on the device (xla_utils.ema) against timm's ``ModelEmaV3(use_warmup=True)``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from xla_utils import OneCycleTrainer, runtime
+from xla_utils.ema import DeviceEMA, ema_decay
+from xla_utils.trainer import TrainerConfig
+
+model_ema = pytest.importorskip("timm.utils.model_ema")
+
+DECAY, STEPS = 0.9, 40  # the warm-up reaches 0.9 at step 32: both regimes are covered
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_decay_schedule_equals_timm():
+    timm_ema = model_ema.ModelEmaV3(_net(), decay=0.999, use_warmup=True)
+    for step in range(0, 3000, 7):
+        assert ema_decay(0.999, step) == pytest.approx(timm_ema.get_decay(step), abs=1e-12)
+
+
+def _train_with_ema(net):
+    """SGD steps on XLA:CPU with the device EMA; the model and EMA states after each step."""
+    def job(net):
+        dev = runtime.device()
+        ema = DeviceEMA(net, DECAY, 0, dev)
+        model = net.to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        models, emas = [], []
+        for _ in range(STEPS):
+            x = runtime.to_device(torch.randn(16, 6, generator=g), dev)
+            y = runtime.to_device(torch.randint(0, 3, (16,), generator=g), dev)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            runtime.optimizer_step(opt)
+            ema.update(model)
+            runtime.sync()
+            models.append({k: v.cpu() for k, v in model.state_dict().items()})
+            emas.append({k: v.cpu() for k, v in ema.state_dict().items()})
+        return models, emas, runtime.xla_counters()["compiles"]
+    return runtime.launch(job, net, simulate=1, timeout=600)
+
+
+@pytest.mark.timeout(600)
+def test_device_ema_equals_timm_model_ema_v3():
+    net = _net()
+    models, emas, _ = _train_with_ema(copy.deepcopy(net))
+    follower = copy.deepcopy(net)  # replays the XLA run's weights into timm's EMA
+    timm_ema = model_ema.ModelEmaV3(follower, decay=DECAY, use_warmup=True)
+    worst = 0.0
+    for step, (m, e) in enumerate(zip(models, emas), 1):
+        follower.load_state_dict(m)
+        timm_ema.update(follower, step=step)
+        for k, v in timm_ema.module.state_dict().items():
+            if v.is_floating_point():
+                worst = max(worst, float((e[k] - v).abs().max()))
+            else:
+                assert torch.equal(e[k], v), k
+    assert worst < 1e-6, worst
+    moved = float((models[-1]["0.weight"] - net.state_dict()["0.weight"]).abs().max())
+    lag = float((emas[-1]["0.weight"] - models[-1]["0.weight"]).abs().max())
+    assert moved > 1e-2 and lag > 1e-4  # it trained, and the EMA is not just the weights
+
+
+def test_bad_decay_refused():
+    for bad in (-0.1, 0.0, 1.0, 1.5, True, "0.99"):
+        with pytest.raises(ValueError, match="ema is the EMA decay"):
+            TrainerConfig(ema=bad)
+    assert TrainerConfig(ema=0.999).ema == 0.999
+
+
+def _digits(n_val=200):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target)
+    return (torch.utils.data.TensorDataset(x[n_val:800], y[n_val:800]),
+            torch.utils.data.TensorDataset(x[:n_val], y[:n_val]))
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(600)
+def test_trainer_ema_used_by_evaluate_saved_and_exact_on_resume(tmp_path):
+    train, val = _digits()
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    kw = dict(batch_size=16, epochs=3, max_lr=5e-3, ema=0.99, seed=2,
+              checkpoint_dir=str(tmp_path / "full"), keep_checkpoints=3)
+    t = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val, **kw)
+    full = t.fit(simulate=2)
+    assert set(full.ema_state_dict) == set(full.state_dict)
+    assert not torch.equal(full.ema_state_dict["0.weight"], full.state_dict["0.weight"])
+    # validation, evaluate and eval_weights() use the EMA weights
+    assert t.eval_weights() is t.ema_state
+    assert t.evaluate(val, simulate=2)["loss"] == pytest.approx(full[-1]["val_loss"], rel=1e-5)
+    ckpt = torch.load(tmp_path / "full" / f"epoch_003-{full.run_id}.pt", weights_only=False)
+    torch.testing.assert_close(ckpt["ema"]["0.weight"], full.ema_state_dict["0.weight"])
+    kw["checkpoint_dir"] = str(tmp_path / "resumed")
+    r = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val, **kw)
+    resumed = r.fit(simulate=2, resume=tmp_path / "full" / f"epoch_002-{full.run_id}.pt")
+    for k, v in full.ema_state_dict.items():
+        torch.testing.assert_close(resumed.ema_state_dict[k], v, rtol=1e-5, atol=1e-6)
+    assert resumed[-1]["val_loss"] == pytest.approx(full[-1]["val_loss"], rel=1e-5)
