@@ -192,3 +192,85 @@ def test_debug_run_after_in_process_fit_does_not_hang(tmp_path):
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert "DEBUG-STEPS 4" in p.stdout, (p.stdout[-1500:], p.stderr[-1500:])
+
+
+# ----------------------------------------------- issue 18a: accum_steps, ema, mixup/cutmix
+def _digit_images(n_train: int = 320, n_val: int = 64):
+    """Digits as float [1, 8, 8] images (cutmix needs images)."""
+    train, val = _digits_tensors()
+    tx, ty = train.tensors
+    vx, vy = val.tensors
+    return (torch.utils.data.TensorDataset(tx[:n_train].view(-1, 1, 8, 8), ty[:n_train]),
+            torch.utils.data.TensorDataset(vx[:n_val].view(-1, 1, 8, 8), vy[:n_val]))
+
+
+def _small_conv():
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 64, 10))
+
+
+def test_accum_steps_refused_when_bad():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="accum_steps must be an int >= 1"):
+            TrainerConfig(accum_steps=bad)
+
+
+@pytest.mark.timeout(600)
+def test_accum_steps_equals_k_times_batch_on_one_core(capsys):
+    """SGD without BatchNorm: 4 accumulated micro-batches of 16 == one batch of 64, and the
+    LR is scaled by the global batch (linear rule: x4 for the accumulated run)."""
+    train, _ = _digits_tensors()
+    torch.manual_seed(0)
+    init = _mlp()
+    out = []
+    for bs, k, lr in ((16, 4, 0.0125), (64, 1, 0.05)):
+        t = OneCycleTrainer(_copy(init), nn.CrossEntropyLoss(), train, batch_size=bs,
+                            accum_steps=k, epochs=1, max_lr=lr, optimizer="sgd", seed=3)
+        h = t.fit(simulate=1)
+        assert h.global_batch == 64 and h.max_lr == pytest.approx(0.05)
+        out.append(h)
+    assert "1 core x 16 per core x 4 accumulated = 64 global batch" in capsys.readouterr().out
+    a, b = out
+    assert a[0]["lr_last"] == pytest.approx(b[0]["lr_last"], rel=1e-9)  # same optimizer steps
+    assert (a.state_dict["0.weight"] - init.state_dict()["0.weight"]).abs().max() > 1e-3
+    for k in a.state_dict:
+        torch.testing.assert_close(a.state_dict[k], b.state_dict[k], rtol=0, atol=1e-4)
+    assert a[0]["train_loss"] == pytest.approx(b[0]["train_loss"], rel=1e-4)
+
+
+_OPTIONS = {
+    "accum": dict(accum_steps=3),
+    "ema": dict(ema=0.99),
+    "mixup": dict(mixup=0.2, cutmix=1.0, label_smoothing=0.1),
+    "all_bf16": dict(accum_steps=2, ema=0.99, mixup=0.2, cutmix=1.0, label_smoothing=0.1,
+                     bf16=True),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(_OPTIONS))
+def test_no_compiles_after_first_epoch_with_each_option(name):
+    train, val = _digit_images()
+    t = OneCycleTrainer(_small_conv, nn.CrossEntropyLoss(), train, val, batch_size=16,
+                        epochs=3, max_lr=5e-3, seed=4, **_OPTIONS[name])
+    h = t.fit(simulate=1)
+    compiles = [e["compiles"] for e in h.epochs]
+    assert compiles[0] > 0 and compiles[1] == compiles[0] and compiles[2] == compiles[0], compiles
+    assert all(np.isfinite(e["train_loss"]) and np.isfinite(e["val_loss"]) for e in h.epochs)
+    assert h[-1]["accuracy"] > 0.3  # it learns (10 classes, chance 0.1)
+    assert bool(h.ema_state_dict) == ("ema" in _OPTIONS[name])
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(600)
+def test_all_options_on_8_simulated_cores_compile_once():
+    train, val = _digit_images(n_train=640)
+    t = OneCycleTrainer(_small_conv, nn.CrossEntropyLoss(), train, val, batch_size=8,
+                        accum_steps=2, ema=0.99, mixup=0.2, cutmix=1.0, label_smoothing=0.1,
+                        epochs=2, max_lr=5e-3, seed=4)
+    h = t.fit(simulate=8)
+    assert h.world_size == 8 and h.global_batch == 128
+    compiles = [e["compiles"] for e in h.epochs]
+    assert compiles[0] > 0 and compiles[1] == compiles[0], compiles
+    assert all(np.isfinite(e["train_loss"]) and np.isfinite(e["val_loss"]) for e in h.epochs)
+    assert set(h.ema_state_dict) == set(h.state_dict)
