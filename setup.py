@@ -32,6 +32,7 @@ setup(
             "pytest-timeout",
             "scikit-learn",
             "scikit-image",
+            "timm",  # tests/test_ema.py, tests/test_mixup.py compare with timm's EMA and Mixup
             "matplotlib",
             "nbclient",
             "nbformat",

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WARMUP_GAMMA", "WARMUP_POWER", "check_ema", "ema_decay", "DeviceEMA"]
+__all__ = ["WARMUP_GAMMA", "WARMUP_POWER", "check_ema", "ema_decay", "DeviceEMA", "with_weights"]
 
 WARMUP_GAMMA = 1.0
 WARMUP_POWER = 2.0 / 3.0
@@ -40,6 +40,16 @@ def check_ema(decay: Any) -> None:
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
         raise ValueError(f"ema is the EMA decay per optimizer step and must be in (0, 1) "
                          f"(usual 0.999 or 0.9999; None = off), got {decay!r}")
+
+
+def with_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None
+                 ) -> torch.nn.Module:
+    """``model`` itself when ``state`` is empty/None, else a copy holding ``state``."""
+    if not state:
+        return model
+    net = copy.deepcopy(model)
+    net.load_state_dict(state)
+    return net
 
 
 def ema_decay(decay: float, step: int) -> float:

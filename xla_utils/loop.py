@@ -82,6 +82,11 @@ def loader(data, cfg: Any, *, world_size: int, rank: int, epoch: int, train: boo
                            num_workers=cfg.num_workers)
 
 
+def eval_module(s: "Setup") -> torch.nn.Module:
+    """The model validation uses: the EMA copy when ``cfg.ema`` is set, else the model."""
+    return s.model if s.ema is None else s.ema.module
+
+
 def scale_lr(lr: float, world_size: int, rule: str) -> float:
     """``lr`` for ``world_size`` cores under ``rule`` (linear, sqrt or none)."""
     factor = {"linear": world_size, "sqrt": math.sqrt(world_size), "none": 1.0}[rule]

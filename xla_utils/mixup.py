@@ -27,7 +27,7 @@ import torch
 
 __all__ = ["MixConfig", "check_mix_options", "check_mix_loss", "sample_gamma", "sample_beta",
            "soft_targets", "cutmix_box", "mix_batch", "DeviceMix", "SOFT_TARGET_LOSSES",
-           "mix_config_for"]
+           "mix_config_for", "check_step_options"]
 
 # Candidates per Gamma draw: Marsaglia-Tsang accepts >= 95% of them, so all
 # GAMMA_CANDIDATES are rejected with probability < 0.05 ** 16 (about 1e-21).
@@ -56,6 +56,23 @@ class MixConfig:
     label_smoothing: float
     num_classes: int
     multilabel: bool = False
+
+
+def check_step_options(cfg: Any) -> None:
+    """Refuse bad ``accum_steps``, ``ema``, ``mixup``, ``cutmix``, ``label_smoothing`` of a
+    :class:`~xla_utils.trainer.TrainerConfig` (its ``__post_init__`` calls this).
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    from .ema import check_ema
+
+    k = cfg.accum_steps
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step; "
+                         f"1 = no accumulation), got {k!r}")
+    check_ema(cfg.ema)
+    check_mix_options(cfg.mixup, cfg.cutmix, cfg.label_smoothing, cfg.batch_size)
 
 
 def check_mix_options(mixup: Any, cutmix: Any, label_smoothing: Any, batch_size: int) -> None:

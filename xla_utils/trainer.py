@@ -32,11 +32,11 @@ from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_
                          resolve_resume, save_checkpoint)
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
-from .ema import check_ema
+from .ema import with_weights
 from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
                      require_labels, shape_mismatch)
 from .loop import scale_lr
-from .mixup import check_mix_options, mix_config_for
+from .mixup import check_step_options, mix_config_for
 from .optim import resolve_optimizer
 
 if TYPE_CHECKING:
@@ -99,16 +99,12 @@ class TrainerConfig:
             else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
             on XLA:CPU, which writes entries but cannot load them); ``None`` off.
             See :mod:`xla_utils.runtime.compile_cache`.
-        accum_steps: Micro-batches accumulated per optimizer step (default 1): global
-            batch = batch_size x cores x accum_steps; the LR is scaled by that global
-            batch and the one-cycle schedule counts optimizer steps.
-        ema: Decay of a weight EMA updated on the device after every optimizer step
-            (timm ``ModelEmaV3`` with warm-up, see :mod:`xla_utils.ema`); validation,
-            ``evaluate`` and ``predict`` then use the EMA weights. Default None (off).
-        mixup, cutmix: Beta alphas of timm-style mixup / cutmix on the device (0 = off,
-            the default; usual 0.2 and 1.0; both on: one of them per batch).
-        label_smoothing: Soft-target smoothing in [0, 1) (default 0). With any of these
-            three the loss gets [B, C] probability targets (see :mod:`xla_utils.mixup`).
+        accum_steps: Micro-batches per optimizer step (default 1); global batch = batch_size
+            x cores x accum_steps, which scales the LR; the one-cycle counts optimizer steps.
+        ema: Decay of a device weight EMA (timm ``ModelEmaV3`` warm-up, :mod:`xla_utils.ema`)
+            that validation, ``evaluate`` and ``predict`` use; default None (off).
+        mixup, cutmix, label_smoothing: timm-style, on the device (:mod:`xla_utils.mixup`):
+            Beta alphas (usual 0.2, 1.0) and smoothing in [0, 1); default 0 (off).
     """
 
     batch_size: int = 32
@@ -157,12 +153,7 @@ class TrainerConfig:
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime._check_compile_cache_option(self.compile_cache)
-        if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
-                or self.accum_steps < 1:
-            raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step; "
-                             f"1 = no accumulation), got {self.accum_steps!r}")
-        check_ema(self.ema)
-        check_mix_options(self.mixup, self.cutmix, self.label_smoothing, self.batch_size)
+        check_step_options(self)
 
     @property
     def scaling_rule(self) -> str:
@@ -475,7 +466,7 @@ class OneCycleTrainer:
                                "pass max_lr=<number> or look at "
                                "trainer.lr_finder_result.plot()")
         print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
-              f"{res.batch_size} ({cfg.batch_size} x {world * cfg.accum_steps} micro-batches on one "
+              f"{res.batch_size} ({cfg.batch_size} x {res.accum_steps} micro-batches on one "
               f"core, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
         if not res.confident:
             warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
@@ -574,7 +565,8 @@ class OneCycleTrainer:
             if why is not None:
                 raise ValueError(why)
         views = self._tta_views(data, tta, spec.shape)
-        model = self.eval_model() if weights is None else model_with_weights(self.model, weights)
+        model = (with_weights(self.model, self.ema_state) if weights is None
+                 else model_with_weights(self.model, weights))
         fed = spec.feed(data)
         return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
@@ -682,7 +674,8 @@ class OneCycleTrainer:
             if cfg.checkpoint_dir is not None:
                 runtime.save(final, Path(cfg.checkpoint_dir) / "final.pt")
         return History(epochs=s.history, world_size=s.world_size,
-                       global_batch=s.world_size * cfg.batch_size * s.accum_steps, base_lr=s.base_lr,
+                       global_batch=s.world_size * cfg.batch_size * s.accum_steps,
+                       base_lr=s.base_lr,
                        max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
                        backend=runtime.backend(), state_dict=final, stop_reason=state.stop_reason,
                        warnings=state.warnings, run_id=run_id,
@@ -697,7 +690,7 @@ class OneCycleTrainer:
         cfg = self.config
         record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
         if val is not None:
-            metrics = loop.evaluate(s.model if s.ema is None else s.ema.module, loop.loader(val[0], cfg, world_size=s.world_size,
+            metrics = loop.evaluate(loop.eval_module(s), loop.loader(val[0], cfg, world_size=s.world_size,
                                                          rank=s.rank, epoch=epoch, train=False),
                                     cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
                                     autocast=s.autocast, dev=s.device, inputs=val[1])
@@ -735,18 +728,8 @@ class OneCycleTrainer:
 
     def eval_weights(self) -> dict[str, torch.Tensor]:
         """The weights ``evaluate``/``predict`` use: the last fit's EMA weights when
-        ``ema`` is set (and a fit ran), else ``self.model``'s."""
-        return self.ema_state if self.ema_state else self.model.state_dict()
-
-    def eval_model(self) -> torch.nn.Module:
-        """``self.model``, or a copy holding the EMA weights (see :meth:`eval_weights`)."""
-        if not self.ema_state:
-            return self.model
-        import copy
-
-        net = copy.deepcopy(self.model)
-        net.load_state_dict(self.ema_state)
-        return net
+        ``ema`` is set, else ``self.model``'s."""
+        return self.ema_state or self.model.state_dict()
 
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
