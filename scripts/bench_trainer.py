@@ -14,11 +14,17 @@ which goes first), all pairs in every repetition:
   device; sweep steps/s over the whole call after the imports (device start and
   compilation included in both; the zygote is started before timing).
 
+* ``accum``, ``ema``, ``mixup``, ``all`` (issue 18): ``fit(simulate=1)`` with
+  ``accum_steps=2`` / ``ema=0.999`` / ``mixup=0.2, cutmix=1.0, label_smoothing=0.1`` /
+  all of them vs the plain ``fit(simulate=1)``; micro-batches/s (= images/s over the
+  batch) over epochs 2.. (target: <= 3% overhead each).
+
 Prints every run with the load average, then medians and the overhead by ratio of
 medians and by median of per-pair ratios, and graph executions / device->host
 transfers per step of the ``fit1`` pair.
 
     PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--pairs fit1,fit8,lr_find] [--json out.json]
+    PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs accum,ema,mixup,all  # issue 18 options
 
 The hand-written loops are what a careful user writes from the torch_xla docs:
 ``MpDeviceLoader`` + ``xm.optimizer_step`` and no host reads inside the training
@@ -40,7 +46,13 @@ N_SAMPLES = 2048
 IMAGE = 32
 CLASSES = 10
 SWEEP = (1e-7, 10.0, 100)  # lr_find's defaults: start, end, steps
-PAIRS = {"fit1": ("hand1", "fit1"), "fit8": ("hand8", "fit8"), "lr_find": ("hand_lr", "lr_find")}
+PAIRS = {"fit1": ("hand1", "fit1"), "fit8": ("hand8", "fit8"), "lr_find": ("hand_lr", "lr_find"),
+         "accum": ("fit1", "fit1_accum"), "ema": ("fit1", "fit1_ema"),
+         "mixup": ("fit1", "fit1_mixup"), "all": ("fit1", "fit1_all")}
+# The trainer options of issue 18, each timed against the plain fit(simulate=1).
+OPTIONS = {"accum": dict(accum_steps=2), "ema": dict(ema=0.999),
+           "mixup": dict(mixup=0.2, cutmix=1.0, label_smoothing=0.1),
+           "all": dict(accum_steps=2, ema=0.999, mixup=0.2, cutmix=1.0, label_smoothing=0.1)}
 
 
 def make_model():
@@ -115,14 +127,16 @@ def run_hand8(batch: int, epochs: int) -> dict:
     return runtime.launch(_hand_epochs, batch, epochs, 8, simulate=8)
 
 
-def run_fit(batch: int, epochs: int, cores: int) -> dict:
+def run_fit(batch: int, epochs: int, cores: int, **options) -> dict:
+    """``fit(simulate=cores)`` with trainer ``options``; steps are micro-batches (with
+    ``accum_steps`` several per optimizer step), so every variant counts images alike."""
     import torch
 
     from xla_utils import OneCycleTrainer
 
     torch.manual_seed(0)
     t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), make_data(), batch_size=batch,
-                        epochs=epochs, optimizer="sgd", max_lr=0.01, seed=0)
+                        epochs=epochs, optimizer="sgd", max_lr=0.01, seed=0, **options)
     h = t.fit(simulate=cores)
     steps = N_SAMPLES // (batch * cores)
     return {"steps": steps, "epoch_s": [e["seconds"] for e in h.epochs],
@@ -135,6 +149,12 @@ def run_fit1(batch: int, epochs: int) -> dict:
 
 def run_fit8(batch: int, epochs: int) -> dict:
     return run_fit(batch, epochs, 8)
+
+
+def _option_runner(name: str):
+    def run(batch: int, epochs: int) -> dict:
+        return run_fit(batch, epochs, 1, **OPTIONS[name])
+    return run
 
 
 def run_hand_lr(batch: int, epochs: int) -> dict:
@@ -196,7 +216,8 @@ def _rate(r: dict) -> float:
 
 
 RUNNERS = {"hand1": run_hand1, "fit1": run_fit1, "hand8": run_hand8, "fit8": run_fit8,
-           "hand_lr": run_hand_lr, "lr_find": run_lr_find}
+           "hand_lr": run_hand_lr, "lr_find": run_lr_find,
+           **{f"fit1_{name}": _option_runner(name) for name in OPTIONS}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--pairs", default=",".join(PAIRS), help="which pairs (default: all)")
+    ap.add_argument("--pairs", default="fit1,fit8,lr_find",
+                    help=f"which pairs of {list(PAIRS)} (default: fit1,fit8,lr_find)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -216,20 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown pairs {sorted(unknown)}; choose from {list(PAIRS)}")
     print(f"start: {_bench.load()}", flush=True)
-    rates: dict[str, list[float]] = {v: [] for p in pairs for v in PAIRS[p]}
-    raw: dict[str, list[dict]] = {v: [] for v in rates}
+    # per pair, so that per-pair ratios pair the runs made back to back (fit1 is the
+    # baseline of several pairs)
+    rates: dict[str, dict[str, list[float]]] = {p: {v: [] for v in PAIRS[p]} for p in pairs}
+    raw: dict[str, list[dict]] = {v: [] for p in pairs for v in PAIRS[p]}
     for rep in range(args.reps):
         for pair in pairs:
             order = PAIRS[pair] if rep % 2 == 0 else PAIRS[pair][::-1]
             for variant in order:
                 r = _bench.child(__file__, variant, "--batch", str(args.batch),
                                  "--epochs", str(args.epochs))
-                rates[variant].append(_rate(r))
+                rates[pair][variant].append(_rate(r))
                 raw[variant].append(r)
-                print(f"rep {rep} {variant:8s} {rates[variant][-1]:8.2f} steps/s  "
+                print(f"rep {rep} {variant:8s} {rates[pair][variant][-1]:8.2f} steps/s  "
                       f"({_bench.load()})", flush=True)
     print(f"\nend: {_bench.load()}; batch {args.batch} per core, {args.reps} reps")
-    summary = {p: _bench.compare(p, rates[PAIRS[p][0]], rates[PAIRS[p][1]], "steps/s")
+    summary = {p: _bench.compare(p, rates[p][PAIRS[p][0]], rates[p][PAIRS[p][1]], "steps/s",
+                                 **({"base_name": "plain fit"} if p in OPTIONS else {}))
                for p in pairs}
     if "fit1" in pairs:
         med = statistics.median

@@ -105,6 +105,11 @@ def test_trainer_ema_used_by_evaluate_saved_and_exact_on_resume(tmp_path):
     assert t.evaluate(val, simulate=2)["loss"] == pytest.approx(full[-1]["val_loss"], rel=1e-5)
     ckpt = torch.load(tmp_path / "full" / f"epoch_003-{full.run_id}.pt", weights_only=False)
     torch.testing.assert_close(ckpt["ema"]["0.weight"], full.ema_state_dict["0.weight"])
+    from xla_utils.checkpoint import model_with_weights  # predict(weights=<epoch file>)
+
+    path = tmp_path / "full" / f"epoch_003-{full.run_id}.pt"
+    assert torch.equal(model_with_weights(init, path).state_dict()["0.weight"],
+                       ckpt["ema"]["0.weight"])
     kw["checkpoint_dir"] = str(tmp_path / "resumed")
     r = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val, **kw)
     resumed = r.fit(simulate=2, resume=tmp_path / "full" / f"epoch_002-{full.run_id}.pt")

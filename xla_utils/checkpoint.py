@@ -205,7 +205,8 @@ def check_resume(path: Path, ckpt: dict, cfg: Any, model: torch.nn.Module,
 
 
 def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
-    """A copy of ``model`` with the weights of ``final.pt`` or an epoch checkpoint."""
+    """A copy of ``model`` with the weights of ``final.pt`` or an epoch checkpoint (its EMA
+    weights when it has them: a run with ``ema`` set)."""
     path = _run_epoch_file(Path(path), "using")
     if not path.is_file():
         raise FileNotFoundError(f"weights={str(path)!r} does not exist")
@@ -214,7 +215,8 @@ def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch
     except Exception as exc:
         raise ValueError(f"weights={str(path)!r} cannot be read ({type(exc).__name__}: {exc}); "
                          "the file is corrupt or truncated, or not a torch checkpoint") from None
-    state = obj["model"] if isinstance(obj, dict) and isinstance(obj.get("model"), dict) else obj
+    key = "ema" if isinstance(obj, dict) and isinstance(obj.get("ema"), dict) else "model"
+    state = obj[key] if isinstance(obj, dict) and isinstance(obj.get(key), dict) else obj
     if not isinstance(state, dict):
         raise ValueError(f"weights={str(path)!r} holds a {type(state).__name__}, not a state dict "
                          "or an xla_utils checkpoint")
