@@ -51,6 +51,9 @@ def test_bad_input_is_refused_before_any_process():
         measure_memory(GPT, x, fsdp_wrap=3.5, train_step=lm_step)
     with pytest.raises(ValueError, match="loss= .*train_step="):
         measure_memory(GPT, x)
+    with pytest.raises(ValueError, match=r"fsdp_wrap=\['Layer'\] matches no module.*'Block'"):
+        measure_memory(GPT(block=8, d=8, layers=1, heads=2), x, fsdp_wrap=["Layer"],
+                       train_step=lm_step)
     with pytest.raises(ValueError, match="devices"):
         measure_memory(GPT, x, devices=0, train_step=lm_step)
 

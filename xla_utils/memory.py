@@ -135,6 +135,18 @@ def _check_wrap(fsdp_wrap: Any) -> None:
                          f"got {fsdp_wrap!r}")
 
 
+def _check_wrap_matches(model: Any, fsdp_wrap: Any) -> None:
+    """Refuse module classes / names that match no module of an already built ``model``."""
+    if not hasattr(model, "modules") or not isinstance(fsdp_wrap, (list, tuple, set)):
+        return  # a factory: the measuring process refuses it, naming the same setting
+    kinds = {type(m) for m in model.modules()}
+    names = {k.__name__ for k in kinds}
+    if not any(w in kinds or w in names for w in fsdp_wrap):
+        raise ValueError(f"fsdp_wrap={list(fsdp_wrap)!r} matches no module of the model (its "
+                         f"module classes: {sorted(names)}). Fix: name the repeated block class, "
+                         "e.g. fsdp_wrap=['Block'], or pass None to wrap the whole model")
+
+
 def measure_memory(model: Any, batch: Any, *, strategies: Sequence[str] = STRATEGIES,
                    devices: int = 8, train_step: Callable | None = None,
                    loss: Callable | None = None, fsdp_wrap: Any = None,
@@ -176,6 +188,7 @@ def measure_memory(model: Any, batch: Any, *, strategies: Sequence[str] = STRATE
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive int (the mesh size), got {devices!r}")
     _check_wrap(fsdp_wrap)
+    _check_wrap_matches(model, fsdp_wrap)
     if train_step is None and loss is None:
         raise ValueError("measure_memory needs loss= (for loss(model(x), y)) or train_step=")
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
