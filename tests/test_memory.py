@@ -69,7 +69,8 @@ def test_small_gpt_under_each_strategy_read_from_shardings():
     paper = paper_memory(shapes, 8)
     spawn, fsdp = r["spawn"], r["fsdp"]
     assert spawn.states == r.replicated_states == paper["spawn"].states      # nothing sharded
-    assert r["spmd"].params == spawn.params                                 # replicated weights
+    spmd = r["spmd"]
+    assert spmd.params == spmd.grads == spawn.params and spmd.optimizer == spawn.optimizer
     assert fsdp.params == fsdp.grads == paper["fsdp"].params < spawn.params / 7
     assert fsdp.optimizer == 2 * fsdp.params
     assert all(r.details[s]["shardings"] != ["replicated"] for s in ("fsdp",))

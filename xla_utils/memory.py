@@ -224,9 +224,8 @@ def paper_memory(param_shapes: Iterable[Sequence[int]], devices: int = 8, *,
                  optimizer_states: int = 2, activations: int | None = None) -> MemoryReport:
     """Per-device memory from the sharding rules on paper (no model is built).
 
-    ``"spawn"`` and ``"spmd"`` replicate parameters, gradients and optimizer state (a
-    measured ``"spmd"`` run may hold less: XLA's partitioner can leave gradients it
-    reduce-scatters sharded); ``"fsdp"`` shards each parameter, its gradient and its
+    ``"spawn"`` and ``"spmd"`` replicate parameters, gradients and optimizer state;
+    ``"fsdp"`` shards each parameter, its gradient and its
     optimizer state on the parameter's largest dimension, as FSDPv2 does
     (``shard_maximal``), with XLA's padding to equal shards.
 

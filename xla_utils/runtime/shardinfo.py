@@ -44,11 +44,14 @@ def shard_bytes(t: Any) -> int:
     import torch_xla
 
     full = t.numel() * t.element_size()
-    if not torch_xla._XLAC._get_xla_sharding_spec(t):
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    if not spec or spec == "{replicated}":
         return full
     shards = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
     best = 0
     for _replica, index in shards:
+        if index is Ellipsis or (isinstance(index, (list, tuple)) and Ellipsis in index):
+            return full  # this device holds the whole tensor
         n = 1
         for dim, sl in zip(t.shape, index if isinstance(index, (list, tuple)) else [index]):
             start, stop, _ = sl.indices(dim) if isinstance(sl, slice) else (0, dim, 1)
@@ -169,6 +172,7 @@ def measure(model: Any, batch: Any, strategy: str, devices: int, *, train_step: 
     opt = torch.optim.AdamW(params, lr=lr, foreach=False)
     opt.step()
     torch_xla.sync()
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])  # shard indices need the step's results
     out["loss"] = float(value.detach().cpu())
     out["grad_bytes"] = sum(shard_bytes(p.grad) for p in params if p.grad is not None)
     out["optimizer_state_bytes"] = sum(shard_bytes(v) for s in opt.state.values()
