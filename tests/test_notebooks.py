@@ -26,7 +26,7 @@ pytest.importorskip("ipykernel")
 NB_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 EXPECTED = {"kaggle_quickstart.ipynb", "colab_quickstart.ipynb", "build_cache.ipynb",
-            "debug_single_core.ipynb"}
+            "debug_single_core.ipynb", "gpt_fsdp.ipynb"}
 KERNEL = "python3"
 
 # Appended (in memory only) to each executed notebook: checks of what it claims.
@@ -71,6 +71,13 @@ assert val.manifest["source"]["kind"] == "csv"
 assert PREVIEW.is_file() and (OUT_ROOT / "dataset-metadata.json").is_file()
 assert len(files) < 60, len(files)
 """,
+    "gpt_fsdp.ipynb": """
+assert TINY and SIMULATE == 8 and history.world_size == 8, (TINY, SIMULATE, history)
+assert STRATEGY in ("fsdp", "spawn"), STRATEGY  # "spawn" only where strategy= does not exist yet
+assert len(history) == EPOCHS and history[-1]["train_loss"] < math.log(256) - 0.5, history
+assert held_loss < math.log(256) - 0.5, held_loss
+assert len({e["compiles"] for e in history.epochs}) == 1, "recompiled after the first epoch"
+""",
     "debug_single_core.ipynb": """
 assert TINY and good.backend == "xla", good.backend
 assert good.steps == STEPS and not any(s["compiles"] for s in good.per_step[2:]), good.per_step
@@ -95,6 +102,8 @@ EXPECTED_OUTPUT = {
                                r"epoch 3  train_loss", r"wrote .*submission\.csv: \d+ rows",
                                r"submission accuracy against the hidden labels"],
     "build_cache.ipynb": [r"OK: \d+ shards", r"wrote .*train_preview\.png", r"samples/s"],
+    "gpt_fsdp.ipynb": [r"8 cores x 8 per core = 64 global batch", r"bytes from \d+ files",
+                       r"fsdp: params .* per device \(paper\)", r"held-out loss \d"],
     "debug_single_core.ipynb": [r"Steps \[3, 4, 5\] compiled again after warm-up",
                                 r"Steps 3\.\. reused the compiled graph",
                                 r"xla_utils\.check for TPU v5e: NOT READY \(2 warnings\)",

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from .data import CachedImageDataset
     from .env import EnvInfo, detect, setup
     from .lr_finder import LRFinderResult, lr_find
+    from .memory import MemoryReport, measure_memory, paper_memory
     from .readiness import Finding, ReadinessReport, check
     from .runtime import launch
     from .schedule import OneCycleSchedule
@@ -37,6 +38,9 @@ _EXPORTS = {
     "debug_run": "debug",
     "lr_find": "lr_finder",
     "LRFinderResult": "lr_finder",
+    "measure_memory": "memory",
+    "paper_memory": "memory",
+    "MemoryReport": "memory",
     "launch": "runtime",
     "write_submission": "submission",
     "check": "readiness",

@@ -31,8 +31,9 @@ __all__ = ["check_batches", "check_targets", "require_labels", "shape_mismatch",
            "AsPairs", "InputSpec", "InputRefused", "inspect_inputs", "HostFeed", "pil_array",
            "INPUT_KEYS", "TARGET_KEYS"]
 
-# Keys of dict samples (Hugging Face ``datasets`` style) taken as input and target, first found wins.
-INPUT_KEYS = ("image", "img", "pixel_values", "input", "inputs", "x")
+# Keys of dict samples (Hugging Face ``datasets`` style) taken as input and target, first found wins
+# (``input_ids``/``labels``: token sequences of a language model, fed unchanged).
+INPUT_KEYS = ("image", "img", "pixel_values", "input_ids", "tokens", "input", "inputs", "x")
 TARGET_KEYS = ("label", "labels", "target", "targets", "y")
 
 

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
+from .memory import strategy_advice, tpu_devices
 from .progress import progress_bar
 
 __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS", "TPUChip",
@@ -301,6 +302,8 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     with _fast_xla_cpu_compile():
         meas = runtime._launch(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
     meas["loss"] = loss_name
+    meas["param_shapes"] = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
+    meas["tpu_devices"] = tpu_devices(tpu) if isinstance(tpu, str) else None  # "v5e-8" -> 8
     seconds = time.perf_counter() - t0
     return ReadinessReport(findings=_findings(meas, chip), tpu=chip.name,
                            batch_size=meas["batch_rows"], steps=steps, per_step=meas["per_step"],
@@ -1194,9 +1197,15 @@ def _memory_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
            f"{_gib(meas['optimizer_state_bytes'])} + activations saved for backward {_gib(act)}; "
            f"{_gib(total_tiled)} if every activation is padded to TPU (8, 128) tiles) of "
            f"{_gib(hbm)} HBM per {chip.name} core. ")
+    sharded_fix = None
+    if (meas.get("tpu_devices") or 0) > 1 and meas.get("param_shapes"):  # per strategy (memory.py)
+        states = round(meas["optimizer_state_bytes"] / max(meas["param_bytes"], 1))
+        line, sharded_fix = strategy_advice(meas["param_shapes"], meas["param_bytes"], act, states,
+                                            meas["tpu_devices"], usable, chip.name)
+        msg += line + " "
     if fixed > usable:
-        msg += "Parameters, gradients and optimizer state alone do not fit."
-        return Finding("memory", "error", msg,
+        msg += "Parameters, gradients and optimizer state alone do not fit one core."
+        return Finding("memory", "error", msg, sharded_fix or
                        "shrink the model, train in bfloat16 (model.to(torch.bfloat16)), use SGD "
                        "(one state tensor per parameter) instead of Adam (two), or pick a TPU with "
                        "more HBM per core (v5p: 95 GiB).")
@@ -1209,7 +1218,8 @@ def _memory_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
            "activations: the trainer's bf16=True), or use activation checkpointing "
            "(torch.utils.checkpoint).")
     if total > usable:
-        return Finding("memory", "error", msg + " The run would stop with an out-of-memory error.", fix)
+        return Finding("memory", "error", msg + " The run would stop with an out-of-memory error.",
+                       sharded_fix or fix)
     if total_tiled > usable:
         return Finding("memory", "warning", msg + " It may not fit once XLA pads the activations.", fix)
     return Finding("memory", "info", msg, "")

@@ -1,0 +1,232 @@
+"""Per-device memory read from real XLA shardings (the torch_xla side of :mod:`xla_utils.memory`).
+
+:func:`run_measurement` starts a fresh interpreter with ``PJRT_DEVICE=CPU
+CPU_NUM_DEVICES=N`` (N real XLA:CPU devices; SPMD cannot share a process with
+``xmp.spawn`` or an initialised runtime), which runs :func:`measure` on the model:
+
+* ``"spawn"``: no SPMD, one device, the per-core batch (what each ``xmp.spawn``
+  replica holds: everything replicated);
+* ``"spmd"``: ``xr.use_spmd()``, a 1-D mesh over the N devices, parameters
+  replicated, the global batch (N x per-core) sharded on its first dimension;
+* ``"fsdp"``: as ``"spmd"`` with the model wrapped by torch_xla's FSDPv2
+  (``SpmdFullyShardedDataParallel``), optionally per module class or parameter count.
+
+Then one real forward/backward and one AdamW step run, and every tensor's bytes on
+one device are read from its XLA sharding (``_get_local_shard_replica_and_indices``:
+the index ranges of each device's shard; XLA pads uneven shards to equal size, so
+the largest shard is what every device holds). Activations are the tensors autograd
+saves for backward (``saved_tensors_hooks``), materialised with one sync so that
+XLA's sharding propagation has placed them, minus parameters and views of them.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable
+
+__all__ = ["run_measurement", "measure", "shard_bytes", "MeasurementError"]
+
+STRATEGIES = ("spawn", "spmd", "fsdp")
+# LLVM -O0 for XLA:CPU code: the partitioner and its shardings do not depend on it.
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+class MeasurementError(RuntimeError):
+    """The fresh measuring process failed; the message holds the end of its output."""
+
+
+def shard_bytes(t: Any) -> int:
+    """Bytes of XLA tensor ``t`` on one device: its largest shard (the whole tensor if replicated)."""
+    import torch_xla
+
+    full = t.numel() * t.element_size()
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    if not spec or spec == "{replicated}":
+        return full
+    shards = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
+    best = 0
+    for _replica, index in shards:
+        if index is Ellipsis or (isinstance(index, (list, tuple)) and Ellipsis in index):
+            return full  # this device holds the whole tensor
+        n = 1
+        for dim, sl in zip(t.shape, index if isinstance(index, (list, tuple)) else [index]):
+            start, stop, _ = sl.indices(dim) if isinstance(sl, slice) else (0, dim, 1)
+            n *= max(stop - start, 0)
+        best = max(best, n * t.element_size())
+    return best
+
+
+def _wrap_policy(model: Any, wrap: Any) -> Callable | None:
+    """FSDPv2 auto-wrap policy for ``fsdp_wrap`` (classes, class names, or a parameter count)."""
+    from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if wrap is None:
+        return None
+    if isinstance(wrap, int) and not isinstance(wrap, bool):
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=wrap)
+    names = {w for w in wrap if isinstance(w, str)}
+    classes = {w for w in wrap if isinstance(w, type)}
+    classes |= {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"fsdp_wrap={wrap!r} matches no module of the model")
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+
+
+def _shard_output(output: Any, mesh: Any) -> None:
+    """FSDPv2's output hook: shard a batch-first output on ``fsdp``; scalars (a loss) stay replicated."""
+    import torch_xla.distributed.spmd as xs
+
+    t = output[0] if isinstance(output, (tuple, list)) else output
+    if hasattr(t, "dim") and t.dim() >= 1:
+        xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+
+
+def _setup(model: Any, strategy: str, n: int, wrap: Any, checkpointing: bool) -> tuple[Any, Any]:
+    """``(model on the device (wrapped for fsdp), mesh or None)``."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    if strategy == "spawn":
+        return model.to(torch_xla.device()), None
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
+    model = model.to(torch_xla.device())
+    if strategy == "fsdp":
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
+            SpmdFullyShardedDataParallel as FSDPv2
+
+        policy = _wrap_policy(model, wrap)
+        kwargs: dict[str, Any] = {"mesh": mesh, "shard_output": _shard_output}
+        if policy is not None:
+            kwargs["auto_wrap_policy"] = policy
+        if checkpointing:
+            from torch_xla.distributed.fsdp import checkpoint_module
+
+            kwargs["auto_wrapper_callable"] = lambda m, *a, **k: FSDPv2(checkpoint_module(m), *a, **k)
+        model = FSDPv2(model, **kwargs)
+    return model, mesh
+
+
+def _to_device(batch: Any, mesh: Any, n: int) -> Any:
+    """The batch on the device: under SPMD repeated to the global batch (n x per-core)
+    and sharded on its first dimension."""
+    import torch
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(b, mesh, n) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, mesh, n) for k, v in batch.items()}
+    if not isinstance(batch, torch.Tensor):
+        return batch
+    t = batch if mesh is None or batch.dim() == 0 else torch.cat([batch] * n)
+    t = t.to(torch_xla.device())
+    if mesh is not None and t.dim() >= 1:
+        xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+    return t
+
+
+def measure(model: Any, batch: Any, strategy: str, devices: int, *, train_step: Callable | None,
+            loss: Callable | None, fsdp_wrap: Any = None, checkpointing: bool = False,
+            lr: float = 1e-3) -> dict[str, Any]:
+    """Per-device bytes of parameters, gradients, AdamW state and saved activations after one
+    real forward/backward/AdamW step of ``model`` on ``batch`` under ``strategy`` (call in a
+    process with ``devices`` XLA:CPU devices and an untouched runtime)."""
+    import torch
+    import torch_xla
+
+    full = {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "n_params": sum(p.numel() for p in model.parameters())}
+    model, mesh = _setup(model, strategy, devices, fsdp_wrap, checkpointing)
+    params = list(model.parameters())
+    out: dict[str, Any] = {"strategy": strategy, "devices": devices if mesh is not None else 1,
+                           "replicated_param_bytes": full["params"], "n_params": full["n_params"],
+                           "shardings": sorted({torch_xla._XLAC._get_xla_sharding_spec(p) or "replicated"
+                                                for p in params})}
+    out["param_bytes"] = sum(shard_bytes(p) for p in params)
+    x, y = _to_device(batch, mesh, devices)
+    pids = {id(p) for p in params}
+    saved: dict[int, Any] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if t.device.type == "xla" and id(t) not in pids and id(base) not in pids:
+            saved[id(t)] = t
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = train_step(model, (x, y), loss) if train_step else loss(model(x), y)
+    acts = list(saved.values())
+    torch_xla._XLAC._xla_sync_multi(acts, [], True)  # XLA places (shards) each saved tensor
+    out["activation_bytes"] = sum(shard_bytes(t) for t in acts)
+    out["activation_tensors"] = len(acts)
+    value.backward()
+    opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+    opt.step()
+    torch_xla.sync()
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])  # shard indices need the step's results
+    out["loss"] = float(value.detach().cpu())
+    out["grad_bytes"] = sum(shard_bytes(p.grad) for p in params if p.grad is not None)
+    out["optimizer_state_bytes"] = sum(shard_bytes(v) for s in opt.state.values()
+                                       for v in s.values()
+                                       if isinstance(v, torch.Tensor) and v.device.type == "xla")
+    return out
+
+
+def run_measurement(job: dict[str, Any], devices: int, timeout: float | None = None) -> dict[str, Any]:
+    """Run :func:`measure` with ``job``'s arguments in a fresh interpreter with ``devices``
+    XLA:CPU devices (cloudpickled in, JSON out); raise :class:`MeasurementError` on failure."""
+    import cloudpickle
+
+    with tempfile.TemporaryDirectory(prefix="xla_utils_mem_") as d:
+        src, dst = os.path.join(d, "job.pkl"), os.path.join(d, "out.json")
+        with open(src, "wb") as f:
+            cloudpickle.dump(job, f)
+        env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
+                   XLA_THREAD_POOL_SIZE=str(max(16, devices)),
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env.pop("XLA_USE_SPMD", None)
+        flags = env.get("XLA_FLAGS", "")
+        if "xla_backend_optimization_level" not in flags:  # compiles several times faster on
+            env["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE}".strip()  # CPU; shardings unchanged
+        try:
+            proc = subprocess.run([sys.executable, "-m", "xla_utils.runtime.shardinfo", src, dst],
+                                  env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise MeasurementError(f"the {job['strategy']!r} memory measurement on {devices} "
+                                   f"XLA:CPU devices ran past timeout={timeout} s") from None
+        if proc.returncode != 0 or not os.path.exists(dst):
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            raise MeasurementError(f"the {job['strategy']!r} memory measurement on {devices} "
+                                   f"XLA:CPU devices failed (exit {proc.returncode}):\n{tail}")
+        with open(dst) as f:
+            return json.load(f)
+
+
+def _main(src: str, dst: str) -> None:
+    import pickle
+
+    with open(src, "rb") as f:
+        job = pickle.load(f)
+    model = job.pop("model")
+    if not hasattr(model, "parameters"):
+        import torch
+
+        torch.manual_seed(0)
+        model = model()
+    result = measure(model, job.pop("batch"), job.pop("strategy"), job.pop("devices"), **job)
+    with open(dst + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(dst + ".tmp", dst)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])
