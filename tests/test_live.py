@@ -93,3 +93,41 @@ def test_later_predict_calls_reuse_the_live_jobs_graphs_and_a_killed_job_is_repl
     while _our_folders() and time.monotonic() < end:
         time.sleep(0.05)
     assert _our_folders() == []
+
+
+def _sum_of_ranks(scale: float):
+    from xla_utils import runtime as rt
+
+    x = rt.all_reduce(torch.tensor([float(rt.rank() + 1)], device=rt.device()) * scale)
+    rt.sync()
+    return float(x.cpu())
+
+
+def _fail_on_rank_1():
+    from xla_utils import runtime as rt
+
+    if rt.rank() == 1:
+        raise ValueError("deliberate failure in a live call")
+    rt.rendezvous("never completed")
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(600)
+def test_live_job_on_2_threads_reuses_graphs_and_a_failing_call_ends_it():
+    from xla_utils.runtime.replica import ReplicaError
+    from xla_utils.simulate.live import LiveJob
+
+    job = LiveJob(2)
+    try:
+        assert job.call(_sum_of_ranks, (1.5,)) == 1.5 * 3
+        assert job.call(_sum_of_ranks, (2.5,)) == 2.5 * 3  # a new scale is device data
+        assert job.last_counters["compiles"] == 0, job.last_counters
+        pid = job.pid
+        with pytest.raises(ReplicaError, match="deliberate failure"):
+            job.call(_fail_on_rank_1, ())
+        assert not job.alive() and _wait_gone(pid)
+        assert job.call(_sum_of_ranks, (1.0,)) == 3.0  # a new job
+        assert job.starts == 2
+    finally:
+        job.close()
+    assert _our_folders() == []

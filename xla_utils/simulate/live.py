@@ -197,6 +197,7 @@ class _Mailbox:
 
     cond = threading.Condition()
     msgs: list = []
+    errors: list = []  # (traceback, type name, secondary) of failed calls, in order
 
 
 def _post(msg: tuple) -> None:
@@ -249,7 +250,12 @@ def _run_one(sock: socket.socket | None, payload: bytes) -> None:
         fn, args = cloudpickle.loads(payload)
         reply = ("ok", dumps_cpu(fn(*args)))
     except BaseException as exc:
-        reply = ("error", (traceback.format_exc(), type(exc).__name__))
+        tb = traceback.format_exc()
+        with _Mailbox.cond:  # before runtime.replica aborts the others' barrier
+            _Mailbox.errors.append((tb, type(exc).__name__, "another simulated replica" in tb))
+            # rank 0 reports the root cause: the first error that is not a consequence
+            root = next((e for e in _Mailbox.errors if not e[2]), _Mailbox.errors[0])
+        reply = ("error", root[:2])
     if sock is not None:
         after = runtime.xla_counters()
         counters = {k: after[k] - before[k] for k in ("compiles", "executions")}
