@@ -15,6 +15,8 @@ owner and at interpreter exit). A job that died (killed, or gone with a restarte
 zygote) is found at the next call (the socket is closed) and replaced by a new
 one, which reruns that call. An exception in ``fn`` ends the job (its replicas
 may be stuck in a collective) and is raised as ``runtime.ReplicaError``.
+The job keeps the environment variables, ``sys.path`` and working directory of
+the call that started it (a fresh launch takes them from every call).
 """
 from __future__ import annotations
 
