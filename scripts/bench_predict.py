@@ -10,9 +10,10 @@ each in a fresh process, alternating the order. Timed spans start after the impo
   and a second pass in the same process (compiled);
 * ``predict(simulate=1)``: the zygote's start (from ``OneCycleTrainer(...)``, which
   starts it, until it is ready: what the first call pays when it comes at once),
-  then ``--calls`` calls: the first and the later ones (each forks a job that
-  starts an XLA:CPU client and compiles again: XLA:CPU cannot load compiled
-  graphs from the persistent cache).
+  then ``--calls`` calls: the first (it forks the trainer's live job, which starts
+  an XLA:CPU client and compiles) and the later ones (sent to the same live job,
+  which reuses its compiled graphs: their compile counts are printed too;
+  ``xla_utils.simulate.live``).
 
 Reports median images/s and the overhead of predict's first and later calls
 against the hand-written first pass (ratio of medians and median of per-rep
@@ -104,12 +105,16 @@ def run_predict(cache: str, batch: int, calls: int) -> dict:
     t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), ds, batch_size=batch, mean=MEAN, std=STD)
     simulate._zygote()  # started by OneCycleTrainer(...); wait until it is ready
     zygote_s = time.perf_counter() - t0
-    seconds = []
+    from xla_utils.simulate.live import live_job_for
+
+    seconds, compiles = [], []
     for _ in range(calls):
         t0 = time.perf_counter()
         preds = t.predict(ds, simulate=1)
         seconds.append(time.perf_counter() - t0)
-    return {"seconds": seconds, "zygote_s": zygote_s, "images": len(ds), "preds": preds.tolist()}
+        compiles.append(live_job_for(t, 1).last_counters["compiles"])
+    return {"seconds": seconds, "zygote_s": zygote_s, "images": len(ds), "preds": preds.tolist(),
+            "compiles": compiles}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                     rates["first"].append(n / sec[0])
                     rates["later"].append(n / statistics.median(sec[1:]))
                     what = (f"zygote start {r['zygote_s']:.2f} s, first call {sec[0]:.2f} s, "
-                            f"later calls {', '.join(f'{x:.2f}' for x in sec[1:])} s")
+                            f"later calls {', '.join(f'{x:.2f}' for x in sec[1:])} s; "
+                            f"compiles per call {r['compiles']}")
                 print(f"rep {rep} {variant:8s} {n} images: {what}  ({_bench.load()})", flush=True)
             diff = max(diff, float(np.abs(preds["hand"] - preds["predict"]).max()))
     print(f"\nend: {_bench.load()}; batch {args.batch}, {args.reps} reps, {args.calls} predict "

@@ -42,3 +42,16 @@ def gcs_emulator():
             else:
                 os.environ[k] = v
         stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def _close_live_simulated_jobs():
+    """A trainer's live predict/evaluate job (xla_utils.simulate.live) lives as long as
+    the trainer; end any left by a test (a reference cycle, a kept traceback) so that
+    the next test starts without its process or its /dev/shm folder."""
+    yield
+    import sys
+
+    live = sys.modules.get("xla_utils.simulate.live")
+    if live is not None:
+        live.close_all()

@@ -61,6 +61,26 @@ def test_simulated_all_reduce_exact_20_times_after_a_caller_backward(design):
         assert out["sim"] is True
 
 
+def _first_collective_at_once():
+    from xla_utils.runtime.state import STATE
+
+    slots = STATE.sim.token_devices  # created before any replica thread ran
+    rt.rendezvous("all threads here")  # then every thread's first all_reduce at once
+    s = rt.all_reduce(torch.tensor([float(rt.rank() + 2)], device=rt.device()))
+    rt.sync()
+    return {"slots": list(slots), "sum": float(s.cpu())}
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_thread_job_creates_every_devices_collective_token_before_replicas_run():
+    # torch_xla's per-device token map has no lock: N threads inserting their
+    # first entry at once crashed the thread job natively (BrokenProcessPool).
+    out = _launch_as("threads", _first_collective_at_once, simulate=8, timeout=120)
+    assert out["slots"] == [f"xla:{i}" for i in range(8)]
+    assert out["sum"] == float(sum(r + 2 for r in range(8)))
+
+
 def _fail_in_rank_3():
     r, dev = rt.rank(), rt.device()
     x = torch.tensor([3.0], device=dev)

@@ -38,6 +38,7 @@ from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_i
 from .loop import scale_lr
 from .mixup import check_step_options, mix_config_for
 from .optim import resolve_optimizer
+from .simulate.live import live_or_launch
 
 if TYPE_CHECKING:
     from .readiness import ReadinessReport
@@ -517,8 +518,7 @@ class OneCycleTrainer:
         """
         runtime._prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
-        return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
-                               timeout=None, sim_threads=True)
+        return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
 
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                  batch_size: int | None = None) -> dict[str, float]:
@@ -537,8 +537,7 @@ class OneCycleTrainer:
         runtime._prestart_simulation(simulate)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
-        return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
-                               timeout=None, sim_threads=True)
+        return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool

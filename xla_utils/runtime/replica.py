@@ -151,6 +151,30 @@ def _spawn_job(fn, args, nprocs: int | None, results) -> None:
         results.join_thread()
 
 
+def _create_token_slots(sim: SimGroup) -> None:
+    """Create every device's collective-token slot once, before any replica thread
+    builds a collective.
+
+    torch_xla keeps the token that orders each device's collectives in one
+    process-wide ``unordered_map`` (``g_all_reduce_tokens``) without a lock; the
+    first collective on a device inserts that device's entry. N replica threads
+    doing their first ``all_reduce`` at once insert concurrently, and a rehash in
+    one thread makes another read a null token: a segfault in
+    ``std::vector<torch::lazy::Value>::_M_realloc_insert`` (about one thread job
+    in 150 on a loaded machine, seen as ``BrokenProcessPool``). Inserting all N
+    entries here, one thread at a time, leaves later accesses lookups only (the
+    entry set to None is what ``xm.set_replication`` and every sync write too).
+    """
+    with sim.lock:
+        if sim.token_devices:
+            return
+        x = load_xla()
+        devices = tuple(str(d) for d in x["xm"].get_xla_supported_devices())
+        for d in devices:
+            x["torch_xla"]._XLAC._set_all_reduce_token(d, None)
+        sim.token_devices = devices
+
+
 def replica_main(index: int) -> None:
     fn, args, results = STATE.job
     if os.getpid() != STATE.job_pid:
@@ -158,6 +182,9 @@ def replica_main(index: int) -> None:
     STATE.local.backend, STATE.local.in_replica = "xla", True
     r = -1
     import torch
+
+    if STATE.sim is not None:
+        _create_token_slots(STATE.sim)
 
     try:
         r = rank()

@@ -24,12 +24,15 @@ class SimGroup:
         barrier: Where the replicas meet at every step boundary.
         lock: Held while one replica compiles/launches its graph.
         values: ``rank -> number`` exchanged by a host-side sum.
+        token_devices: The devices whose collective token slot was created
+            before any replica thread ran (``runtime.replica``; empty until then).
     """
 
     n: int
     barrier: threading.Barrier
     lock: threading.Lock = field(default_factory=threading.Lock)
     values: dict = field(default_factory=dict)
+    token_devices: tuple = ()
 
 
 class ReplicaLocal(threading.local):
