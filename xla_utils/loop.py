@@ -154,7 +154,7 @@ class TrainState:
 
 
 def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
-           ckpt: dict | None) -> Setup:
+           ckpt: dict | None, lr_groups: Callable | None = None) -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
 
     Args:
@@ -165,6 +165,9 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
         lr_world: The world size ``base_lr`` is meant for (1, or the world
             ``lr_find`` measured for).
         ckpt: A checkpoint to resume from, or ``None``.
+        lr_groups: ``lr_groups(model) -> param-group dicts`` (with ``lr_mult``), for
+            discriminative LRs and frozen layers (:mod:`xla_utils.finetune`); None =
+            every parameter at one LR.
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
@@ -182,7 +185,8 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
         f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core = "
         f"{ws * cfg.batch_size} global batch; max_lr {base_lr:.3g} x "
         f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})")
-    opt = make_optimizer(cfg.optimizer, model.parameters(), lr=max_lr / cfg.div_factor,
+    opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
+                         lr=max_lr / cfg.div_factor,
                          weight_decay=cfg.weight_decay)
     steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True))
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
