@@ -43,6 +43,7 @@ setup(
             "gcsfs",
             "gcp-storage-emulator",
             "ray",
+            "timm",  # tests/test_finetune.py: head detection on timm models (no weights downloaded)
         ],
     },
     entry_points={"console_scripts": ["tpu_cache_ds=xla_utils.cli:main"]},
