@@ -72,7 +72,7 @@ def pretrain(source, epochs: int, simulate: int | None, seed: int = 0) -> dict:
 
 
 def run_all(pre: dict, target, val, *, epochs: int, lr: float, seed: int, simulate: int | None,
-            batch_size: int = 10, lr_mult: float = 100.0) -> dict[str, float]:
+            batch_size: int = 5, lr_mult: float = 100.0) -> dict[str, float]:
     """Accuracy on ``val`` of fine_tune / fit-from-pretrained / fit-from-scratch, each
     trained for ``epochs`` epochs on ``target`` with peak LR ``lr``."""
     def trainer(weights):
