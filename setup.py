@@ -32,7 +32,7 @@ setup(
             "pytest-timeout",
             "scikit-learn",
             "scikit-image",
-            "timm",  # tests/test_ema.py, tests/test_mixup.py compare with timm's EMA and Mixup
+            "timm",  # test_ema, test_mixup (timm's EMA and Mixup), test_finetune (timm heads, no weights)
             "matplotlib",
             "nbclient",
             "nbformat",

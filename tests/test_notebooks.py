@@ -26,7 +26,7 @@ pytest.importorskip("ipykernel")
 NB_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 EXPECTED = {"kaggle_quickstart.ipynb", "colab_quickstart.ipynb", "build_cache.ipynb",
-            "debug_single_core.ipynb", "gpt_fsdp.ipynb"}
+            "debug_single_core.ipynb", "gpt_fsdp.ipynb", "competition.ipynb"}
 KERNEL = "python3"
 
 # Appended (in memory only) to each executed notebook: checks of what it claims.
@@ -92,6 +92,20 @@ assert fixed_check.ok and not {"host_sync", "f64", "padding"} & set(fixed_check.
 """,
 }
 
+CHECKS["competition.ipynb"] = """
+assert TINY and SIMULATE == 2 and FOLDS == 5 and len(cv.folds) == 5, (TINY, SIMULATE, cv.folds)
+assert cv.oof.shape == (len(train), NUM_CLASSES) and np.isfinite(cv.oof).all()
+assert sorted(np.bincount(cv.fold_of).tolist())[-1] - sorted(np.bincount(cv.fold_of).tolist())[0] <= 1
+assert np.allclose(cv.test, cv.test_folds.mean(0)) and cv.test.shape == (len(test), NUM_CLASSES)
+assert all(e.get("phase") for e in last.epochs) and last.best_epoch is not None, last
+for k in range(5):
+    assert (OUT / "folds" / f"fold_{k}" / "history.csv").is_file()
+    assert (OUT / "folds" / f"fold_{k}" / "best.pt").is_file() and (OUT / "cv" / f"fold_{k}.npz").is_file()
+_rows = SUBMISSION.read_text().splitlines()
+assert _rows[0] == "image_id,label" and len(_rows) == len(test) + 1
+assert score > 0.3 and cv.oof_score > 0.3, (score, cv.oof_score)
+"""
+
 # Text each notebook must show; it comes from the forked replicas, so this also
 # proves that their output reaches the notebook.
 EXPECTED_OUTPUT = {
@@ -104,6 +118,9 @@ EXPECTED_OUTPUT = {
     "build_cache.ipynb": [r"OK: \d+ shards", r"wrote .*train_preview\.png", r"samples/s"],
     "gpt_fsdp.ipynb": [r"8 cores x 8 per core = 64 global batch", r"bytes from \d+ files",
                        r"fsdp: params .* per device \(paper\)", r"held-out loss \d"],
+    "competition.ipynb": [r"2 cores x 16 per core = 32 global batch", r"OOF score \d",
+                          r"wrote .*submission\.csv: \d+ rows",
+                          r"submission accuracy against the hidden labels"],
     "debug_single_core.ipynb": [r"Steps \[3, 4, 5\] compiled again after warm-up",
                                 r"Steps 3\.\. reused the compiled graph",
                                 r"xla_utils\.check for TPU v5e: NOT READY \(2 warnings\)",

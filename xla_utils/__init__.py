@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from .submission import write_submission
     from .debug import debug_run
     from .trainer import OneCycleTrainer
+    from .crossval import CVResult, cross_validate
 
 # public name -> module that defines it (keep in step with the TYPE_CHECKING imports above;
 # tests/test_import.py checks that they agree)
@@ -46,6 +47,8 @@ _EXPORTS = {
     "check": "readiness",
     "ReadinessReport": "readiness",
     "Finding": "readiness",
+    "cross_validate": "crossval",
+    "CVResult": "crossval",
 }
 
 __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]

@@ -165,7 +165,7 @@ class TrainState:
 
 
 def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
-           ckpt: dict | None, mix: Any = None) -> Setup:
+           ckpt: dict | None, mix: Any = None, lr_groups: Callable | None = None) -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
 
     Args:
@@ -177,6 +177,9 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
             cores x accum_steps ``lr_find`` measured for).
         ckpt: A checkpoint to resume from, or ``None``.
         mix: The run's :class:`~xla_utils.mixup.MixConfig`, or None.
+        lr_groups: ``lr_groups(model) -> param-group dicts`` (with ``lr_mult``), for
+            discriminative LRs and frozen layers (:mod:`xla_utils.finetune`); None =
+            every parameter at one LR.
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
@@ -200,7 +203,8 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
         + (f" x {k} accumulated" if k > 1 else "") + f" = "
         f"{ws * cfg.batch_size * k} global batch; max_lr {base_lr:.3g} x "
         f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})")
-    opt = make_optimizer(cfg.optimizer, model.parameters(), lr=max_lr / cfg.div_factor,
+    opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
+                         lr=max_lr / cfg.div_factor,
                          weight_decay=cfg.weight_decay)
     steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True)) // k
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,

@@ -235,12 +235,14 @@ def set_hparams(optimizer: torch.optim.Optimizer, lr: float, momentum: float | N
     RMSprop) and to ``group["betas"][0]`` where it has betas (Adam, AdamW,
     NAdam, ...); groups with neither keep none. Values exactly 0.0 or 1.0 are
     nudged (:func:`avoid_special`, :func:`avoid_special_momentum`) so that a
-    scheduled value never forces an XLA recompile.
+    scheduled value never forces an XLA recompile. A group with an ``lr_mult`` key
+    gets ``lr * lr_mult`` (layer groups of :mod:`xla_utils.finetune`).
     """
     lr = avoid_special(lr)
     m = None if momentum is None else avoid_special_momentum(momentum)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        # lr_mult: discriminative LRs of a layer group (xla_utils.finetune)
+        group["lr"] = lr if "lr_mult" not in group else avoid_special(lr * group["lr_mult"])
         if m is None:
             continue
         if "momentum" in group:

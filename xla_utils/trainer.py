@@ -33,6 +33,7 @@ from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
 from .ema import with_weights
+from .history import BestTracker, History, check_monitor, check_monitor_data, epoch_files
 from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
                      require_labels, shape_mismatch)
 from .loop import scale_lr
@@ -106,6 +107,13 @@ class TrainerConfig:
             that validation, ``evaluate`` and ``predict`` use; default None (off).
         mixup, cutmix, label_smoothing: timm-style, on the device (:mod:`xla_utils.mixup`):
             Beta alphas (usual 0.2, 1.0) and smoothing in [0, 1); default 0 (off).
+        monitor: Keep the best epoch by this record value: ``"val_loss"``,
+            ``"train_loss"`` or a validation metric (``"accuracy"``, ``"top<k>"``,
+            ``"f1"``; higher is better except for losses). The run returns (and
+            ``self.model`` gets) that epoch's weights, also written to
+            ``checkpoint_dir/best.pt``. Default None (the last epoch's weights).
+        patience: With ``monitor``: stop after this many epochs without
+            improvement (``History.stop_reason`` says so). Default None.
     """
 
     batch_size: int = 32
@@ -135,6 +143,8 @@ class TrainerConfig:
     mixup: float = 0.0
     cutmix: float = 0.0
     label_smoothing: float = 0.0
+    monitor: str | None = None
+    patience: int | None = None
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -155,89 +165,13 @@ class TrainerConfig:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime._check_compile_cache_option(self.compile_cache)
         check_step_options(self)
+        check_monitor(self.monitor, self.patience)
 
     @property
     def scaling_rule(self) -> str:
         if self.lr_scaling is not None:
             return self.lr_scaling
         return "linear" if self.optimizer == "sgd" else "sqrt"
-
-
-@dataclass
-class History:
-    """What :meth:`OneCycleTrainer.fit` returns (``len``, indexing and ``str`` work too).
-
-    Attributes:
-        epochs: One dict per epoch: ``epoch``, ``train_loss``, ``val_loss`` and
-            validation metrics (when ``val_data`` was given), ``lr_max`` (peak LR
-            used), ``lr_last`` (LR of the epoch's last step), ``images_per_s``
-            (global, this epoch including any compilation), ``compiles`` (XLA
-            compilations so far in the run, cumulative), ``host_reads_per_step``
-            (device->host transfers per training step in this process, all its
-            replicas together: the progress-bar loss reads), ``seconds``.
-        world_size, global_batch: Cores and samples per step over all cores.
-        base_lr, max_lr: The LR given (or found) and the peak LR used.
-        lr_scaling, lr_note: The scaling rule and how ``max_lr`` came from ``base_lr``.
-        backend: ``"xla"`` or ``"torch"``.
-        state_dict: The final model state on the CPU (after a stop: the last
-            finite epoch's; empty when no epoch ended finite).
-        stop_reason: None for a complete run, else why it stopped early.
-        warnings: What the run warned about (divergence, exploding validation loss).
-        run_id: Names this run's checkpoint files.
-        compile_cache: The persistent compilation cache in this run (master
-            replica): its state and folder, how many graphs were loaded from it
-            and how many compiled (see ``TrainerConfig.compile_cache``), or why
-            it was off. ``str(history)`` shows it unless it was deliberately off.
-        ema_state_dict: The final EMA weights on the CPU (``ema`` set), else empty.
-    """
-
-    epochs: list[dict[str, Any]]
-    world_size: int
-    global_batch: int
-    base_lr: float
-    max_lr: float
-    lr_scaling: str
-    lr_note: str
-    backend: str
-    state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
-    stop_reason: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    run_id: str | None = None
-    compile_cache: str | None = None
-    ema_state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.epochs[i]
-
-    def __len__(self) -> int:
-        return len(self.epochs)
-
-    def table(self) -> str:
-        """The per-epoch history as an aligned text table."""
-        if not self.epochs:
-            return "(no epochs)"
-        keys = [k for k in self.epochs[-1] if k != "epoch"]
-        head = ["epoch"] + keys
-        rows = [[str(e["epoch"])] + [_fmt(e.get(k)) for k in keys] for e in self.epochs]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        cores = f"{self.world_size} core{'s' if self.world_size > 1 else ''}"
-        return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "
-                f"batch, max_lr {self.max_lr:.3g} (from {self.base_lr:.3g}: {self.lr_note}), "
-                f"backend {self.backend}\n"
-                + (f"{self.compile_cache}\n" if self.compile_cache and not
-                   self.compile_cache.startswith("compile cache off:") else "") + self.table()
-                + (f"\nSTOPPED: {self.stop_reason}" if self.stop_reason else ""))
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "-" if v is None else str(v)
 
 
 class OneCycleTrainer:
@@ -315,6 +249,24 @@ class OneCycleTrainer:
                                         seed=cfg.seed, simulate=simulate, **kwargs)
         return self.lr_finder_result
 
+    def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
+        """fastai's recipe: the head with the body frozen for ``freeze_epochs``, then
+        everything for ``epochs`` with discriminative LRs; see
+        :func:`xla_utils.finetune.fine_tune` for every argument."""
+        from .finetune import fine_tune
+        return fine_tune(self, epochs, freeze_epochs, **kwargs)
+
+    def freeze(self, head: Any = None, train_bn: bool = True) -> list[str]:
+        """Freeze all but the head (normalisation layers stay trainable with
+        ``train_bn``); :func:`xla_utils.finetune.freeze_trainer`. Returns the head's names."""
+        from .finetune import freeze_trainer
+        return freeze_trainer(self, head, train_bn)
+
+    def unfreeze(self) -> None:
+        """Train every parameter again (:func:`xla_utils.finetune.unfreeze_trainer`)."""
+        from .finetune import unfreeze_trainer
+        unfreeze_trainer(self)
+
     def debug(self, steps: int = 5) -> DebugReport:
         """Run a few plain training steps on ONE core and explain what XLA did.
 
@@ -388,6 +340,9 @@ class OneCycleTrainer:
             warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
                           "the same DebugReport", DeprecationWarning, stacklevel=2)
             return self._debug(inputs["train"][1])
+        check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
+                           bool(getattr(self.train_data, "multilabel", False)),
+                           getattr(self.train_data, "num_classes", None))
         world = _planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
         self._mix = mix_config_for(cfg, self.loss, self.model, *inputs["train"],
@@ -645,11 +600,12 @@ class OneCycleTrainer:
         cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
         counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                        ckpt=ckpt, mix=self._mix)
+                        ckpt=ckpt, mix=self._mix, lr_groups=getattr(self, "_lr_groups", None))
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                                 initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
         master_bar, progress_bar = runtime.progress_bars()
         epochs = range(s.start_epoch, cfg.epochs)
+        best = BestTracker.resume(cfg.monitor, cfg.patience, s.history) if cfg.monitor else None
         mb = master_bar(epochs) if runtime.is_master() else None
         for epoch in (mb if mb is not None else epochs):
             pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
@@ -666,17 +622,23 @@ class OneCycleTrainer:
             if mb is not None:
                 mb.write(loop.epoch_line(record))
             self._end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss))
+            if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir):
+                break
         if state.stop_reason is not None:
             final = state.finite_state or {}
         else:
             final = state.finite_state if state.finite_state is not None else s.model.state_dict()
+            final = best.best_state if best is not None and best.best_state else final
             if cfg.checkpoint_dir is not None:
                 runtime.save(final, Path(cfg.checkpoint_dir) / "final.pt")
         return History(epochs=s.history, world_size=s.world_size,
                        global_batch=s.world_size * cfg.batch_size * s.accum_steps,
                        base_lr=s.base_lr,
                        max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
-                       backend=runtime.backend(), state_dict=final, stop_reason=state.stop_reason,
+                       backend=runtime.backend(), state_dict=final,
+                       stop_reason=state.stop_reason or (best and best.stop_reason),
+                       monitor=cfg.monitor, best_epoch=best and best.best_epoch,
+                       best_score=best and best.best_score,
                        warnings=state.warnings, run_id=run_id,
                        compile_cache=runtime._compile_cache_summary(cache, counters0,
                                                                     runtime.xla_counters()),

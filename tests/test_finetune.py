@@ -1,0 +1,153 @@
+"""fine_tune / freeze / unfreeze, heads, layer groups and pretrained weights (xla_utils.finetune),
+on XLA:CPU: 1 core and simulated cores; torchvision and timm models built without downloads."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from xla_utils import OneCycleTrainer
+from xla_utils.finetune import (even_mults, find_head, freeze, layer_groups, load_pretrained,
+                                unfreeze)
+from xla_utils.optim import make_optimizer, set_hparams
+
+
+class Net(nn.Module):
+    """A BatchNorm MLP on digits with a torchvision-style ``fc`` head."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                  nn.Linear(32, 32), nn.ReLU())
+        self.fc = nn.Linear(32, classes)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+def _digits(n_val: int = 360):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    ds = torch.utils.data.TensorDataset
+    return ds(x[n_val:], y[n_val:]), ds(x[:n_val], y[:n_val])
+
+
+def test_heads_found_for_torchvision_timm_and_sequential():
+    tv = pytest.importorskip("torchvision")
+    assert find_head(tv.models.resnet18(weights=None)) == ["fc"]
+    assert find_head(tv.models.mobilenet_v3_small(weights=None)) == ["classifier"]
+    assert find_head(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2), nn.Softmax(1))) == ["2"]
+    assert find_head(Net(), head="body.3") == ["body.3"]
+    with pytest.raises(ValueError, match="head='nope' is not a submodule"):
+        find_head(Net(), head="nope")
+
+    class NoHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(3, 3)
+
+    with pytest.raises(ValueError, match="name it with head="):
+        find_head(NoHead())
+    timm = pytest.importorskip("timm")
+    m = timm.create_model("resnet10t", pretrained=False, num_classes=3)
+    assert find_head(m) == ["fc"]
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=32)
+    assert find_head(vit) == ["head"]
+
+
+def test_freeze_keeps_batchnorm_trainable_and_groups():
+    tv = pytest.importorskip("torchvision")
+    m = tv.models.resnet18(weights=None)
+    assert freeze(m) == ["fc"]
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert {"fc.weight", "fc.bias", "bn1.weight", "layer4.1.bn2.bias"} <= trainable
+    assert "conv1.weight" not in trainable and "layer4.1.conv2.weight" not in trainable
+    assert all(".bn" in n or n.startswith(("bn1", "fc")) or "downsample.1" in n for n in trainable)
+    freeze(m, train_bn=False)
+    assert {n for n, p in m.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
+    unfreeze(m)
+    assert all(p.requires_grad for p in m.parameters())
+    groups = layer_groups(m, n_groups=3)
+    assert [len(g) for g in groups][-1] == 2 and groups[-1] == ["fc.weight", "fc.bias"]
+    assert sum(map(len, groups)) == len(list(m.parameters())) and groups[0][0] == "conv1.weight"
+    with pytest.raises(ValueError, match="n_groups must be an int >= 2"):
+        layer_groups(m, n_groups=1)
+
+
+def test_discriminative_lrs_reach_the_param_groups():
+    assert even_mults(100, 3) == pytest.approx([0.01, 0.1, 1.0])
+    m = Net()
+    from xla_utils.finetune import _param_groups
+
+    groups = layer_groups(m, n_groups=3)
+    opt = make_optimizer("adamw", _param_groups(m, groups, even_mults(100, 3)), lr=1e-3)
+    set_hparams(opt, 2e-3, 0.9)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([2e-5, 2e-4, 2e-3])
+    assert all(g["betas"][0] == 0.9 for g in opt.param_groups)
+
+
+def test_load_pretrained_skips_a_new_head_only(tmp_path):
+    src = Net(10)
+    torch.save(src.state_dict(), tmp_path / "final.pt")
+    torch.save({"model": src.state_dict(), "epoch": 3}, tmp_path / "epoch_003.pt")
+    for source in (tmp_path / "final.pt", tmp_path / "epoch_003.pt", lambda: src, src.state_dict()):
+        dst = Net(3)
+        skipped = load_pretrained(dst, source)
+        assert skipped == ["fc.weight", "fc.bias"]
+        torch.testing.assert_close(dst.body[0].weight, src.body[0].weight)
+        torch.testing.assert_close(dst.body[1].running_mean, src.body[1].running_mean)
+    with pytest.raises(FileNotFoundError, match="do not exist"):
+        load_pretrained(Net(3), tmp_path / "missing.pt")
+    bad = {k: v for k, v in src.state_dict().items() if k != "body.0.weight"}
+    with pytest.raises(ValueError, match="do not fit the body"):
+        load_pretrained(Net(3), bad)
+
+
+def test_fine_tune_refuses_bad_values_before_device_time():
+    train, val = _digits()
+    t = OneCycleTrainer(Net(), nn.CrossEntropyLoss(), train, val)
+    with pytest.raises(ValueError, match="epochs must be an int >= 1"):
+        t.fine_tune(0)
+    with pytest.raises(ValueError, match="freeze_epochs must be an int >= 0"):
+        t.fine_tune(1, freeze_epochs=-1)
+    with pytest.raises(ValueError, match="lr_mult must be a number >= 1"):
+        t.fine_tune(1, lr_mult=0.5)
+    with pytest.raises(TypeError, match="unexpected argument"):
+        t.fine_tune(1, resume="last")
+
+
+@pytest.mark.parametrize("simulate", [1, pytest.param(2, marks=pytest.mark.multicore)])
+@pytest.mark.timeout(400)
+def test_freeze_then_fine_tune_on_xla(simulate):
+    """Frozen fit: body weights do not move, BatchNorm and head do, one graph. fine_tune:
+    frozen then unfrozen phases, each with a constant compile count after its first epoch,
+    and every parameter trainable again afterwards."""
+    train, val = _digits()
+    torch.manual_seed(0)
+    t = OneCycleTrainer(Net, nn.CrossEntropyLoss(), train, val, batch_size=32 // simulate,
+                        epochs=2, max_lr=1e-2, seed=0)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.freeze()
+    h = t.fit(simulate=simulate)
+    after = t.model.state_dict()
+    assert torch.equal(after["body.0.weight"], before["body.0.weight"])
+    assert torch.equal(after["body.3.weight"], before["body.3.weight"])
+    assert not torch.equal(after["body.1.weight"], before["body.1.weight"])  # BN trains
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])
+    assert len({e["compiles"] for e in h.epochs}) == 1, h
+    t.unfreeze()
+    ft = t.fine_tune(2, freeze_epochs=2, simulate=simulate)
+    assert [e["phase"] for e in ft.epochs] == ["frozen"] * 2 + ["unfrozen"] * 2
+    assert [e["epoch"] for e in ft.epochs] == [1, 2, 3, 4]
+    for phase in ("frozen", "unfrozen"):
+        counts = {e["compiles"] for e in ft.epochs if e["phase"] == phase}
+        assert len(counts) == 1, ft  # nothing compiles after a phase's first epoch
+    assert ft.epochs[2]["lr_max"] == pytest.approx(ft.epochs[0]["lr_max"] / 2)
+    assert ft[-1]["accuracy"] > 0.8, ft
+    assert all(p.requires_grad for p in t.model.parameters()) and t._lr_groups is None
+    assert t.config.epochs == 2 and t.config.pct_start == 0.3  # the trainer's config is back
