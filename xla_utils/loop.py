@@ -110,6 +110,8 @@ class Setup:
         start_epoch: First epoch to run (0, or the resumed checkpoint's epoch).
         history: Per-epoch records so far (the resumed checkpoint's).
         autocast: The forward/backward autocast context (bf16 when configured).
+        mesh: The SPMD strategy's :class:`~xla_utils.strategy.MeshRun`, or None
+            (``strategy="spawn"``: one replica per core).
     """
 
     model: torch.nn.Module
@@ -127,6 +129,22 @@ class Setup:
     start_epoch: int
     history: list[dict[str, Any]]
     autocast: Any
+    mesh: Any = None
+
+    def batches(self, data, cfg: Any, epoch: int, train: bool):
+        """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
+        if self.mesh is not None:
+            return self.mesh.loader(data, cfg, epoch, train)
+        return loader(data, cfg, world_size=self.world_size, rank=self.rank, epoch=epoch,
+                      train=train)
+
+    def feed(self, batches: Iterable):
+        """``batches`` on the device(s): sharded over the mesh, or prefetched."""
+        return runtime.device_prefetch(batches) if self.mesh is None else self.mesh.feed(batches)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state under the plain model's names (consolidated on a mesh)."""
+        return self.model.state_dict() if self.mesh is None else self.mesh.state_dict(self.model)
 
 
 @dataclass
@@ -154,7 +172,7 @@ class TrainState:
 
 
 def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
-           ckpt: dict | None) -> Setup:
+           ckpt: dict | None, strategy: Any = None) -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
 
     Args:
@@ -165,6 +183,8 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
         lr_world: The world size ``base_lr`` is meant for (1, or the world
             ``lr_find`` measured for).
         ckpt: A checkpoint to resume from, or ``None``.
+        strategy: A :class:`~xla_utils.strategy.MeshRun` (``"spmd"``/``"fsdp"``: this one
+            process feeds ``strategy.devices`` devices), or None.
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
@@ -174,6 +194,8 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
 
     ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
     model = replica_model(model, dev, None if ckpt is None else ckpt["model"])
+    if strategy is not None:
+        ws, model = strategy.devices, strategy.wrap(model)
     rule = cfg.scaling_rule
     max_lr = scale_lr(base_lr, ws, rule) / scale_lr(1.0, lr_world, rule)
     how = f"{rule} scaling" if lr_world == 1 else \
@@ -203,7 +225,7 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
     return Setup(model=model, opt=opt, sched=sched, world_size=ws, rank=rk, device=dev,
                  base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
-                 autocast=autocast)
+                 autocast=autocast, mesh=strategy)
 
 
 @dataclass
@@ -258,7 +280,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     loss_sum = runtime.to_device(torch.zeros(()), s.device)
     lr_last = s.sched.lr(state.step)
     train_loss = math.nan
-    it = runtime.device_prefetch(batches)
+    it = s.feed(batches)
     for i, (x, y, _valid) in zip(progress if progress is not None else range(spe), it):
         x = prepare_input(x, cfg, True, inputs)
         lr_last = s.sched.apply(opt, state.step)
@@ -329,7 +351,7 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
 
 def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Callable,
              eval_step: Callable, autocast: Any, dev: torch.device,
-             inputs: Any) -> dict[str, float]:
+             inputs: Any, feed: Callable | None = None) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
     reduced over all replicas.
 
@@ -341,6 +363,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Ca
         autocast: The autocast context of the run.
         dev: The replica's device.
         inputs: The data's :class:`~xla_utils.inputs.InputSpec`.
+        feed: Moves host batches to the device(s); default ``runtime.device_prefetch``.
 
     Raises:
         ValueError: ``batches`` yielded nothing.
@@ -348,7 +371,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Ca
     model.eval()
     acc = None
     with torch.no_grad():
-        for x, y, valid in runtime.device_prefetch(batches):
+        for x, y, valid in (feed or runtime.device_prefetch)(batches):
             with autocast:
                 out = eval_step(model, (prepare_input(x, cfg, False, inputs), y))
             if acc is None:
@@ -426,7 +449,7 @@ def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 
 def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eval_step: Callable,
-                   world_size: int, rank: int, dev: torch.device
+                   world_size: int, rank: int, dev: torch.device, feed: Callable | None = None
                    ) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run every TTA view of ``plan`` over this rank's share of the data.
 
@@ -455,7 +478,7 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eva
     def steps():
         for variant, flip in plan.views:
             flag = runtime.to_device(torch.tensor(flip), dev) if mirror else None
-            for k, (x, y, valid) in enumerate(runtime.device_prefetch(
+            for k, (x, y, valid) in enumerate((feed or runtime.device_prefetch)(
                     iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
                                     epoch=variant, drop_last=False, num_workers=cfg.num_workers))):
                 yield k, flag, x, y, valid

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import loop, runtime
+from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
                          resolve_resume, save_checkpoint)
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
@@ -97,6 +98,15 @@ class TrainerConfig:
             else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
             on XLA:CPU, which writes entries but cannot load them); ``None`` off.
             See :mod:`xla_utils.runtime.compile_cache`.
+        strategy: ``"spawn"`` (default: one process per core, whole model on each),
+            ``"spmd"`` (one process feeds every device, batch split over a 1-D mesh) or
+            ``"fsdp"`` (FSDPv2: parameters, gradients, optimizer state and batch sharded
+            over the mesh's ``fsdp`` axis). See :mod:`xla_utils.strategy`.
+        fsdp_wrap: ``"fsdp"`` units: module classes or class names (e.g. the
+            transformer block), a minimum parameter count per unit, or None (default:
+            the whole model as one unit).
+        activation_checkpointing: Recompute each FSDP unit's activations in the
+            backward pass (``"fsdp"`` only). Default False.
     """
 
     batch_size: int = 32
@@ -121,6 +131,9 @@ class TrainerConfig:
     num_workers: int | None = None
     on_nan: str = "stop"
     compile_cache: str | os.PathLike | bool | None = "auto"
+    strategy: str = "spawn"
+    fsdp_wrap: Sequence[type | str] | type | str | int | None = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -140,6 +153,7 @@ class TrainerConfig:
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime._check_compile_cache_option(self.compile_cache)
+        _strategy.check_config(self)
 
     @property
     def scaling_rule(self) -> str:
@@ -371,6 +385,8 @@ class OneCycleTrainer:
             return self._debug(inputs["train"][1])
         world = _planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world)
+        if cfg.strategy != "spawn":
+            plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
         ckpt = None
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
@@ -385,8 +401,12 @@ class OneCycleTrainer:
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-        out = runtime._launch(self._replica, (float(base_lr), lr_world, ckpt, run_id, inputs),
-                              cores=cores, simulate=simulate, timeout=timeout, sim_threads=True)
+        args = (float(base_lr), lr_world, ckpt, run_id, inputs)
+        if cfg.strategy == "spawn":
+            out = runtime._launch(self._replica, args, cores=cores, simulate=simulate,
+                                  timeout=timeout, sim_threads=True)
+        else:
+            out = _strategy.launch(_strategy.fit_replica, (self, *args), plan, timeout)
         if out.state_dict:  # empty when no epoch of this fit ended with finite weights
             self.model.load_state_dict(out.state_dict)
             self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
@@ -496,8 +516,7 @@ class OneCycleTrainer:
         """
         runtime._prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
-        return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
-                               timeout=None, sim_threads=True)
+        return self._launch_inference(plan, cores, simulate)
 
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                  batch_size: int | None = None) -> dict[str, float]:
@@ -516,8 +535,17 @@ class OneCycleTrainer:
         runtime._prestart_simulation(simulate)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
-        return runtime._launch(self._inference_replica, (plan,), cores=cores, simulate=simulate,
-                               timeout=None, sim_threads=True)
+        return self._launch_inference(plan, cores, simulate)
+
+    def _launch_inference(self, plan: loop.InferencePlan, cores: int | str,
+                          simulate: int | None) -> Any:
+        """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
+        if self.config.strategy == "spawn":
+            return runtime._launch(self._inference_replica, (plan,), cores=cores,
+                                   simulate=simulate, timeout=None, sim_threads=True)
+        world = _planned_world_size(cores, simulate)
+        splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
+        return _strategy.launch(_strategy.inference_replica, (self, plan), splan, None)
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
@@ -617,14 +645,16 @@ class OneCycleTrainer:
 
     # ------------------------------------------------------------- replica
     def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str,
-                 inputs: dict[str, tuple[Any, InputSpec] | None]) -> History:
-        """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint."""
+                 inputs: dict[str, tuple[Any, InputSpec] | None],
+                 strategy: _strategy.MeshRun | None = None) -> History:
+        """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint
+        (``strategy``: the one SPMD process of ``"spmd"``/``"fsdp"``)."""
         cfg = self.config
         train_data, spec = inputs["train"]
         cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
         counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                        ckpt=ckpt)
+                        ckpt=ckpt, strategy=strategy)
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                                 initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
         master_bar, progress_bar = runtime.progress_bars()
@@ -632,8 +662,7 @@ class OneCycleTrainer:
         mb = master_bar(epochs) if runtime.is_master() else None
         for epoch in (mb if mb is not None else epochs):
             pb = progress_bar(range(s.steps_per_epoch), parent=mb) if mb is not None else None
-            batches = loop.loader(train_data, cfg, world_size=s.world_size, rank=s.rank,
-                                  epoch=epoch, train=True)
+            batches = s.batches(train_data, cfg, epoch, train=True)
             res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
                                        train_step=self.train_step, loss_fn=self.loss,
                                        inputs=spec, progress=pb)
@@ -647,7 +676,7 @@ class OneCycleTrainer:
         if state.stop_reason is not None:
             final = state.finite_state or {}
         else:
-            final = state.finite_state if state.finite_state is not None else s.model.state_dict()
+            final = state.finite_state if state.finite_state is not None else s.state_dict()
             if cfg.checkpoint_dir is not None:
                 runtime.save(final, Path(cfg.checkpoint_dir) / "final.pt")
         return History(epochs=s.history, world_size=s.world_size,
@@ -665,10 +694,9 @@ class OneCycleTrainer:
         cfg = self.config
         record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
         if val is not None:
-            metrics = loop.evaluate(s.model, loop.loader(val[0], cfg, world_size=s.world_size,
-                                                         rank=s.rank, epoch=epoch, train=False),
+            metrics = loop.evaluate(s.model, s.batches(val[0], cfg, epoch, train=False),
                                     cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
-                                    autocast=s.autocast, dev=s.device, inputs=val[1])
+                                    autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed)
             record.update({"val_loss": metrics.pop("loss")}, **metrics)
         for key in ("train_loss", "val_loss"):
             msg = loop.exploded(key, record.get(key), state.initial_loss, epoch + 1)
@@ -687,14 +715,15 @@ class OneCycleTrainer:
         write the epoch checkpoint when configured and the loss is finite."""
         cfg = self.config
         if finite and cfg.on_nan == "stop" and runtime.is_master():
-            state.finite_state = loop.host_copy(s.model.state_dict())
+            state.finite_state = loop.host_copy(s.state_dict())
         if cfg.checkpoint_dir is None:
             return
         if finite:
             save_checkpoint(s.model, s.opt, cfg, epoch=epoch + 1, history=s.history,
                             base_lr=s.base_lr, lr_world=s.lr_world, world_size=s.world_size,
                             steps_per_epoch=s.steps_per_epoch, run_id=run_id,
-                            host_state=state.finite_state, initial_loss=state.initial_loss)
+                            host_state=state.finite_state if state.finite_state is not None
+                            else s.state_dict(), initial_loss=state.initial_loss)
         else:
             runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                                  "(non-finite loss); older checkpoints are kept")

@@ -1,0 +1,148 @@
+"""torch_xla's SPMD calls, in one place: mesh, shardings, FSDPv2, sharded inputs.
+
+An SPMD program is one process that owns every device of the host; tensors carry
+shardings (``xs.mark_sharding``) and XLA's partitioner inserts the collectives.
+:mod:`xla_utils.strategy` asks this module for everything SPMD; nothing here is
+imported at ``import xla_utils`` time, and torch_xla is imported inside the
+functions only.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+__all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
+           "sharded_batches", "fsdp_wrap_model", "sharding_spec", "local_shard_bytes",
+           "FSDP_WRAPPER_PARTS"]
+
+# The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
+SPMD_MODULES = ("torch_xla.distributed.spmd",
+                "torch_xla.experimental.spmd_fully_sharded_data_parallel",
+                "torch_xla.distributed.fsdp.wrap")
+
+# Names FSDPv2 and activation checkpointing insert into parameter paths.
+FSDP_WRAPPER_PARTS = ("_orig_module", "_xla_checkpointed_module", "_checkpoint_wrapped_module")
+
+
+def spmd_support(modules: Sequence[str] = SPMD_MODULES) -> str | None:
+    """None when this torch_xla can run SPMD and FSDPv2, else why not (with the fix).
+
+    Imports the modules (not the XLA runtime): safe in the calling process.
+    """
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a broken install
+            return (f"this torch_xla cannot run SPMD/FSDPv2: importing {name} failed "
+                    f"({type(exc).__name__}: {exc}). Fix: use torch_xla >= 2.5 (Kaggle's 2.8 "
+                    "and Colab's 2.9 have it), or strategy='spawn'")
+    return None
+
+
+def enable_spmd() -> None:
+    """``xr.use_spmd()``: call first thing in the SPMD process, before any XLA tensor."""
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+
+
+def device_count() -> int:
+    """Devices this SPMD process owns (all of them: ``xr.global_runtime_device_count()``)."""
+    import torch_xla.runtime as xr
+
+    return int(xr.global_runtime_device_count())
+
+
+def make_mesh(devices: int, axis: str) -> Any:
+    """A 1-D ``xs.Mesh`` of ``devices`` devices whose one axis is named ``axis``."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(devices), (devices,), (axis,))
+
+
+def _spec(mesh: Any, axis: str, t: Any) -> Any:
+    import torch_xla.distributed.spmd as xs
+
+    return xs.ShardingSpec(mesh, (axis,) + (None,) * (t.dim() - 1))
+
+
+def sharded_batches(batches: Iterable, mesh: Any, axis: str) -> Iterator:
+    """Host batches ``(x, y, valid)`` (or any tuple of tensors) moved to the devices,
+    every tensor split along its first (batch) axis over ``axis`` of ``mesh``.
+
+    Transfers go straight to the shards (``send_cpu_data_to_device(input_sharding=)``);
+    no step boundary is taken (the loop owns it).
+    """
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    dev = torch_xla.device()
+    for batch in batches:
+        out = []
+        for t in batch:
+            if isinstance(t, torch.Tensor) and t.dim() >= 1:
+                t = xm.send_cpu_data_to_device([t], dev, input_sharding=_spec(mesh, axis, t))[0]
+            elif isinstance(t, torch.Tensor):
+                t = xm.send_cpu_data_to_device([t], dev)[0]
+            out.append(t)
+        yield type(batch)(out) if isinstance(batch, tuple) else out
+
+
+def _wrap_policy(wrap: Any) -> Callable | None:
+    """torch_xla's auto-wrap policy for ``wrap`` (a tuple of classes, a parameter count, None)."""
+    import functools
+
+    from torch_xla.distributed.fsdp.wrap import (size_based_auto_wrap_policy,
+                                                 transformer_auto_wrap_policy)
+
+    if wrap is None:
+        return None
+    if isinstance(wrap, int):
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=wrap)
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(wrap))
+
+
+def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> Any:
+    """``model`` as FSDPv2 (``SpmdFullyShardedDataParallel``) over ``mesh``'s ``fsdp`` axis.
+
+    Args:
+        model: The module (on the CPU or the XLA device).
+        mesh: A mesh with an axis named ``"fsdp"``.
+        wrap: Module classes to wrap as their own units (a tuple), a minimum parameter
+            count per unit (an int), or None (the whole model as one unit).
+        checkpointing: Recompute each wrapped unit's activations in the backward pass
+            (``checkpoint_module``); with ``wrap=None`` the whole model.
+    """
+    from torch_xla.distributed.fsdp import checkpoint_module
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
+        SpmdFullyShardedDataParallel as FSDPv2
+
+    def unit(m, *args, **kwargs):
+        return FSDPv2(checkpoint_module(m) if checkpointing else m, *args, **kwargs)
+
+    policy = _wrap_policy(wrap)
+    if policy is None:
+        return unit(model, mesh=mesh)
+    return FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+
+
+def sharding_spec(t: Any) -> str:
+    """The XLA sharding of a device tensor as text, e.g. ``{devices=[8,1]0,1,...}``;
+    ``""`` for an unsharded (replicated by default) tensor."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def local_shard_bytes(t: Any) -> list[int]:
+    """Bytes of ``t`` held by each device, read from its actual shards."""
+    import torch_xla
+
+    if sharding_spec(t) == "":
+        n = device_count()
+        return [t.numel() * t.element_size()] * n
+    shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(cpu tensor, "CPU:0"), ...]
+    return [s.numel() * s.element_size() for s, _ in shards]
