@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
-           "sharded_batches", "fsdp_wrap_model", "sharding_spec", "local_shard_bytes",
+           "sharded_batches", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes",
            "FSDP_WRAPPER_PARTS"]
 
 # The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
@@ -125,8 +125,37 @@ def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> An
 
     policy = _wrap_policy(wrap)
     if policy is None:
-        return unit(model, mesh=mesh)
-    return FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+        wrapped = unit(model, mesh=mesh)
+    else:
+        wrapped = FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+    shard_grads_like_params(wrapped, mesh)
+    return wrapped
+
+
+def _fsdp_spec(shape: Sequence[int]) -> tuple:
+    """FSDPv2's rule: shard the largest dimension over ``fsdp`` (scalars replicated)."""
+    spec: list = [None] * len(shape)
+    if spec:
+        spec[list(shape).index(max(shape))] = "fsdp"
+    return tuple(spec)
+
+
+def shard_grads_like_params(model: Any, mesh: Any) -> None:
+    """Give every gradient its parameter's sharding as it is accumulated.
+
+    Left alone, XLA's propagation all-reduces a gradient into a replicated tensor
+    (full size on every device); annotated, it becomes a reduce-scatter and the
+    optimizer state that follows it stays sharded too.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    def hook(p):
+        if p.grad is not None and p.dim() > 0:
+            xs.mark_sharding(p.grad, mesh, _fsdp_spec(p.shape))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
 
 
 def sharding_spec(t: Any) -> str:
@@ -144,5 +173,8 @@ def local_shard_bytes(t: Any) -> list[int]:
     if sharding_spec(t) == "":
         n = device_count()
         return [t.numel() * t.element_size()] * n
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # the shards of a tensor still being computed cannot be read
     shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(cpu tensor, "CPU:0"), ...]
     return [s.numel() * s.element_size() for s, _ in shards]
