@@ -65,13 +65,14 @@ def runs(tmp_path_factory):
     out = {}
     for s in ("spawn", "spmd", "fsdp"):
         d = tmp_path_factory.mktemp(s)
-        h = _trainer(s, d).fit(simulate=DEVICES)
-        out[s] = (h, d)
+        tr = _trainer(s, d)
+        h = tr.fit(simulate=DEVICES)
+        out[s] = (h, d, tr)
     return out
 
 
 def test_same_loss_curve_over_20_steps(runs):
-    curves = {s: [e["train_loss"] for e in h.epochs] for s, (h, _) in runs.items()}
+    curves = {s: [e["train_loss"] for e in h.epochs] for s, (h, _, _) in runs.items()}
     assert all(len(c) == 20 and all(map(math.isfinite, c)) for c in curves.values())
     assert curves["spawn"][-1] < 0.5 * curves["spawn"][0]  # it trained
     for s in ("spmd", "fsdp"):
@@ -88,7 +89,7 @@ def test_same_loss_curve_over_20_steps(runs):
 
 @pytest.mark.parametrize("strategy", ["spawn", "spmd", "fsdp"])
 def test_resume_from_epoch_checkpoint_is_exact(runs, strategy):
-    h, d = runs[strategy]
+    h, d, _ = runs[strategy]
     ckpt = next(d.glob("epoch_010-*.pt"))
     tr = _trainer(strategy, d)
     h2 = tr.fit(simulate=DEVICES, resume=ckpt)
@@ -104,7 +105,7 @@ def test_resume_from_epoch_checkpoint_is_exact(runs, strategy):
 
 
 def test_checkpoint_resumes_under_another_strategy_with_same_devices(runs, tmp_path):
-    h, d = runs["spawn"]
+    h, d, _ = runs["spawn"]
     tr = _trainer("fsdp", tmp_path)
     h2 = tr.fit(simulate=DEVICES, resume=next(d.glob("epoch_015-*.pt")))
     np.testing.assert_allclose([e["train_loss"] for e in h2.epochs][15:],
@@ -112,11 +113,21 @@ def test_checkpoint_resumes_under_another_strategy_with_same_devices(runs, tmp_p
 
 
 def test_checkpoint_of_other_mesh_size_is_refused_naming_both(runs, tmp_path):
-    _, d = runs["spawn"]
+    _, d, _ = runs["spawn"]
     tr = _trainer("fsdp", tmp_path)
     with pytest.raises(ResumeError, match=r"cores: 8 in the checkpoint, 4 now \(strategy "
                                           r"'spawn' then, 'fsdp' now"):
         tr.fit(simulate=4, resume=next(d.glob("epoch_010-*.pt")))
+
+
+def test_predict_under_fsdp_matches_the_plain_model(runs):
+    tr = runs["fsdp"][2]
+    data = _digits(100)  # not a multiple of the global batch: the tail is padded and dropped
+    got = tr.predict(data, simulate=DEVICES, activation=None)
+    with torch.no_grad():
+        want = tr.model(data.tensors[0]).numpy()
+    assert got.shape == (100, 10)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
 def _inspect_fsdp_shards():
