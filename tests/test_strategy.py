@@ -4,6 +4,7 @@ and every bad input refused before device time."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,6 +92,9 @@ def test_same_loss_curve_over_20_steps(runs):
 def test_resume_from_epoch_checkpoint_is_exact(runs, strategy):
     h, d, _ = runs[strategy]
     ckpt = next(d.glob("epoch_010-*.pt"))
+    twins = sorted(p.name for p in d.glob("epoch_*.dcp"))
+    assert twins == ([] if strategy == "spawn" else [p.stem + ".dcp" for p in
+                                                     sorted(d.glob("epoch_*.pt"))])
     tr = _trainer(strategy, d)
     h2 = tr.fit(simulate=DEVICES, resume=ckpt)
     full = [e["train_loss"] for e in h.epochs]
@@ -130,11 +134,11 @@ def test_predict_under_fsdp_matches_the_plain_model(runs):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
-def _inspect_fsdp_shards():
+def _inspect_fsdp_shards(tmp):
     """In the 8-device SPMD process: wrap Net under FSDPv2, run one step, read shardings."""
     from xla_utils import loop
     from xla_utils.runtime import spmd
-    from xla_utils.strategy import _enter
+    from xla_utils.strategy import _enter, load_sharded_checkpoint
 
     plan = StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block,))
     _, run = _enter(plan, None)
@@ -147,7 +151,21 @@ def _inspect_fsdp_shards():
     grad_bytes = spmd.local_shard_bytes(w.grad)
     opt.step()
     runtime.sync()
-    return {"devices": spmd.device_count(), "world": runtime.world_size(),
+    # the sharded checkpoint (torch.distributed.checkpoint, SPMD planners) round trip
+    folder = run.save_sharded(model, opt, tmp, 1, "t", keep=1)
+    model2 = run.wrap(loop.replica_model(Net(), runtime.device()))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    torch.nn.functional.cross_entropy(model2(x), y).backward()
+    opt2.step()
+    runtime.sync()
+    load_sharded_checkpoint(model2, opt2, folder)
+    runtime.sync()
+    w2 = model2.blocks[0].fc.weight
+    same = all(torch.equal(a.cpu(), b.cpu()) for a, b in
+               zip(model.state_dict().values(), model2.state_dict().values()))
+    same_opt = torch.equal(opt.state[w]["exp_avg"].cpu(), opt2.state[w2]["exp_avg"].cpu())
+    return {"dcp": (same, same_opt, spmd.sharding_spec(w2), sorted(p.name for p in
+                                                                    Path(tmp).iterdir())),"devices": spmd.device_count(), "world": runtime.world_size(),
             "w_spec": spmd.sharding_spec(w), "w_bytes": spmd.local_shard_bytes(w),
             "grad_bytes": grad_bytes,
             "adam_bytes": [a + b for a, b in zip(*(spmd.local_shard_bytes(opt.state[w][k])
@@ -156,10 +174,11 @@ def _inspect_fsdp_shards():
             "keys": sorted(consolidated_state_dict(model))}
 
 
-def test_fsdp_shards_8_ways_read_from_the_real_tensors():
+def test_fsdp_shards_8_ways_read_from_the_real_tensors(tmp_path):
     from xla_utils.simulate.devices import run_on_devices
 
-    r = run_on_devices(_inspect_fsdp_shards, (), DEVICES, timeout=300)
+    r = run_on_devices(_inspect_fsdp_shards, (str(tmp_path),), DEVICES, timeout=300)
+    assert r["dcp"] == (True, True, "{devices=[8,1]0,1,2,3,4,5,6,7}", ["epoch_001-t.dcp"])
     assert r["devices"] == DEVICES and r["world"] == 1  # one process owns all 8
     assert r["w_spec"].startswith("{devices=[8,1]") and r["x_spec"].startswith("{devices=[8,1]")
     assert r["w_bytes"] == [32 * 32 * 4 // 8] * 8 and r["grad_bytes"] == r["w_bytes"]

@@ -15,10 +15,12 @@
 
 For one model, seed and global batch the three give the same loss curve: the
 global batch ``k`` is the same samples in the same order (rank ``r``'s block of
-spawn is device ``r``'s shard here). Checkpoints are consolidated (full tensors,
+spawn is device ``r``'s shard here). Epoch checkpoints are consolidated (full tensors,
 the unwrapped model's parameter names), so an epoch checkpoint of one strategy
 resumes under another with the same number of devices, and ``final.pt`` loads into
-the plain model anywhere.
+the plain model anywhere; beside each, ``epoch_<nnn>-<run id>.dcp/`` holds the same
+state sharded (torch.distributed.checkpoint with torch_xla's SPMD planners), loaded
+by :func:`load_sharded_checkpoint`.
 
 This module plans on the host (every check before device time) and runs the SPMD
 process's side (:func:`fit_replica`, :func:`inference_replica`) through
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -38,6 +41,7 @@ from .data import iterate_batches
 
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
+           "load_sharded_checkpoint",
            "fit_replica", "inference_replica"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
@@ -210,6 +214,40 @@ class MeshRun:
     def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return consolidated_state_dict(model)
 
+    def save_sharded(self, model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Any,
+                     epoch: int, run_id: str, keep: int) -> Path:
+        """Beside the consolidated epoch file, its sharded twin
+        ``epoch_<nnn>-<run id>.dcp/`` (torch.distributed.checkpoint, SPMD planner:
+        each device's shards of the model and optimizer state); this run's older twins
+        beyond ``keep`` are deleted. Load one with :func:`load_sharded_checkpoint`."""
+        import shutil
+
+        from .runtime.spmd import save_sharded
+
+        runtime.sync()
+        folder = Path(directory) / f"epoch_{epoch:03d}-{run_id}.dcp"
+        save_sharded({"model": model.state_dict(), "optim": opt.state_dict()}, folder)
+        mine = sorted(Path(directory).glob(f"epoch_*-{run_id}.dcp"))
+        for old in mine[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+
+def load_sharded_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer | None,
+                            folder: Any) -> None:
+    """Load a ``.dcp`` twin into ``model`` (wrapped as when it was saved; its parameters
+    keep their shardings) and ``opt`` (whose state must exist: after one step or a
+    consolidated ``load_state_dict``), in place, in the SPMD process."""
+    from .runtime.spmd import load_sharded
+
+    state = {"model": model.state_dict()}
+    if opt is not None:
+        state["optim"] = opt.state_dict()
+    load_sharded(state, folder)
+    model.load_state_dict(state["model"])
+    if opt is not None:
+        opt.load_state_dict(state["optim"])
+
 
 def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
     """First thing in the SPMD process: compile cache, ``use_spmd``, mesh."""
@@ -222,12 +260,12 @@ def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
         raise RuntimeError(f"strategy={plan.strategy!r} planned {plan.devices} devices but this "
                            f"process has {n}")
     run = MeshRun(plan=plan, mesh=spmd.make_mesh(n, plan.axis))
-    units = ("the whole model as one unit" if plan.wrap is None else
-             f"units: {plan.wrap}+ parameters" if isinstance(plan.wrap, int) else
-             "units: " + ", ".join(c.__name__ for c in plan.wrap))
+    units = ("the whole model" if plan.wrap is None else
+             f"submodules of {plan.wrap:,}+ parameters" if isinstance(plan.wrap, int) else
+             ", ".join(c.__name__ for c in plan.wrap))
     runtime.master_print(
         f"strategy {plan.strategy!r}: one process feeds {n} devices, mesh ({plan.axis}={n})"
-        + (f"; FSDPv2 {units}" + (", activation checkpointing" if plan.checkpointing else "")
+        + (f"; FSDPv2 units: {units}" + (", activation checkpointing" if plan.checkpointing else "")
            if plan.strategy == "fsdp" else "; model replicated, batch split"))
     return cache, run
 

@@ -724,6 +724,9 @@ class OneCycleTrainer:
                             steps_per_epoch=s.steps_per_epoch, run_id=run_id,
                             host_state=state.finite_state if state.finite_state is not None
                             else s.state_dict(), initial_loss=state.initial_loss)
+            if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
+                s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
+                                    cfg.keep_checkpoints)
         else:
             runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                                  "(non-finite loss); older checkpoints are kept")

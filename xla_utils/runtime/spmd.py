@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
-           "sharded_batches", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes",
+           "sharded_batches", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded",
            "FSDP_WRAPPER_PARTS"]
 
 # The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
@@ -178,3 +178,32 @@ def local_shard_bytes(t: Any) -> list[int]:
     xm.wait_device_ops()  # the shards of a tensor still being computed cannot be read
     shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(cpu tensor, "CPU:0"), ...]
     return [s.numel() * s.element_size() for s, _ in shards]
+
+
+def save_sharded(state: dict, folder: Any) -> None:
+    """Write ``state`` (nested dicts of sharded device tensors) as a torch.distributed
+    checkpoint folder with torch_xla's ``SPMDSavePlanner``: each device's shards, no
+    host-side consolidation. Written to ``<folder>.tmp`` and renamed."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dist_cp
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dist_cp.save(state_dict=state, storage_writer=dist_cp.FileSystemWriter(str(tmp)),
+                 planner=SPMDSavePlanner())
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def load_sharded(state: dict, folder: Any) -> None:
+    """Fill ``state`` (the same structure :func:`save_sharded` wrote, its device tensors
+    already sharded as wanted) in place from ``folder`` with ``SPMDLoadPlanner``."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+    dist_cp.load(state_dict=state, storage_reader=dist_cp.FileSystemReader(str(folder)),
+                 planner=SPMDLoadPlanner())
