@@ -132,6 +132,9 @@ def test_predict_under_fsdp_matches_the_plain_model(runs):
         want = tr.model(data.tensors[0]).numpy()
     assert got.shape == (100, 10)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    ev = tr.evaluate(data, simulate=DEVICES)
+    want_loss = torch.nn.functional.cross_entropy(torch.tensor(want), data.tensors[1]).item()
+    assert ev["samples"] == 100 and ev["loss"] == pytest.approx(want_loss, abs=1e-4)
 
 
 def _inspect_fsdp_shards(tmp):
@@ -199,15 +202,15 @@ def test_resnet18_one_short_epoch_under_fsdp():
     from torchvision.models.resnet import BasicBlock
 
     tr = OneCycleTrainer(lambda: torchvision.models.resnet18(weights=None, num_classes=10),
-                         torch.nn.CrossEntropyLoss(), _resnet_data(128), batch_size=4,
-                         epochs=1, max_lr=1e-3, compile_cache=None, strategy="fsdp",
-                         fsdp_wrap=[BasicBlock], activation_checkpointing=True, flip=False)
-    h = tr.fit(simulate=DEVICES)
+                         torch.nn.CrossEntropyLoss(), _resnet_data(64), _resnet_data(40),
+                         batch_size=4, epochs=1, max_lr=1e-3, compile_cache=None,
+                         strategy="fsdp", fsdp_wrap=[BasicBlock],
+                         activation_checkpointing=True, flip=False)
+    h = tr.fit(simulate=DEVICES)  # 2 steps of 32 images, then validation (padded tail)
     assert h.world_size == DEVICES and len(h.epochs) == 1
-    assert math.isfinite(h.epochs[0]["train_loss"])
+    assert math.isfinite(h.epochs[0]["train_loss"]) and h.epochs[0]["samples"] == 40
+    assert math.isfinite(h.epochs[0]["val_loss"])
     assert set(h.state_dict) == set(tr.model.state_dict())
-    ev = tr.evaluate(_resnet_data(40), simulate=DEVICES)
-    assert ev["samples"] == 40 and math.isfinite(ev["loss"])
 
 
 # ------------------------------------------------------------- bad input, no device time
