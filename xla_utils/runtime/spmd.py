@@ -190,6 +190,9 @@ def save_sharded(state: dict, folder: Any) -> None:
     import torch.distributed.checkpoint as dist_cp
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # the planner reads shards: none may still be computing
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -203,7 +206,9 @@ def load_sharded(state: dict, folder: Any) -> None:
     """Fill ``state`` (the same structure :func:`save_sharded` wrote, its device tensors
     already sharded as wanted) in place from ``folder`` with ``SPMDLoadPlanner``."""
     import torch.distributed.checkpoint as dist_cp
+    import torch_xla.core.xla_model as xm
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
+    xm.wait_device_ops()  # the planner reads the targets' shards: none may still be computing
     dist_cp.load(state_dict=state, storage_reader=dist_cp.FileSystemReader(str(folder)),
                  planner=SPMDLoadPlanner())
