@@ -166,7 +166,10 @@ def check_resume(path: Path, ckpt: dict, cfg: Any, model: torch.nn.Module,
     if world is None:
         pass  # checked in the replica, where the world size is known
     elif ckpt["world_size"] != world:
-        fixed.append(f"cores: {ckpt['world_size']} in the checkpoint, {world} now")
+        was, now = old.get("strategy", "spawn"), getattr(cfg, "strategy", "spawn")
+        fixed.append(f"cores: {ckpt['world_size']} in the checkpoint, {world} now (strategy "
+                     f"{was!r} then, {now!r} now; a checkpoint resumes under any strategy with "
+                     "the same number of devices)")
     elif ckpt["steps_per_epoch"] != steps_per_epoch:
         fixed.append(f"steps per epoch: {ckpt['steps_per_epoch']} in the checkpoint, "
                      f"{steps_per_epoch} now (the training set has changed size)")

@@ -118,6 +118,8 @@ class Setup:
         accum_steps: Micro-batches per optimizer step.
         ema: The :class:`~xla_utils.ema.DeviceEMA` (``cfg.ema`` set) or None.
         mix: The :class:`~xla_utils.mixup.DeviceMix` (mixup/cutmix/smoothing on) or None.
+        mesh: The SPMD strategy's :class:`~xla_utils.strategy.MeshRun`, or None
+            (``strategy="spawn"``: one replica per core).
     """
 
     model: torch.nn.Module
@@ -138,6 +140,22 @@ class Setup:
     accum_steps: int = 1
     ema: Any = None
     mix: Any = None
+    mesh: Any = None
+
+    def batches(self, data, cfg: Any, epoch: int, train: bool):
+        """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
+        if self.mesh is not None:
+            return self.mesh.loader(data, cfg, epoch, train)
+        return loader(data, cfg, world_size=self.world_size, rank=self.rank, epoch=epoch,
+                      train=train)
+
+    def feed(self, batches: Iterable):
+        """``batches`` on the device(s): sharded over the mesh, or prefetched."""
+        return runtime.device_prefetch(batches) if self.mesh is None else self.mesh.feed(batches)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state under the plain model's names (consolidated on a mesh)."""
+        return self.model.state_dict() if self.mesh is None else self.mesh.state_dict(self.model)
 
 
 @dataclass
@@ -165,7 +183,8 @@ class TrainState:
 
 
 def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
-           ckpt: dict | None, mix: Any = None, lr_groups: Callable | None = None) -> Setup:
+           ckpt: dict | None, mix: Any = None, lr_groups: Callable | None = None,
+           strategy: Any = None) -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
 
     Args:
@@ -180,6 +199,8 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
         lr_groups: ``lr_groups(model) -> param-group dicts`` (with ``lr_mult``), for
             discriminative LRs and frozen layers (:mod:`xla_utils.finetune`); None =
             every parameter at one LR.
+        strategy: A :class:`~xla_utils.strategy.MeshRun` (``"spmd"``/``"fsdp"``: this one
+            process feeds ``strategy.devices`` devices), or None.
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
@@ -194,6 +215,8 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
     k = cfg.accum_steps
     ema_from = None if cfg.ema is None else copy.deepcopy(model).cpu()  # before it moves
     model = replica_model(model, dev, None if ckpt is None else ckpt["model"])
+    if strategy is not None:
+        ws, model = strategy.devices, strategy.wrap(model)
     rule = cfg.scaling_rule
     max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
     how = f"{rule} scaling" if lr_world == 1 else \
@@ -229,7 +252,7 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
                  base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
                  autocast=autocast, accum_steps=k, ema=ema,
-                 mix=None if mix is None else DeviceMix(mix, dev))
+                 mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy)
 
 
 @dataclass
@@ -284,7 +307,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     loss_sum = runtime.to_device(torch.zeros(()), s.device)
     lr_last = s.sched.lr(state.step)
     train_loss = math.nan
-    it = runtime.device_prefetch(batches)
+    it = s.feed(batches)
     for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
         x = prepare_input(x, cfg, True, inputs)
         if s.mix is not None:
@@ -366,7 +389,7 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
 
 def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Callable,
              eval_step: Callable, autocast: Any, dev: torch.device,
-             inputs: Any) -> dict[str, float]:
+             inputs: Any, feed: Callable | None = None) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
     reduced over all replicas.
 
@@ -378,6 +401,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Ca
         autocast: The autocast context of the run.
         dev: The replica's device.
         inputs: The data's :class:`~xla_utils.inputs.InputSpec`.
+        feed: Moves host batches to the device(s); default ``runtime.device_prefetch``.
 
     Raises:
         ValueError: ``batches`` yielded nothing.
@@ -385,7 +409,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Ca
     model.eval()
     acc = None
     with torch.no_grad():
-        for x, y, valid in runtime.device_prefetch(batches):
+        for x, y, valid in (feed or runtime.device_prefetch)(batches):
             with autocast:
                 out = eval_step(model, (prepare_input(x, cfg, False, inputs), y))
             if acc is None:
@@ -463,7 +487,7 @@ def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 
 def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eval_step: Callable,
-                   world_size: int, rank: int, dev: torch.device
+                   world_size: int, rank: int, dev: torch.device, feed: Callable | None = None
                    ) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run every TTA view of ``plan`` over this rank's share of the data.
 
@@ -492,7 +516,7 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eva
     def steps():
         for variant, flip in plan.views:
             flag = runtime.to_device(torch.tensor(flip), dev) if mirror else None
-            for k, (x, y, valid) in enumerate(runtime.device_prefetch(
+            for k, (x, y, valid) in enumerate((feed or runtime.device_prefetch)(
                     iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
                                     epoch=variant, drop_last=False, num_workers=cfg.num_workers))):
                 yield k, flag, x, y, valid

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import loop, runtime
+from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
                          resolve_resume, save_checkpoint)
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
@@ -114,6 +115,15 @@ class TrainerConfig:
             ``checkpoint_dir/best.pt``. Default None (the last epoch's weights).
         patience: With ``monitor``: stop after this many epochs without
             improvement (``History.stop_reason`` says so). Default None.
+        strategy: ``"spawn"`` (default: one process per core, whole model on each),
+            ``"spmd"`` (one process feeds every device, batch split over a 1-D mesh) or
+            ``"fsdp"`` (FSDPv2: parameters, gradients, optimizer state and batch sharded
+            over the mesh's ``fsdp`` axis). See :mod:`xla_utils.strategy`.
+        fsdp_wrap: ``"fsdp"`` units: module classes or class names (e.g. the
+            transformer block), a minimum parameter count per unit, or None (default:
+            the whole model as one unit).
+        activation_checkpointing: Recompute each FSDP unit's activations in the
+            backward pass (``"fsdp"`` only). Default False.
     """
 
     batch_size: int = 32
@@ -145,6 +155,9 @@ class TrainerConfig:
     label_smoothing: float = 0.0
     monitor: str | None = None
     patience: int | None = None
+    strategy: str = "spawn"
+    fsdp_wrap: Sequence[type | str] | type | str | int | None = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -166,6 +179,7 @@ class TrainerConfig:
         runtime._check_compile_cache_option(self.compile_cache)
         check_step_options(self)
         check_monitor(self.monitor, self.patience)
+        _strategy.check_config(self)
 
     @property
     def scaling_rule(self) -> str:
@@ -347,6 +361,8 @@ class OneCycleTrainer:
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
         self._mix = mix_config_for(cfg, self.loss, self.model, *inputs["train"],
                                    self._prepare(inputs["train"][1], train=False), self.eval_step)
+        if cfg.strategy != "spawn":
+            plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
         ckpt = None
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
@@ -361,8 +377,12 @@ class OneCycleTrainer:
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-        out = runtime._launch(self._replica, (float(base_lr), lr_world, ckpt, run_id, inputs),
-                              cores=cores, simulate=simulate, timeout=timeout, sim_threads=True)
+        args = (float(base_lr), lr_world, ckpt, run_id, inputs)
+        if cfg.strategy == "spawn":
+            out = runtime._launch(self._replica, args, cores=cores, simulate=simulate,
+                                  timeout=timeout, sim_threads=True)
+        else:
+            out = _strategy.launch(_strategy.fit_replica, (self, *args), plan, timeout)
         if out.state_dict:  # empty when no epoch of this fit ended with finite weights
             self.model.load_state_dict(out.state_dict)
             self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
@@ -473,7 +493,7 @@ class OneCycleTrainer:
         """
         runtime._prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
-        return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
+        return self._launch_inference(plan, cores, simulate)
 
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                  batch_size: int | None = None) -> dict[str, float]:
@@ -492,7 +512,16 @@ class OneCycleTrainer:
         runtime._prestart_simulation(simulate)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
-        return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
+        return self._launch_inference(plan, cores, simulate)
+
+    def _launch_inference(self, plan: loop.InferencePlan, cores: int | str,
+                          simulate: int | None) -> Any:
+        """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
+        if self.config.strategy == "spawn":
+            return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
+        world = _planned_world_size(cores, simulate)
+        splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
+        return _strategy.launch(_strategy.inference_replica, (self, plan), splan, None)
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
@@ -593,14 +622,17 @@ class OneCycleTrainer:
 
     # ------------------------------------------------------------- replica
     def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str,
-                 inputs: dict[str, tuple[Any, InputSpec] | None]) -> History:
-        """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint."""
+                 inputs: dict[str, tuple[Any, InputSpec] | None],
+                 strategy: _strategy.MeshRun | None = None) -> History:
+        """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint
+        (``strategy``: the one SPMD process of ``"spmd"``/``"fsdp"``)."""
         cfg = self.config
         train_data, spec = inputs["train"]
         cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
         counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                        ckpt=ckpt, mix=self._mix, lr_groups=getattr(self, "_lr_groups", None))
+                        ckpt=ckpt, mix=self._mix, lr_groups=getattr(self, "_lr_groups", None),
+                        strategy=strategy)
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                                 initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
         master_bar, progress_bar = runtime.progress_bars()
@@ -610,8 +642,7 @@ class OneCycleTrainer:
         for epoch in (mb if mb is not None else epochs):
             pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
                               parent=mb) if mb is not None else None
-            batches = loop.loader(train_data, cfg, world_size=s.world_size, rank=s.rank,
-                                  epoch=epoch, train=True)
+            batches = s.batches(train_data, cfg, epoch, train=True)
             res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
                                        train_step=self.train_step, loss_fn=self.loss,
                                        inputs=spec, progress=pb)
@@ -627,7 +658,7 @@ class OneCycleTrainer:
         if state.stop_reason is not None:
             final = state.finite_state or {}
         else:
-            final = state.finite_state if state.finite_state is not None else s.model.state_dict()
+            final = state.finite_state if state.finite_state is not None else s.state_dict()
             final = best.best_state if best is not None and best.best_state else final
             if cfg.checkpoint_dir is not None:
                 runtime.save(final, Path(cfg.checkpoint_dir) / "final.pt")
@@ -651,10 +682,9 @@ class OneCycleTrainer:
         cfg = self.config
         record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
         if val is not None:
-            metrics = loop.evaluate(loop.eval_module(s), loop.loader(val[0], cfg, world_size=s.world_size,
-                                                         rank=s.rank, epoch=epoch, train=False),
+            metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
                                     cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
-                                    autocast=s.autocast, dev=s.device, inputs=val[1])
+                                    autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed)
             record.update({"val_loss": metrics.pop("loss")}, **metrics)
         for key in ("train_loss", "val_loss"):
             msg = loop.exploded(key, record.get(key), state.initial_loss, epoch + 1)
@@ -674,15 +704,19 @@ class OneCycleTrainer:
         write the epoch checkpoint when configured and the loss is finite."""
         cfg = self.config
         if finite and cfg.on_nan == "stop" and runtime.is_master():
-            state.finite_state = loop.host_copy(s.model.state_dict())
+            state.finite_state = loop.host_copy(s.state_dict())
         if cfg.checkpoint_dir is None:
             return
         if finite:
             save_checkpoint(s.model, s.opt, cfg, epoch=epoch + 1, history=s.history,
                             base_lr=s.base_lr, lr_world=s.lr_world, world_size=s.world_size,
                             steps_per_epoch=s.steps_per_epoch, run_id=run_id,
-                            host_state=state.finite_state, initial_loss=state.initial_loss,
+                            host_state=state.finite_state if state.finite_state is not None
+                            else s.state_dict(), initial_loss=state.initial_loss,
                             ema=None if s.ema is None else s.ema.state_dict())
+            if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
+                s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
+                                    cfg.keep_checkpoints)
         else:
             runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                                  "(non-finite loss); older checkpoints are kept")

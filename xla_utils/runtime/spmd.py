@@ -1,0 +1,214 @@
+"""torch_xla's SPMD calls, in one place: mesh, shardings, FSDPv2, sharded inputs.
+
+An SPMD program is one process that owns every device of the host; tensors carry
+shardings (``xs.mark_sharding``) and XLA's partitioner inserts the collectives.
+:mod:`xla_utils.strategy` asks this module for everything SPMD; nothing here is
+imported at ``import xla_utils`` time, and torch_xla is imported inside the
+functions only.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+__all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
+           "sharded_batches", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded",
+           "FSDP_WRAPPER_PARTS"]
+
+# The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
+SPMD_MODULES = ("torch_xla.distributed.spmd",
+                "torch_xla.experimental.spmd_fully_sharded_data_parallel",
+                "torch_xla.distributed.fsdp.wrap")
+
+# Names FSDPv2 and activation checkpointing insert into parameter paths.
+FSDP_WRAPPER_PARTS = ("_orig_module", "_xla_checkpointed_module", "_checkpoint_wrapped_module")
+
+
+def spmd_support(modules: Sequence[str] = SPMD_MODULES) -> str | None:
+    """None when this torch_xla can run SPMD and FSDPv2, else why not (with the fix).
+
+    Imports the modules (not the XLA runtime): safe in the calling process.
+    """
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a broken install
+            return (f"this torch_xla cannot run SPMD/FSDPv2: importing {name} failed "
+                    f"({type(exc).__name__}: {exc}). Fix: use torch_xla >= 2.5 (Kaggle's 2.8 "
+                    "and Colab's 2.9 have it), or strategy='spawn'")
+    return None
+
+
+def enable_spmd() -> None:
+    """``xr.use_spmd()``: call first thing in the SPMD process, before any XLA tensor."""
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+
+
+def device_count() -> int:
+    """Devices this SPMD process owns (all of them: ``xr.global_runtime_device_count()``)."""
+    import torch_xla.runtime as xr
+
+    return int(xr.global_runtime_device_count())
+
+
+def make_mesh(devices: int, axis: str) -> Any:
+    """A 1-D ``xs.Mesh`` of ``devices`` devices whose one axis is named ``axis``."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(devices), (devices,), (axis,))
+
+
+def _spec(mesh: Any, axis: str, t: Any) -> Any:
+    import torch_xla.distributed.spmd as xs
+
+    return xs.ShardingSpec(mesh, (axis,) + (None,) * (t.dim() - 1))
+
+
+def sharded_batches(batches: Iterable, mesh: Any, axis: str) -> Iterator:
+    """Host batches ``(x, y, valid)`` (or any tuple of tensors) moved to the devices,
+    every tensor split along its first (batch) axis over ``axis`` of ``mesh``.
+
+    Transfers go straight to the shards (``send_cpu_data_to_device(input_sharding=)``);
+    no step boundary is taken (the loop owns it).
+    """
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    dev = torch_xla.device()
+    for batch in batches:
+        out = []
+        for t in batch:
+            if isinstance(t, torch.Tensor) and t.dim() >= 1:
+                t = xm.send_cpu_data_to_device([t], dev, input_sharding=_spec(mesh, axis, t))[0]
+            elif isinstance(t, torch.Tensor):
+                t = xm.send_cpu_data_to_device([t], dev)[0]
+            out.append(t)
+        yield type(batch)(out) if isinstance(batch, tuple) else out
+
+
+def _wrap_policy(wrap: Any) -> Callable | None:
+    """torch_xla's auto-wrap policy for ``wrap`` (a tuple of classes, a parameter count, None)."""
+    import functools
+
+    from torch_xla.distributed.fsdp.wrap import (size_based_auto_wrap_policy,
+                                                 transformer_auto_wrap_policy)
+
+    if wrap is None:
+        return None
+    if isinstance(wrap, int):
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=wrap)
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(wrap))
+
+
+def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> Any:
+    """``model`` as FSDPv2 (``SpmdFullyShardedDataParallel``) over ``mesh``'s ``fsdp`` axis.
+
+    Args:
+        model: The module (on the CPU or the XLA device).
+        mesh: A mesh with an axis named ``"fsdp"``.
+        wrap: Module classes to wrap as their own units (a tuple), a minimum parameter
+            count per unit (an int), or None (the whole model as one unit).
+        checkpointing: Recompute each wrapped unit's activations in the backward pass
+            (``checkpoint_module``); with ``wrap=None`` the whole model.
+    """
+    from torch_xla.distributed.fsdp import checkpoint_module
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
+        SpmdFullyShardedDataParallel as FSDPv2
+
+    def unit(m, *args, **kwargs):
+        return FSDPv2(checkpoint_module(m) if checkpointing else m, *args, **kwargs)
+
+    policy = _wrap_policy(wrap)
+    if policy is None:
+        wrapped = unit(model, mesh=mesh)
+    else:
+        wrapped = FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+    shard_grads_like_params(wrapped, mesh)
+    return wrapped
+
+
+def _fsdp_spec(shape: Sequence[int]) -> tuple:
+    """FSDPv2's rule: shard the largest dimension over ``fsdp`` (scalars replicated)."""
+    spec: list = [None] * len(shape)
+    if spec:
+        spec[list(shape).index(max(shape))] = "fsdp"
+    return tuple(spec)
+
+
+def shard_grads_like_params(model: Any, mesh: Any) -> None:
+    """Give every gradient its parameter's sharding as it is accumulated.
+
+    Left alone, XLA's propagation all-reduces a gradient into a replicated tensor
+    (full size on every device); annotated, it becomes a reduce-scatter and the
+    optimizer state that follows it stays sharded too.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    def hook(p):
+        if p.grad is not None and p.dim() > 0:
+            xs.mark_sharding(p.grad, mesh, _fsdp_spec(p.shape))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
+
+
+def sharding_spec(t: Any) -> str:
+    """The XLA sharding of a device tensor as text, e.g. ``{devices=[8,1]0,1,...}``;
+    ``""`` for an unsharded (replicated by default) tensor."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def local_shard_bytes(t: Any) -> list[int]:
+    """Bytes of ``t`` held by each device, read from its actual shards."""
+    import torch_xla
+
+    if sharding_spec(t) == "":
+        n = device_count()
+        return [t.numel() * t.element_size()] * n
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # the shards of a tensor still being computed cannot be read
+    shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(cpu tensor, "CPU:0"), ...]
+    return [s.numel() * s.element_size() for s, _ in shards]
+
+
+def save_sharded(state: dict, folder: Any) -> None:
+    """Write ``state`` (nested dicts of sharded device tensors) as a torch.distributed
+    checkpoint folder with torch_xla's ``SPMDSavePlanner``: each device's shards, no
+    host-side consolidation. Written to ``<folder>.tmp`` and renamed."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dist_cp
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # the planner reads shards: none may still be computing
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dist_cp.save(state_dict=state, storage_writer=dist_cp.FileSystemWriter(str(tmp)),
+                 planner=SPMDSavePlanner())
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def load_sharded(state: dict, folder: Any) -> None:
+    """Fill ``state`` (the same structure :func:`save_sharded` wrote, its device tensors
+    already sharded as wanted) in place from ``folder`` with ``SPMDLoadPlanner``."""
+    import torch.distributed.checkpoint as dist_cp
+    import torch_xla.core.xla_model as xm
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+    xm.wait_device_ops()  # the planner reads the targets' shards: none may still be computing
+    dist_cp.load(state_dict=state, storage_reader=dist_cp.FileSystemReader(str(folder)),
+                 planner=SPMDLoadPlanner())

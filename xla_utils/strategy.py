@@ -1,0 +1,294 @@
+"""How the trainer spreads a model over the devices: ``TrainerConfig.strategy``.
+
+* ``"spawn"`` (default): one replica process per core (``xmp.spawn``), each holding
+  the whole model; gradients are averaged by ``xm.optimizer_step``. Unchanged, and
+  not handled here.
+* ``"spmd"``: one process owns every device (``xr.use_spmd()``); the model is
+  replicated, each global batch is split over a 1-D mesh (axis ``"data"``) and XLA's
+  partitioner inserts the gradient all-reduce. One compilation, one copy of the
+  host-side data.
+* ``"fsdp"``: FSDPv2 (``SpmdFullyShardedDataParallel``) on a 1-D mesh with axis
+  ``"fsdp"``: parameters, gradients and optimizer state are sharded over it, the batch
+  too. ``fsdp_wrap`` picks the units (module classes or names, or a minimum parameter
+  count; None: the whole model), ``activation_checkpointing`` recomputes each unit's
+  activations in the backward pass.
+
+For one model, seed and global batch the three give the same loss curve: the
+global batch ``k`` is the same samples in the same order (rank ``r``'s block of
+spawn is device ``r``'s shard here). Epoch checkpoints are consolidated (full tensors,
+the unwrapped model's parameter names), so an epoch checkpoint of one strategy
+resumes under another with the same number of devices, and ``final.pt`` loads into
+the plain model anywhere; beside each, ``epoch_<nnn>-<run id>.dcp/`` holds the same
+state sharded (torch.distributed.checkpoint with torch_xla's SPMD planners), loaded
+by :func:`load_sharded_checkpoint`.
+
+This module plans on the host (every check before device time) and runs the SPMD
+process's side (:func:`fit_replica`, :func:`inference_replica`) through
+:mod:`xla_utils.loop` with a :class:`MeshRun`. Every torch_xla call is
+:mod:`xla_utils.runtime.spmd`'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import runtime
+from .data import iterate_batches
+
+__all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
+           "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
+           "load_sharded_checkpoint",
+           "fit_replica", "inference_replica"]
+
+STRATEGIES = ("spawn", "spmd", "fsdp")
+AXIS = {"spmd": "data", "fsdp": "fsdp"}
+
+
+def check_config(cfg: Any) -> None:
+    """Refuse a bad ``strategy`` / ``fsdp_wrap`` / ``activation_checkpointing`` (no device time).
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {cfg.strategy!r}")
+    wrap = cfg.fsdp_wrap
+    ok = wrap is None or (isinstance(wrap, int) and not isinstance(wrap, bool) and wrap >= 1) or (
+        isinstance(wrap, (list, tuple, set, frozenset)) and len(wrap) > 0
+        and all(isinstance(w, (str, type)) for w in wrap)) or isinstance(wrap, (str, type))
+    if not ok:
+        raise ValueError("fsdp_wrap must be None (the whole model as one FSDP unit), module "
+                         "classes or class names (e.g. [nn.TransformerEncoderLayer] or "
+                         f"['Block']), or a minimum parameter count per unit (int >= 1); got {wrap!r}")
+    if not isinstance(cfg.activation_checkpointing, bool):
+        raise ValueError(f"activation_checkpointing must be True or False, got "
+                         f"{cfg.activation_checkpointing!r}")
+    if cfg.strategy != "fsdp" and (wrap is not None or cfg.activation_checkpointing):
+        name = "fsdp_wrap" if wrap is not None else "activation_checkpointing"
+        raise ValueError(f"{name} applies to FSDP units, but strategy={cfg.strategy!r}. Fix: "
+                         f"strategy='fsdp', or drop {name}")
+
+
+def check_global_batch(global_batch: int, devices: int, setting: str = "batch_size") -> None:
+    """Refuse a global batch the mesh cannot split evenly (before any device time)."""
+    if global_batch % devices:
+        raise ValueError(
+            f"the global batch {global_batch} does not divide over the mesh's {devices} "
+            f"devices: every device must get the same number of samples. Fix: set {setting} "
+            f"to a multiple of {devices} (e.g. {max(devices, global_batch // devices * devices)})")
+
+
+def resolve_wrap(model: torch.nn.Module, wrap: Any) -> tuple[type, ...] | int | None:
+    """The FSDP unit policy for ``model``: classes (names resolved against the model's
+    own submodules), a parameter count, or None.
+
+    Raises:
+        ValueError: the policy matches no submodule of ``model`` (the model's own
+            class does not count: the root is always a unit), naming what it has.
+    """
+    if wrap is None:
+        return None
+    children = [m for name, m in model.named_modules() if name]
+    if isinstance(wrap, int):
+        biggest = max((sum(p.numel() for p in m.parameters()) for m in children), default=0)
+        if biggest < wrap:
+            raise ValueError(
+                f"fsdp_wrap={wrap} (minimum parameters per FSDP unit) matches no submodule of "
+                f"{type(model).__name__}: its largest has {biggest:,} parameters. Fix: lower "
+                f"fsdp_wrap (<= {biggest}), name the block class, or fsdp_wrap=None")
+        return wrap
+    wanted = [wrap] if isinstance(wrap, (str, type)) else list(wrap)
+    have = {type(m).__name__: type(m) for m in children}
+    classes, unmatched = set(), []
+    for w in wanted:
+        cls = have.get(w) if isinstance(w, str) else (w if w in have.values() else None)
+        if cls is None:
+            unmatched.append(w if isinstance(w, str) else w.__name__)
+        else:
+            classes.add(cls)
+    if unmatched:
+        raise ValueError(
+            f"fsdp_wrap names {unmatched}, which match no submodule of {type(model).__name__}; "
+            f"its submodule classes are {sorted(have)[:20]}. Fix: name one of those (the "
+            "repeated block, e.g. a transformer layer), a parameter count, or fsdp_wrap=None")
+    return tuple(sorted(classes, key=lambda c: c.__name__))
+
+
+@dataclass
+class StrategyPlan:
+    """What the SPMD process runs, decided on the host.
+
+    Attributes:
+        strategy: ``"spmd"`` or ``"fsdp"``.
+        devices: Devices in the mesh (the simulated count, or the TPU's).
+        simulate: Simulated XLA:CPU devices, or None on a TPU.
+        wrap: FSDP units: classes, a parameter count, or None (``"fsdp"`` only).
+        checkpointing: Activation checkpointing per unit (``"fsdp"`` only).
+    """
+
+    strategy: str
+    devices: int
+    simulate: int | None
+    wrap: tuple[type, ...] | int | None = None
+    checkpointing: bool = False
+
+    @property
+    def axis(self) -> str:
+        """The mesh's one axis name (``"data"`` or ``"fsdp"``)."""
+        return AXIS[self.strategy]
+
+
+def plan_strategy(cfg: Any, model: torch.nn.Module, devices: int,
+                  simulate: int | None) -> StrategyPlan:
+    """Check everything ``cfg.strategy`` needs before any device time; return the plan.
+
+    Raises:
+        ValueError: this torch_xla has no SPMD/FSDPv2, the wrap policy matches
+            nothing, or the global batch does not divide over the mesh.
+    """
+    from .runtime.spmd import spmd_support
+
+    why = spmd_support()
+    if why is not None:
+        raise ValueError(f"strategy={cfg.strategy!r}: {why}")
+    check_global_batch(cfg.batch_size * devices, devices)
+    wrap = resolve_wrap(model, cfg.fsdp_wrap) if cfg.strategy == "fsdp" else None
+    return StrategyPlan(strategy=cfg.strategy, devices=devices, simulate=simulate, wrap=wrap,
+                        checkpointing=cfg.activation_checkpointing)
+
+
+def launch(fn: Callable, args: tuple, plan: StrategyPlan, timeout: float | None) -> Any:
+    """Run ``fn(plan, *args)`` in a fresh process owning the plan's devices."""
+    from .simulate.devices import run_on_devices
+
+    return run_on_devices(fn, (plan, *args), plan.simulate, timeout=timeout)
+
+
+def consolidated_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under the unwrapped model's names (FSDPv2 and
+    checkpoint wrappers removed from the keys); tensors as they are (device, sharded)."""
+    from .runtime.spmd import FSDP_WRAPPER_PARTS
+
+    return {".".join(p for p in k.split(".") if p not in FSDP_WRAPPER_PARTS): v
+            for k, v in model.state_dict().items()}
+
+
+@dataclass
+class MeshRun:
+    """The SPMD process's side of a plan: mesh, model wrapping, batches, state.
+
+    :func:`xla_utils.loop.set_up` takes one as ``strategy=`` and the loop asks it
+    for the global loader, the sharded device batches and the consolidated state.
+    """
+
+    plan: StrategyPlan
+    mesh: Any
+
+    @property
+    def devices(self) -> int:
+        return self.plan.devices
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as this strategy runs it (on the device already)."""
+        if self.plan.strategy == "spmd":
+            return model
+        from .runtime.spmd import fsdp_wrap_model
+
+        return fsdp_wrap_model(model, self.mesh, self.plan.wrap, self.plan.checkpointing)
+
+    def loader(self, data, cfg: Any, epoch: int, train: bool):
+        """Global batches (``batch_size`` x devices): one process feeds every device."""
+        return iterate_batches(data, cfg.batch_size * self.devices, shuffle=train, seed=cfg.seed,
+                               epoch=epoch, drop_last=train, num_workers=cfg.num_workers)
+
+    def feed(self, batches: Iterable):
+        """Host batches as device tensors split over the mesh's axis."""
+        from .runtime.spmd import sharded_batches
+
+        return sharded_batches(batches, self.mesh, self.plan.axis)
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return consolidated_state_dict(model)
+
+    def save_sharded(self, model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Any,
+                     epoch: int, run_id: str, keep: int) -> Path:
+        """Beside the consolidated epoch file, its sharded twin
+        ``epoch_<nnn>-<run id>.dcp/`` (torch.distributed.checkpoint, SPMD planner:
+        each device's shards of the model and optimizer state); this run's older twins
+        beyond ``keep`` are deleted. Load one with :func:`load_sharded_checkpoint`."""
+        import shutil
+
+        from .runtime.spmd import save_sharded
+
+        runtime.sync()
+        folder = Path(directory) / f"epoch_{epoch:03d}-{run_id}.dcp"
+        save_sharded({"model": model.state_dict(), "optim": opt.state_dict()}, folder)
+        mine = sorted(Path(directory).glob(f"epoch_*-{run_id}.dcp"))
+        for old in mine[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+
+def load_sharded_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer | None,
+                            folder: Any) -> None:
+    """Load a ``.dcp`` twin into ``model`` (wrapped as when it was saved; its parameters
+    keep their shardings) and ``opt`` (whose state must exist: after one step or a
+    consolidated ``load_state_dict``), in place, in the SPMD process."""
+    from .runtime.spmd import load_sharded
+
+    state = {"model": model.state_dict()}
+    if opt is not None:
+        state["optim"] = opt.state_dict()
+    load_sharded(state, folder)
+    model.load_state_dict(state["model"])
+    if opt is not None:
+        opt.load_state_dict(state["optim"])
+
+
+def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
+    """First thing in the SPMD process: compile cache, ``use_spmd``, mesh."""
+    from .runtime import spmd
+
+    cache = runtime._enable_compile_cache(compile_cache)  # before anything compiles
+    spmd.enable_spmd()
+    n = spmd.device_count()
+    if n != plan.devices:
+        raise RuntimeError(f"strategy={plan.strategy!r} planned {plan.devices} devices but this "
+                           f"process has {n}")
+    run = MeshRun(plan=plan, mesh=spmd.make_mesh(n, plan.axis))
+    units = ("the whole model" if plan.wrap is None else
+             f"submodules of {plan.wrap:,}+ parameters" if isinstance(plan.wrap, int) else
+             ", ".join(c.__name__ for c in plan.wrap))
+    runtime.master_print(
+        f"strategy {plan.strategy!r}: one process feeds {n} devices, mesh ({plan.axis}={n})"
+        + (f"; FSDPv2 units: {units}" + (", activation checkpointing" if plan.checkpointing else "")
+           if plan.strategy == "fsdp" else "; model replicated, batch split"))
+    return cache, run
+
+
+def fit_replica(plan: StrategyPlan, trainer: Any, *args: Any) -> Any:
+    """:meth:`OneCycleTrainer._replica <xla_utils.trainer.OneCycleTrainer._replica>`
+    in the SPMD process, on the plan's mesh."""
+    _, run = _enter(plan, trainer.config.compile_cache)
+    return trainer._replica(*args, strategy=run)
+
+
+def inference_replica(plan: StrategyPlan, trainer: Any, iplan: Any) -> Any:
+    """``predict`` / ``evaluate`` in the SPMD process: global batches split over the mesh."""
+    from . import loop
+
+    _, run = _enter(plan, trainer.config.compile_cache)
+    dev = runtime.device()
+    model = run.wrap(loop.replica_model(iplan.model, dev)).eval()
+    iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)
+    acc, targets = loop.inference_pass(model, iplan, cfg=trainer.config,
+                                       eval_step=trainer.eval_step, world_size=1, rank=0,
+                                       dev=dev, feed=run.feed)
+    if iplan.labelled:
+        return loop.inference_metrics(acc, targets, iplan, cfg=trainer.config,
+                                      loss_fn=trainer.loss, dev=dev)
+    return loop.gather_predictions(acc, iplan, world_size=1, rank=0, dev=dev)
