@@ -71,6 +71,9 @@ def check_config(cfg: Any) -> None:
         name = "fsdp_wrap" if wrap is not None else "activation_checkpointing"
         raise ValueError(f"{name} applies to FSDP units, but strategy={cfg.strategy!r}. Fix: "
                          f"strategy='fsdp', or drop {name}")
+    if cfg.strategy != "spawn" and getattr(cfg, "ema", None) is not None:
+        raise ValueError(f"ema={cfg.ema!r} is not supported with strategy={cfg.strategy!r} yet: the "
+                         "EMA copy is not sharded over the mesh. Fix: ema=None, or strategy='spawn'")
 
 
 def check_global_batch(global_batch: int, devices: int, setting: str = "batch_size") -> None:
