@@ -210,7 +210,11 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     import torch.distributed as dist
 
     from ..runtime.replica import ReplicaError
+    from .spmd_fn import fn_uses_spmd, run_spmd_fn
 
+    why = None if threads else fn_uses_spmd(fn)
+    if why:  # one program owning every device: one process with n XLA:CPU devices
+        return run_spmd_fn(fn, args, n, why, timeout=timeout, pass_index=pass_index)
     try:
         payload = cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:

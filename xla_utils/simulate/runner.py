@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 from .caller import run_replicas
 from .spmd import FORMS, detect_form, run_spmd
+from .torchrun import run_torchrun
 
 
 @contextlib.contextmanager
@@ -57,8 +58,10 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
 
     ``form``: ``"spawn"`` (``xmp.spawn`` / ``torch_xla.launch`` replicas with host
     collectives), ``"spmd"`` (one fresh process with ``cores`` XLA:CPU devices,
-    see :mod:`.spmd`) or ``"auto"`` (SPMD if the script names an SPMD API such as
-    ``use_spmd`` or ``mark_sharding``; the SPMD choice is printed to stderr).
+    see :mod:`.spmd`), ``"torchrun"`` (the script as ``__main__`` in each replica,
+    see :mod:`.torchrun`) or ``"auto"`` (SPMD if the script names an SPMD API such
+    as ``use_spmd`` or ``mark_sharding``, torchrun if it checks
+    ``is_torchelastic_launched``; the choice is printed to stderr).
 
     Returns the script's exit status (0 when it ends normally or calls
     ``sys.exit(0)``); a replica's exception propagates as ``ReplicaError``.
@@ -72,8 +75,14 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
             print(f"xla_utils.simulate: running {path} as SPMD (one process with {cores} "
                   f"XLA:CPU devices) because {why}; pass --form spawn (form='spawn') to "
                   "run it as xmp.spawn replicas", file=sys.stderr, flush=True)
+        elif form == "torchrun":
+            print(f"xla_utils.simulate: running {path} as torchrun would (as __main__ in "
+                  f"each of {cores} replicas, RANK/WORLD_SIZE set) because {why}",
+                  file=sys.stderr, flush=True)
     if form == "spmd":
         return run_spmd(path, cores, args, timeout)
+    if form == "torchrun":
+        return run_torchrun(path, cores, args, timeout)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [path, *map(str, args)]
     sys.path.insert(0, str(Path(path).resolve().parent))
@@ -105,6 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .spmd import spmd_child_main
 
         return spmd_child_main(int(argv[1]), argv[2], argv[3:])
+    if argv[:1] == ["--spmd-fn"]:
+        from .spmd_fn import spmd_fn_child_main
+
+        return spmd_fn_child_main(int(argv[1]), argv[2], argv[3] == "1")
     p = argparse.ArgumentParser(
         prog="python -m xla_utils.simulate",
         description="Run a torch_xla script (xmp.spawn / torch_xla.launch) on N simulated "
@@ -114,8 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="seconds after which the replicas are killed (default: none)")
     p.add_argument("--form", choices=FORMS, default="auto",
                    help="spawn: xmp.spawn/torch_xla.launch replicas; spmd: one process with "
-                        "N XLA:CPU devices; auto (default): spmd if the script names an SPMD "
-                        "API (use_spmd, Mesh, mark_sharding, ...)")
+                        "N XLA:CPU devices; torchrun: the script as __main__ in each of N "
+                        "replicas (RANK, WORLD_SIZE set); auto (default): spmd if the script "
+                        "names an SPMD API (use_spmd, Mesh, mark_sharding, ...), torchrun if "
+                        "it checks is_torchelastic_launched, else spawn")
     p.add_argument("script", help="path of the script to run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     ns = p.parse_args(argv)
