@@ -154,6 +154,79 @@ def test_mixing_spmd_and_spawn_is_named(tmp_path):
     assert "--form spmd" in p.stderr
 
 
+def _spmd_fn(index_or_tag, want=8):
+    """An SPMD function (a notebook cell's): its devices and a batch's sharding spec."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
+    t = torch.arange(64.0).reshape(16, 4).to(torch_xla.device())
+    xs.mark_sharding(t, mesh, ("data", None))
+    return {"arg": index_or_tag, "devices": n, "world": xr.world_size(),
+            "spec": torch_xla._XLAC._get_xla_sharding_spec(t), "sum": (t * 2).sum()}
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_launch_simulate_runs_an_spmd_function_on_8_devices(capfd):
+    got = rt.launch(_spmd_fn, "tag", simulate=8)
+    assert got["arg"] == "tag"
+    assert got["devices"] == 8
+    assert got["spec"].startswith("{devices=[8,1]0,1,2,3,4,5,6,7}"), got["spec"]
+    assert got["sum"].device.type == "cpu" and got["sum"].item() == 2 * sum(range(64))
+    err = capfd.readouterr().err
+    assert "as SPMD (one process with 8 XLA:CPU devices) because it uses `use_spmd`" in err
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_simulated_spawn_cell_runs_an_spmd_function_on_8_devices(capfd):
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    with simulate.simulated_spawn(cores=8):
+        got = torch_xla.launch(_spmd_fn, args=(8,))
+        with pytest.raises(RuntimeError, match="called inside `with simulated_spawn"):
+            xr.use_spmd()
+    assert got["arg"] == 0  # fn(index, *args) with index 0, as the one SPMD process
+    assert got["devices"] == 8
+    assert got["spec"].startswith("{devices=[8,1]0,1,2,3,4,5,6,7}"), got["spec"]
+    assert "because it uses `use_spmd`" in capfd.readouterr().err
+
+
+def _calls_spmd_helper():
+    return _spmd_fn("via helper")
+
+
+def test_spmd_function_detection_follows_user_helpers_not_library_code():
+    from xla_utils.simulate.spmd_fn import fn_uses_spmd
+
+    assert "`use_spmd`" in fn_uses_spmd(_calls_spmd_helper)
+    assert fn_uses_spmd(_rank_dependent_groups) is None
+    assert fn_uses_spmd(rt.launch) is None  # library code is not scanned
+
+
+def _spmd_fn_fails():
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    raise KeyError(f"bad config on {xr.global_runtime_device_count()} devices")
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_spmd_function_error_carries_its_traceback():
+    with pytest.raises(rt.ReplicaError) as info:
+        rt.launch(_spmd_fn_fails, simulate=4)
+    assert info.value.exc_type == "KeyError"
+    assert "bad config on 4 devices" in info.value.remote_traceback
+    assert "_spmd_fn_fails" in info.value.remote_traceback
+
+
 # --------------------------------------------------------------------------
 # One model, every form: the same loss curve as one device
 # --------------------------------------------------------------------------

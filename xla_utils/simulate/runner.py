@@ -19,9 +19,17 @@ from .torchrun import run_torchrun
 
 
 @contextlib.contextmanager
-def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[None]:
+def simulated_spawn(cores: int = 8, timeout: float | None = None,
+                    form: str = "auto") -> Iterator[None]:
     """Within the block, ``xmp.spawn(fn, args=...)`` and ``torch_xla.launch(fn, args=...)``
     run ``fn(index, *args)`` on ``cores`` simulated XLA:CPU cores (1, 2, 4 or 8).
+
+    ``form="auto"`` (default): a ``fn`` whose code uses SPMD (``use_spmd``, ``Mesh``,
+    ``mark_sharding``, FSDPv2, ...) is one program owning every device, so it runs
+    once, as ``fn(0, *args)``, in a fresh process with ``cores`` XLA:CPU devices
+    (printed to stderr); ``form="spawn"``: always ``cores`` replicas (a replica that
+    calls ``xr.use_spmd()`` then raises a named error). ``xr.use_spmd()`` called in
+    the block itself raises a named error (the calling process has one device).
 
     ``nprocs`` may be ``None``, ``1`` (one core, as torch_xla does) or ``cores``;
     anything else raises ``ValueError`` as torch_xla does. ``start_method`` is ignored
@@ -30,6 +38,8 @@ def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[No
     """
     if not isinstance(cores, int) or cores < 1:
         raise ValueError(f"cores must be a positive int, got {cores!r}")
+    if form not in ("auto", "spawn"):
+        raise ValueError(f"simulated_spawn(form={form!r}): use 'auto' or 'spawn'")
     import torch_xla
     import torch_xla.distributed.xla_multiprocessing as xmp
 
@@ -38,17 +48,27 @@ def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[No
             raise ValueError(f"Unsupported nprocs ({nprocs}): use nprocs=None (all {cores} "
                              "simulated cores) or 1, as torch_xla requires")
         return run_replicas(fn, tuple(args), 1 if nprocs == 1 else cores, timeout=timeout,
-                            pass_index=True)
+                            pass_index=True, detect_spmd=form == "auto")
 
     def launch(fn, args=(), start_method="spawn", debug_single_process=False):
         return spawn(fn, args=args, nprocs=1 if debug_single_process else None)
 
-    saved = (xmp.spawn, torch_xla.launch)
-    xmp.spawn, torch_xla.launch = spawn, launch
+    def use_spmd(*a, **k):
+        raise RuntimeError(
+            f"xr.use_spmd() called inside `with simulated_spawn(cores={cores}):` runs in this "
+            "process, which has one XLA:CPU device, not the simulated ones. Put the SPMD "
+            "code in a function and run it with torch_xla.launch(fn) in the block (or "
+            f"xla_utils.launch(fn, simulate={cores})): it then runs in a fresh process with "
+            f"{cores} XLA:CPU devices.")
+
+    import torch_xla.runtime as xr
+
+    saved = (xmp.spawn, torch_xla.launch, xr.use_spmd)
+    xmp.spawn, torch_xla.launch, xr.use_spmd = spawn, launch, use_spmd
     try:
         yield
     finally:
-        xmp.spawn, torch_xla.launch = saved
+        xmp.spawn, torch_xla.launch, xr.use_spmd = saved
 
 
 def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = (),
@@ -69,6 +89,7 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
     path = str(path)
     if form not in FORMS:
         raise ValueError(f"form={form!r}: use one of {FORMS}")
+    spawn_form = "auto" if form == "auto" else "spawn"  # functions using SPMD: see below
     if form == "auto":
         form, why = detect_form(path)
         if form == "spmd":
@@ -87,7 +108,7 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
     sys.argv = [path, *map(str, args)]
     sys.path.insert(0, str(Path(path).resolve().parent))
     try:
-        with simulated_spawn(cores, timeout=timeout):
+        with simulated_spawn(cores, timeout=timeout, form=spawn_form):
             runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
