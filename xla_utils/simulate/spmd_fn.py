@@ -76,7 +76,11 @@ def fn_uses_spmd(fn: Callable[..., Any], depth: int = 4) -> str | None:
                 return (f"it uses `{name}` ({where.co_filename}:"
                         f"{where.co_firstlineno}, in {where.co_name})")
             if level < depth and name in glb:
-                todo.extend((c, g, level + 1) for c, g in _user_code(glb[name]))
+                try:
+                    found = _user_code(glb[name])
+                except Exception:  # an object whose attributes cannot be read: not code
+                    found = []
+                todo.extend((c, g, level + 1) for c, g in found)
     return None
 
 
