@@ -136,8 +136,14 @@ def _arrive(kind: str, signature: str, data: list | None = None,
         if store.check([ABORT]):
             raise PeerFailed(f"stopped in {api} at {where}: "
                               f"{store.get(ABORT).decode()} (see that replica's error)")
+        # Finished first, arrivals second: a rank arrives before it finishes, so one
+        # seen finished and then not arrived never will (read the other way round, a
+        # peer that arrives, passes and returns between the two reads looks gone).
+        finished = {k for k in range(n) if store.check([finished_key(k)])}
         missing = [k for k in range(n) if not store.check([arrival_key(seq, k)])]
-        gone = [k for k in missing if store.check([finished_key(k)])]
+        if not missing:
+            break
+        gone = [k for k in missing if k in finished]
         now = time.monotonic()
         if gone and gone_since is None:
             gone_since = now
