@@ -154,6 +154,121 @@ def test_mixing_spmd_and_spawn_is_named(tmp_path):
     assert "--form spmd" in p.stderr
 
 
+def _all_to_all_and_permute():
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    r, dev = xr.global_ordinal(), torch_xla.device()
+    # [2, 4]: column j holds 10 * rank + j; groups of two swap their column halves
+    x = (torch.arange(4.0) + 10 * r).repeat(2, 1).to(dev)
+    a2a = xm.all_to_all(x, split_dimension=1, concat_dimension=1, split_count=2,
+                        groups=[[0, 2], [1, 3]])
+    perm = xm.collective_permute(torch.full((3,), float(r), device=dev), [[0, 1], [1, 2]])
+    return {r: (a2a.cpu()[0].tolist(), perm.cpu().tolist())}
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_all_to_all_with_groups_and_collective_permute_4_cores():
+    import torch_xla.core.xla_model as xm  # noqa: F401  (only to fail early without torch_xla)
+
+    got = rt.launch(_gather_all_to_all, simulate=4)
+    # group [0, 2]: rank 0 gets column chunk 0 of ranks 0 and 2; rank 2 gets chunk 1
+    assert got[0][0] == [0.0, 1.0, 20.0, 21.0]
+    assert got[2][0] == [2.0, 3.0, 22.0, 23.0]
+    assert got[1][0] == [10.0, 11.0, 30.0, 31.0]
+    assert got[3][0] == [12.0, 13.0, 32.0, 33.0]
+    # pairs 0->1, 1->2: rank 1 gets 0's, rank 2 gets 1's, ranks 0 and 3 get zeros
+    assert [got[k][1] for k in range(4)] == [[0.0] * 3, [0.0] * 3, [1.0] * 3, [0.0] * 3]
+
+
+def _gather_all_to_all():
+    import torch_xla.core.xla_model as xm
+
+    mine = _all_to_all_and_permute()
+    import pickle
+
+    blobs = xm.rendezvous("a2a", pickle.dumps(mine))
+    out = {}
+    for b in blobs:
+        out.update(pickle.loads(b))
+    return out
+
+
+def _spmd_fn(index_or_tag, want=8):
+    """An SPMD function (a notebook cell's): its devices and a batch's sharding spec."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n, 1), ("data", "model"))
+    t = torch.arange(64.0).reshape(16, 4).to(torch_xla.device())
+    xs.mark_sharding(t, mesh, ("data", None))
+    return {"arg": index_or_tag, "devices": n, "world": xr.world_size(),
+            "spec": torch_xla._XLAC._get_xla_sharding_spec(t), "sum": (t * 2).sum()}
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_launch_simulate_runs_an_spmd_function_on_8_devices(capfd):
+    got = rt.launch(_spmd_fn, "tag", simulate=8)
+    assert got["arg"] == "tag"
+    assert got["devices"] == 8
+    assert got["spec"].startswith("{devices=[8,1]0,1,2,3,4,5,6,7}"), got["spec"]
+    assert got["sum"].device.type == "cpu" and got["sum"].item() == 2 * sum(range(64))
+    err = capfd.readouterr().err
+    assert "as SPMD (one process with 8 XLA:CPU devices) because it uses `use_spmd`" in err
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_simulated_spawn_cell_runs_an_spmd_function_on_8_devices(capfd):
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    with simulate.simulated_spawn(cores=8):
+        got = torch_xla.launch(_spmd_fn, args=(8,))
+        with pytest.raises(RuntimeError, match="called inside `with simulated_spawn"):
+            xr.use_spmd()
+    assert got["arg"] == 0  # fn(index, *args) with index 0, as the one SPMD process
+    assert got["devices"] == 8
+    assert got["spec"].startswith("{devices=[8,1]0,1,2,3,4,5,6,7}"), got["spec"]
+    assert "because it uses `use_spmd`" in capfd.readouterr().err
+
+
+def _calls_spmd_helper():
+    return _spmd_fn("via helper")
+
+
+def test_spmd_function_detection_follows_user_helpers_not_library_code():
+    from xla_utils.simulate.spmd_fn import fn_uses_spmd
+
+    assert "`use_spmd`" in fn_uses_spmd(_calls_spmd_helper)
+    assert fn_uses_spmd(_rank_dependent_groups) is None
+    assert fn_uses_spmd(rt.launch) is None  # library code is not scanned
+
+
+def _spmd_fn_fails():
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    raise KeyError(f"bad config on {xr.global_runtime_device_count()} devices")
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_spmd_function_error_carries_its_traceback():
+    with pytest.raises(rt.ReplicaError) as info:
+        rt.launch(_spmd_fn_fails, simulate=4)
+    assert info.value.exc_type == "KeyError"
+    assert "bad config on 4 devices" in info.value.remote_traceback
+    assert "_spmd_fn_fails" in info.value.remote_traceback
+
+
 # --------------------------------------------------------------------------
 # One model, every form: the same loss curve as one device
 # --------------------------------------------------------------------------

@@ -194,13 +194,16 @@ def _caller_env() -> dict[str, str]:
 
 def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                  timeout: float | None = None, pass_index: bool = False,
-                 threads: bool = False) -> Any:
+                 threads: bool = False, detect_spmd: bool = True) -> Any:
     """Run ``fn(*args)`` (``fn(index, *args)`` with ``pass_index``) on ``n`` simulated
     cores and return rank 0's result; used by ``runtime.launch(simulate=N)``.
 
     ``threads=True`` runs the replicas as threads of one job process on N XLA:CPU
     devices (``runtime.replica.simulate_threads``; only for code that synchronises
     through ``runtime.sync``, i.e. xla_utils' own loops) instead of one process each.
+    With ``detect_spmd`` (default), a function whose code uses SPMD (``use_spmd``,
+    ``Mesh``, ``mark_sharding``, ...) runs once in one process with ``n`` XLA:CPU
+    devices instead (:mod:`.spmd_fn`).
 
     Raises ``runtime.ReplicaError`` (the root cause, preferred over replicas that
     stopped because of it; a job that died names what killed it) and
@@ -210,7 +213,11 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     import torch.distributed as dist
 
     from ..runtime.replica import ReplicaError
+    from .spmd_fn import fn_uses_spmd, run_spmd_fn
 
+    why = fn_uses_spmd(fn) if detect_spmd and not threads else None
+    if why:  # one program owning every device: one process with n XLA:CPU devices
+        return run_spmd_fn(fn, args, n, why, timeout=timeout, pass_index=pass_index)
     try:
         payload = cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:

@@ -136,8 +136,14 @@ def _arrive(kind: str, signature: str, data: list | None = None,
         if store.check([ABORT]):
             raise PeerFailed(f"stopped in {api} at {where}: "
                               f"{store.get(ABORT).decode()} (see that replica's error)")
+        # Finished first, arrivals second: a rank arrives before it finishes, so one
+        # seen finished and then not arrived never will (read the other way round, a
+        # peer that arrives, passes and returns between the two reads looks gone).
+        finished = {k for k in range(n) if store.check([finished_key(k)])}
         missing = [k for k in range(n) if not store.check([arrival_key(seq, k)])]
-        gone = [k for k in missing if store.check([finished_key(k)])]
+        if not missing:
+            break
+        gone = [k for k in missing if k in finished]
         now = time.monotonic()
         if gone and gone_since is None:
             gone_since = now
@@ -429,9 +435,8 @@ def _patch_torch_xla(rank: int, n: int) -> None:
     if n == 1:
         return  # torch_xla's own collectives are no-ops on one device
     _sim_rendezvous.__wrapped__ = xm.rendezvous
-    xm.all_to_all = _unsupported("xm.all_to_all", "use xm.all_gather and slice instead")
-    xm.collective_permute = _unsupported("xm.collective_permute",
-                                         "use xm.all_gather and pick the source rank's part")
+    xm.all_to_all = _sim_all_to_all
+    xm.collective_permute = _sim_collective_permute
     xm.send = _unsupported("xm.send", "use xm.all_gather (or xm.rendezvous for bytes)")
     xm.recv = _unsupported("xm.recv", "use xm.all_gather (or xm.rendezvous for bytes)")
     xr.use_spmd = _spmd_in_replica
@@ -441,6 +446,8 @@ def _patch_torch_xla(rank: int, n: int) -> None:
     xm.rendezvous = _sim_rendezvous
     patch_torch_compile(rank, {"all_reduce": _sim_all_reduce, "all_gather": _sim_all_gather,
                                "reduce_scatter": _sim_reduce_scatter,
+                               "all_to_all": _sim_all_to_all,
+                               "collective_permute": _sim_collective_permute,
                                "rendezvous": _sim_rendezvous})
     xm.xla_rendezvous = lambda payload=b"", ordinals=None, tag=None: _sim_rendezvous(
         tag or "", payload, ordinals or [])
@@ -559,3 +566,47 @@ def _sim_rendezvous(tag, payload=b"", replicas=[]):  # noqa: B006 (torch_xla's s
     seq = _arrive("rendezvous", "", blob=payload)
     return [payload if k == _World.rank else read_payload(_World.shm, rendezvous_name(seq, k))
             for k in range(n)]
+
+
+def _publish_one(api: str, signature: str, value) -> tuple[int, Any]:
+    """Publish ``value``'s CPU copy for a point-to-point style collective."""
+    with _host_exchange():
+        _materialize()
+        cpu = value.detach().to("cpu").contiguous()
+        return _arrive(api, signature, [cpu]), cpu
+
+
+def _sim_all_to_all(value, split_dimension, concat_dimension, split_count, groups=None,
+                    pin_layout=True):
+    """``xm.all_to_all``: chunk ``j`` of each group member's ``value`` (split along
+    ``split_dimension`` into ``split_count``) goes to member ``j``; the received
+    chunks are concatenated along ``concat_dimension`` in member order."""
+    import torch
+
+    group = _group_of(groups, "xm.all_to_all")
+    if split_count != len(group):
+        raise ValueError(f"xm.all_to_all(split_count={split_count}) on {_World.size} simulated "
+                         f"cores (groups={groups}): split_count must equal the number of "
+                         f"replicas in a group ({len(group)})")
+    seq, cpu = _publish_one(
+        "all_to_all", f"{split_dimension}|{concat_dimension}|{_gsig(groups)}{_sig([value])}",
+        value)
+    me = group.index(_World.rank)
+    parts = [torch.chunk(v, split_count, dim=split_dimension)[me]
+             for v in _collect(seq, 0, cpu, group)]
+    return _to_device([torch.cat(parts, dim=concat_dimension)], value.device)[0]
+
+
+def _sim_collective_permute(value, pairs):
+    """``xm.collective_permute``: each ``[source, target]`` pair sends the source's
+    ``value`` to the target; a replica that is no target gets zeros (as XLA)."""
+    import torch
+
+    pairs = [tuple(map(int, p)) for p in pairs]
+    seq, cpu = _publish_one("collective_permute", f"{sorted(pairs)}|{_sig([value])}", value)
+    sources = [s for s, d in pairs if d == _World.rank]
+    if len(sources) > 1:
+        raise ValueError(f"xm.collective_permute(pairs={[list(p) for p in pairs]}): replica "
+                         f"{_World.rank} is the target of {len(sources)} pairs; at most one")
+    out = _collect(seq, 0, cpu, sources)[0] if sources else torch.zeros_like(cpu)
+    return _to_device([out], value.device)[0]

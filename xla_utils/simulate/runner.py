@@ -15,12 +15,21 @@ from typing import Iterator, Sequence
 
 from .caller import run_replicas
 from .spmd import FORMS, detect_form, run_spmd
+from .torchrun import run_torchrun
 
 
 @contextlib.contextmanager
-def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[None]:
+def simulated_spawn(cores: int = 8, timeout: float | None = None,
+                    form: str = "auto") -> Iterator[None]:
     """Within the block, ``xmp.spawn(fn, args=...)`` and ``torch_xla.launch(fn, args=...)``
     run ``fn(index, *args)`` on ``cores`` simulated XLA:CPU cores (1, 2, 4 or 8).
+
+    ``form="auto"`` (default): a ``fn`` whose code uses SPMD (``use_spmd``, ``Mesh``,
+    ``mark_sharding``, FSDPv2, ...) is one program owning every device, so it runs
+    once, as ``fn(0, *args)``, in a fresh process with ``cores`` XLA:CPU devices
+    (printed to stderr); ``form="spawn"``: always ``cores`` replicas (a replica that
+    calls ``xr.use_spmd()`` then raises a named error). ``xr.use_spmd()`` called in
+    the block itself raises a named error (the calling process has one device).
 
     ``nprocs`` may be ``None``, ``1`` (one core, as torch_xla does) or ``cores``;
     anything else raises ``ValueError`` as torch_xla does. ``start_method`` is ignored
@@ -29,6 +38,8 @@ def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[No
     """
     if not isinstance(cores, int) or cores < 1:
         raise ValueError(f"cores must be a positive int, got {cores!r}")
+    if form not in ("auto", "spawn"):
+        raise ValueError(f"simulated_spawn(form={form!r}): use 'auto' or 'spawn'")
     import torch_xla
     import torch_xla.distributed.xla_multiprocessing as xmp
 
@@ -37,17 +48,27 @@ def simulated_spawn(cores: int = 8, timeout: float | None = None) -> Iterator[No
             raise ValueError(f"Unsupported nprocs ({nprocs}): use nprocs=None (all {cores} "
                              "simulated cores) or 1, as torch_xla requires")
         return run_replicas(fn, tuple(args), 1 if nprocs == 1 else cores, timeout=timeout,
-                            pass_index=True)
+                            pass_index=True, detect_spmd=form == "auto")
 
     def launch(fn, args=(), start_method="spawn", debug_single_process=False):
         return spawn(fn, args=args, nprocs=1 if debug_single_process else None)
 
-    saved = (xmp.spawn, torch_xla.launch)
-    xmp.spawn, torch_xla.launch = spawn, launch
+    def use_spmd(*a, **k):
+        raise RuntimeError(
+            f"xr.use_spmd() called inside `with simulated_spawn(cores={cores}):` runs in this "
+            "process, which has one XLA:CPU device, not the simulated ones. Put the SPMD "
+            "code in a function and run it with torch_xla.launch(fn) in the block (or "
+            f"xla_utils.launch(fn, simulate={cores})): it then runs in a fresh process with "
+            f"{cores} XLA:CPU devices.")
+
+    import torch_xla.runtime as xr
+
+    saved = (xmp.spawn, torch_xla.launch, xr.use_spmd)
+    xmp.spawn, torch_xla.launch, xr.use_spmd = spawn, launch, use_spmd
     try:
         yield
     finally:
-        xmp.spawn, torch_xla.launch = saved
+        xmp.spawn, torch_xla.launch, xr.use_spmd = saved
 
 
 def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = (),
@@ -57,8 +78,10 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
 
     ``form``: ``"spawn"`` (``xmp.spawn`` / ``torch_xla.launch`` replicas with host
     collectives), ``"spmd"`` (one fresh process with ``cores`` XLA:CPU devices,
-    see :mod:`.spmd`) or ``"auto"`` (SPMD if the script names an SPMD API such as
-    ``use_spmd`` or ``mark_sharding``; the SPMD choice is printed to stderr).
+    see :mod:`.spmd`), ``"torchrun"`` (the script as ``__main__`` in each replica,
+    see :mod:`.torchrun`) or ``"auto"`` (SPMD if the script names an SPMD API such
+    as ``use_spmd`` or ``mark_sharding``, torchrun if it checks
+    ``is_torchelastic_launched``; the choice is printed to stderr).
 
     Returns the script's exit status (0 when it ends normally or calls
     ``sys.exit(0)``); a replica's exception propagates as ``ReplicaError``.
@@ -66,19 +89,26 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
     path = str(path)
     if form not in FORMS:
         raise ValueError(f"form={form!r}: use one of {FORMS}")
+    spawn_form = "auto" if form == "auto" else "spawn"  # functions using SPMD: see below
     if form == "auto":
         form, why = detect_form(path)
         if form == "spmd":
             print(f"xla_utils.simulate: running {path} as SPMD (one process with {cores} "
                   f"XLA:CPU devices) because {why}; pass --form spawn (form='spawn') to "
                   "run it as xmp.spawn replicas", file=sys.stderr, flush=True)
+        elif form == "torchrun":
+            print(f"xla_utils.simulate: running {path} as torchrun would (as __main__ in "
+                  f"each of {cores} replicas, RANK/WORLD_SIZE set) because {why}",
+                  file=sys.stderr, flush=True)
     if form == "spmd":
         return run_spmd(path, cores, args, timeout)
+    if form == "torchrun":
+        return run_torchrun(path, cores, args, timeout)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [path, *map(str, args)]
     sys.path.insert(0, str(Path(path).resolve().parent))
     try:
-        with simulated_spawn(cores, timeout=timeout):
+        with simulated_spawn(cores, timeout=timeout, form=spawn_form):
             runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
@@ -105,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .spmd import spmd_child_main
 
         return spmd_child_main(int(argv[1]), argv[2], argv[3:])
+    if argv[:1] == ["--spmd-fn"]:
+        from .spmd_fn import spmd_fn_child_main
+
+        return spmd_fn_child_main(int(argv[1]), argv[2], argv[3] == "1")
     p = argparse.ArgumentParser(
         prog="python -m xla_utils.simulate",
         description="Run a torch_xla script (xmp.spawn / torch_xla.launch) on N simulated "
@@ -114,8 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="seconds after which the replicas are killed (default: none)")
     p.add_argument("--form", choices=FORMS, default="auto",
                    help="spawn: xmp.spawn/torch_xla.launch replicas; spmd: one process with "
-                        "N XLA:CPU devices; auto (default): spmd if the script names an SPMD "
-                        "API (use_spmd, Mesh, mark_sharding, ...)")
+                        "N XLA:CPU devices; torchrun: the script as __main__ in each of N "
+                        "replicas (RANK, WORLD_SIZE set); auto (default): spmd if the script "
+                        "names an SPMD API (use_spmd, Mesh, mark_sharding, ...), torchrun if "
+                        "it checks is_torchelastic_launched, else spawn")
     p.add_argument("script", help="path of the script to run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     ns = p.parse_args(argv)

@@ -25,19 +25,28 @@ from typing import Sequence
 # Names whose presence in a script's code (not its comments or strings) marks SPMD.
 SPMD_NAMES = ("use_spmd", "mark_sharding", "Mesh", "HybridMesh", "get_1d_mesh",
               "SpmdFullyShardedDataParallel", "input_sharding", "enable_spmd")
-FORMS = ("auto", "spawn", "spmd")
+FORMS = ("auto", "spawn", "spmd", "torchrun")
 
 
 def detect_form(path: str | os.PathLike) -> tuple[str, str]:
-    """``("spmd", why)`` if the script's code names an SPMD API, else ``("spawn", why)``."""
+    """``("spmd", why)`` if the script's code names an SPMD API, ``("torchrun", why)``
+    if it checks that torchrun launched it, else ``("spawn", why)``."""
+    from .torchrun import TORCHRUN_NAMES
+
     text = Path(path).read_text(encoding="utf-8", errors="replace")
+    torchrun = None
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
             if tok.type == tokenize.NAME and tok.string in SPMD_NAMES:
                 return "spmd", f"it uses `{tok.string}` (line {tok.start[0]})"
+            if tok.type == tokenize.NAME and tok.string in TORCHRUN_NAMES and not torchrun:
+                torchrun = f"it checks `{tok.string}` (line {tok.start[0]})"
     except (tokenize.TokenError, SyntaxError, IndentationError):
         pass
-    return "spawn", "it names no SPMD API (use_spmd, Mesh, mark_sharding, ...)"
+    if torchrun:
+        return "torchrun", torchrun
+    return "spawn", ("it names no SPMD API (use_spmd, Mesh, mark_sharding, ...) and does not "
+                     "check is_torchelastic_launched")
 
 
 def run_spmd(path: str, cores: int, args: Sequence[str] = (),
@@ -60,17 +69,7 @@ def run_spmd(path: str, cores: int, args: Sequence[str] = (),
 
 def spmd_child_main(cores: int, path: str, args: Sequence[str]) -> int:
     """The SPMD process: refuse the multi-process entry points, run the script."""
-    import torch_xla
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
-    def mixed(*a, **k):
-        raise RuntimeError(
-            f"{path} mixes SPMD and multi-process forms: it was run as SPMD (one process "
-            f"with {cores} XLA:CPU devices) and then called xmp.spawn / torch_xla.launch. "
-            "A program is one or the other; to run its xmp.spawn form, pass --form spawn "
-            "(run_script(..., form='spawn')) and do not call xr.use_spmd().")
-
-    xmp.spawn = torch_xla.launch = mixed
+    refuse_multiprocess(path, cores)
     sys.argv = [path, *args]
     sys.path.insert(0, str(Path(path).resolve().parent))
     try:
@@ -79,3 +78,19 @@ def spmd_child_main(cores: int, path: str, args: Sequence[str]) -> int:
         code = exc.code
         return 0 if code is None else code if isinstance(code, int) else 1
     return 0
+
+
+def refuse_multiprocess(what: str, cores: int) -> None:
+    """In an SPMD process, make ``xmp.spawn`` / ``torch_xla.launch`` raise a named
+    error (a program that mixes the two forms)."""
+    import torch_xla
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    def mixed(*a, **k):
+        raise RuntimeError(
+            f"{what} mixes SPMD and multi-process forms: it was run as SPMD (one process "
+            f"with {cores} XLA:CPU devices) and then called xmp.spawn / torch_xla.launch. "
+            "A program is one or the other; to run its xmp.spawn form, pass --form spawn "
+            "(run_script(..., form='spawn')) and do not call xr.use_spmd().")
+
+    xmp.spawn = torch_xla.launch = mixed
