@@ -11,6 +11,7 @@ collectives' results and exit non-zero when wrong).
 """
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import re
@@ -46,11 +47,21 @@ PROGRAMS = [
 ]
 
 
+# CI runs the two stacks' suites side by side; two 8-replica ResNet programs at once can
+# exhaust a small host's memory, so corpus programs of all concurrent suites take turns.
+LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "xla_utils-corpus.lock"
+
+
 def _simulate(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PJRT_DEVICE="CPU")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "xla_utils.simulate", "--cores", "8", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return subprocess.run([sys.executable, "-m", "xla_utils.simulate", "--cores", "8", *args],
+                                  capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _losses(text: str) -> list[float]:
