@@ -69,7 +69,7 @@ def _losses(text: str) -> list[float]:
 
 
 @pytest.mark.multicore
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(1300)  # may wait for the other suite's program (LOCK)
 @pytest.mark.parametrize("name,program,shows", PROGRAMS, ids=[p[0] for p in PROGRAMS])
 def test_corpus_program_passes_on_8_simulated_cores(name, program, shows):
     p = _simulate([str(CORPUS / program[0]), *program[1:]])
@@ -84,7 +84,7 @@ def test_corpus_program_passes_on_8_simulated_cores(name, program, shows):
 
 
 @pytest.mark.multicore
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("mode", ["xm", "pjrt_distributed", "ddp"])
 def test_train_mp_mnist_three_modes(mode):
     extra = [] if mode == "xm" else [f"--{mode}"]
@@ -96,7 +96,7 @@ def test_train_mp_mnist_three_modes(mode):
 
 
 @pytest.mark.multicore
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_subset_rendezvous_raises_valueerror_as_pjrt_does():
     """test_mp_rendezvous.py rendezvous over half the replicas; torch_xla's PJRT
     runtime raises ``ValueError('Only global rendezvous is supported')`` there (the
