@@ -81,6 +81,27 @@ def test_thread_job_creates_every_devices_collective_token_before_replicas_run()
     assert out["sum"] == float(sum(r + 2 for r in range(8)))
 
 
+def _autograd_threads_at_start():
+    # Thread names as the kernel has them; torch names its per-device autograd
+    # workers pt_autograd_<device>.
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return sorted(n for n in names if n.startswith("pt_autograd_"))
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_thread_job_starts_autograd_before_replicas_run():
+    # The job is a fork, so autograd re-creates its engine at the first backward;
+    # a replica thread reaching the engine while another started its device
+    # threads crashed the job natively (BrokenProcessPool, CI on the Kaggle stack).
+    # The engine is started once, before any replica thread runs.
+    out = _launch_as("threads", _autograd_threads_at_start, simulate=4, timeout=120)
+    assert out == [f"pt_autograd_{i}" for i in range(4)]
+
+
 def _fail_in_rank_3():
     r, dev = rt.rank(), rt.device()
     x = torch.tensor([3.0], device=dev)

@@ -151,19 +151,29 @@ def _spawn_job(fn, args, nprocs: int | None, results) -> None:
         results.join_thread()
 
 
-def _create_token_slots(sim: SimGroup) -> None:
-    """Create every device's collective-token slot once, before any replica thread
-    builds a collective.
+def _prepare_thread_job(sim: SimGroup) -> None:
+    """Set up, one thread at a time, the process-wide state that torch_xla and
+    autograd create lazily and without a lock, before any replica thread runs.
 
-    torch_xla keeps the token that orders each device's collectives in one
-    process-wide ``unordered_map`` (``g_all_reduce_tokens``) without a lock; the
-    first collective on a device inserts that device's entry. N replica threads
-    doing their first ``all_reduce`` at once insert concurrently, and a rehash in
-    one thread makes another read a null token: a segfault in
-    ``std::vector<torch::lazy::Value>::_M_realloc_insert`` (about one thread job
-    in 150 on a loaded machine, seen as ``BrokenProcessPool``). Inserting all N
-    entries here, one thread at a time, leaves later accesses lookups only (the
-    entry set to None is what ``xm.set_replication`` and every sync write too).
+    1. Every device's collective-token slot. torch_xla keeps the token that orders
+       each device's collectives in one process-wide ``unordered_map``
+       (``g_all_reduce_tokens``) without a lock; the first collective on a device
+       inserts that device's entry. N replica threads doing their first
+       ``all_reduce`` at once insert concurrently, and a rehash in one thread makes
+       another read a null token: a segfault in
+       ``std::vector<torch::lazy::Value>::_M_realloc_insert`` (about one thread job
+       in 150 on a loaded machine, seen as ``BrokenProcessPool``). Inserting all N
+       entries here leaves later accesses lookups only (the entry set to None is
+       what ``xm.set_replication`` and every sync write too).
+    2. The autograd engine. This process is a fork, so torch's fork handler has
+       marked the engine for re-creation, which ``get_python_engine`` does on its
+       next call; the first backward then starts one autograd thread per device
+       (``Engine::start_device_threads``). A replica thread that reached the engine
+       while another was inside ``start_device_threads`` re-created the engine under
+       it: a segfault reading the cleared ``device_ready_queues_`` (null + 0x10 in
+       ``start_device_threads``, seen in CI on the Kaggle stack as
+       ``BrokenProcessPool`` at a thread job's first step). One CPU backward here
+       does both, once, before any replica thread touches autograd.
     """
     with sim.lock:
         if sim.token_devices:
@@ -172,6 +182,10 @@ def _create_token_slots(sim: SimGroup) -> None:
         devices = tuple(str(d) for d in x["xm"].get_xla_supported_devices())
         for d in devices:
             x["torch_xla"]._XLAC._set_all_reduce_token(d, None)
+        import torch
+
+        with torch.enable_grad():
+            torch.ones(1, requires_grad=True).sum().backward()
         sim.token_devices = devices
 
 
@@ -184,7 +198,7 @@ def replica_main(index: int) -> None:
     import torch
 
     if STATE.sim is not None:
-        _create_token_slots(STATE.sim)
+        _prepare_thread_job(STATE.sim)
 
     try:
         r = rank()

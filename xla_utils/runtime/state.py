@@ -24,8 +24,9 @@ class SimGroup:
         barrier: Where the replicas meet at every step boundary.
         lock: Held while one replica compiles/launches its graph.
         values: ``rank -> number`` exchanged by a host-side sum.
-        token_devices: The devices whose collective token slot was created
-            before any replica thread ran (``runtime.replica``; empty until then).
+        token_devices: The devices whose collective token slot was created, and
+            the autograd engine started, before any replica thread ran
+            (``runtime.replica._prepare_thread_job``; empty until then).
     """
 
     n: int
