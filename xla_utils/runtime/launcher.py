@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .replica import ReplicaError, job_main
 from .state import STATE
 from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_available,
-                  xla_runtime_initialized)
+                  xla_installed, xla_runtime_initialized)
 
 __all__ = ["launch"]
 
@@ -77,7 +77,7 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
 def _prestart_simulation(simulate: int | None) -> None:
     """Start the simulation's clean interpreter in the background when a launch
     with ``simulate`` is coming (see :func:`xla_utils.simulate.prestart`)."""
-    if simulate is not None and xla_available():
+    if simulate is not None and xla_installed():
         from .. import simulate as sim
 
         sim.prestart()
@@ -108,7 +108,11 @@ def _launch(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: 
         raise ValueError(f"simulate must be a positive int (number of XLA:CPU devices), got {simulate!r}")
     use_xla = simulate is not None or (tpu_present() and xla_available())
     if use_xla:
-        load_xla()  # clear XLAUnavailableError before forking
+        if simulate is None or not xla_installed():
+            # clear XLAUnavailableError before forking. A simulated launch only
+            # checks that torch_xla is installed: its zygote imports it (a failed
+            # import there is explained by load_xla here, see simulate.caller).
+            load_xla()
         # Simulated replicas start from a clean interpreter: this process's XLA
         # state does not matter to them. A TPU launch forks this process.
         if simulate is None and xla_runtime_initialized():

@@ -66,6 +66,11 @@ class _Zygote:
         self.sock.settimeout(None)
         if msg[0] != "ready":
             self.close()
+            # The caller no longer imports torch_xla before a simulated launch:
+            # a missing or mismatched torch_xla gets load_xla's message and fix.
+            from ..runtime.xla import load_xla
+
+            load_xla()
             raise RuntimeError(f"the simulated-core zygote failed to start: {msg[1]}")
 
     def drain(self, limit_s: float = 2.0) -> None:
