@@ -204,7 +204,24 @@ def run_lr_find(batch: int, epochs: int) -> dict:
     t0 = time.perf_counter()
     res = lr_find(model, torch.nn.CrossEntropyLoss(), make_data(), batch, optimizer="sgd",
                   start_lr=start, end_lr=end, num_it=num, show_progress=False, simulate=1)
-    return {"steps": len(res.lrs), "seconds": time.perf_counter() - t0}
+    seconds = time.perf_counter() - t0
+    # The job's fixed cost, reported apart: a thread job that receives the same
+    # model and data, starts its XLA:CPU device and returns (fork, hand-over, return).
+    from xla_utils import runtime
+
+    t0 = time.perf_counter()
+    runtime._launch(_handover, (model, make_data()), cores=1, simulate=1, timeout=None,
+                    sim_threads=True)
+    return {"steps": len(res.lrs), "seconds": seconds, "job_fixed_s": time.perf_counter() - t0}
+
+
+def _handover(model, data) -> int:
+    """What every thread job does before and after its work: take its arguments, start
+    the device, return a result."""
+    from xla_utils import runtime
+
+    runtime.device()
+    return len(data)
 
 
 def _rate(r: dict) -> float:
@@ -256,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {p: _bench.compare(p, rates[p][PAIRS[p][0]], rates[p][PAIRS[p][1]], "steps/s",
                                  **({"base_name": "plain fit"} if p in OPTIONS else {}))
                for p in pairs}
+    if "lr_find" in pairs:
+        fixed = [r["job_fixed_s"] for r in raw["lr_find"]]
+        print(f"lr_find job's fixed cost (fork, model and data hand-over, device start, return; "
+              f"included in its sweep time): median {1000 * statistics.median(fixed):.0f} ms, "
+              f"range {1000 * min(fixed):.0f}-{1000 * max(fixed):.0f} ms")
     if "fit1" in pairs:
         med = statistics.median
         print(f"fit1 device->host transfers per step: hand-written "
