@@ -190,6 +190,96 @@ def test_fsdp_shards_8_ways_read_from_the_real_tensors(tmp_path):
     assert r["keys"] == sorted(Net().state_dict())
 
 
+class Tower(torch.nn.Module):
+    """8 blocks of 64 x 64 (tiny compiles; 8 units, none more than 1/8 of the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(Block64() for _ in range(8)))
+        self.norm = torch.nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        return self.norm(self.blocks(x))
+
+
+class Block64(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) + x
+
+
+def _device_model_bytes(model) -> int:
+    """Bytes ONE device holds of ``model``'s parameters and buffers now, read from the
+    real shards (an unsharded device tensor counts whole: every device holds it)."""
+    from xla_utils.runtime import spmd
+
+    ts = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type == "xla"}
+    return sum(max(spmd.local_shard_bytes(t)) for t in ts.values())
+
+
+def _setup_peak_memory():
+    """In the 8-device SPMD process: the peak per-device bytes of the model while it is
+    placed (after every parameter), moved whole first (what FSDPv2 does to a unit) versus
+    straight into its shards; and the trainer's own wrap from a host model, with every
+    mark_sharding call recorded (an unsharded parameter reaching it was on the devices whole)."""
+    import torch_xla.distributed.spmd as xs
+
+    from xla_utils.runtime import spmd
+    from xla_utils.strategy import MeshRun, _enter
+
+    _, run = _enter(StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block64,)), None)
+    total = sum(t.numel() * t.element_size() for t in [*Tower().parameters(), *Tower().buffers()])
+    whole, peak = Tower(), [0]
+    for name, p in list(whole.named_parameters()):  # nn.Module.to, one tensor at a time
+        mod = whole.get_submodule(name.rpartition(".")[0])
+        mod._parameters[name.rpartition(".")[2]] = torch.nn.Parameter(p.detach().to(runtime.device()))
+        peak[0] = max(peak[0], _device_model_bytes(whole))
+    whole_peak = peak[0]
+    sharded, peak[0] = Tower(), 0
+    spmd.shard_to_device(sharded, run.mesh,
+                         on_place=lambda: peak.__setitem__(0, max(peak[0], _device_model_bytes(sharded))))
+    sharded_peak = peak[0]
+    seen, real = [], xs.mark_sharding
+
+    def recording(t, *a, **k):
+        if isinstance(t, torch.nn.Parameter):
+            seen.append(spmd.sharding_spec(t))
+        return real(t, *a, **k)
+
+    xs.mark_sharding = recording
+    try:
+        model = MeshRun.wrap(run, Tower())
+    finally:
+        xs.mark_sharding = real
+    x = next(iter(run.feed([(torch.randn(64, 64),)])))[0]
+    out = model(x).sum()
+    out.backward()
+    runtime.sync()
+    return {"total": total, "whole_peak": whole_peak, "sharded_peak": sharded_peak,
+            "unsharded_params_marked": [s for s in seen if s == ""],
+            "after_wrap": _device_model_bytes(model), "loss_finite": math.isfinite(out.item()),
+            "specs": sorted({spmd.sharding_spec(p) for p in model.parameters()})}
+
+
+def test_fsdp_setup_never_holds_the_model_whole_on_a_device():
+    """A model bigger than one core: each parameter goes from the host straight into its
+    shards, so the per-device peak during set-up is ~1/8 of the model, not all of it."""
+    from xla_utils.simulate.devices import run_on_devices
+
+    r = run_on_devices(_setup_peak_memory, (), DEVICES, timeout=300)
+    buffers = 2 * 64 * 4 + 8  # BatchNorm's running stats and step count stay replicated
+    assert r["whole_peak"] == r["total"] - buffers  # the probe sees the parameters moved whole
+    assert r["sharded_peak"] == (r["total"] - buffers) / DEVICES  # 1/8 of the parameters
+    assert r["sharded_peak"] < r["total"] / 6
+    assert r["unsharded_params_marked"] == []  # FSDPv2 found every parameter sharded already
+    assert r["after_wrap"] <= (r["total"] - buffers) / DEVICES + buffers
+    assert r["specs"] == ["{devices=[8,1]0,1,2,3,4,5,6,7}", "{devices=[8]0,1,2,3,4,5,6,7}"]
+    assert r["loss_finite"]
+
+
 def _resnet_data(n: int) -> TensorDataset:
     d = load_digits()
     img = np.kron(d.images[:n], np.ones((4, 4))) * 255 / 16  # 32 x 32

@@ -196,9 +196,11 @@ class MeshRun:
         return self.plan.devices
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model as this strategy runs it (on the device already)."""
+        """The model (on the host, or on the device already) as this strategy runs it:
+        ``"spmd"`` replicated on every device, ``"fsdp"`` wrapped by FSDPv2 with each
+        parameter moved straight into its shards (the device never holds the model whole)."""
         if self.plan.strategy == "spmd":
-            return model
+            return model.to(runtime.device())
         from .runtime.spmd import fsdp_wrap_model
 
         return fsdp_wrap_model(model, self.mesh, self.plan.wrap, self.plan.checkpointing)
@@ -286,7 +288,7 @@ def inference_replica(plan: StrategyPlan, trainer: Any, iplan: Any) -> Any:
 
     _, run = _enter(plan, trainer.config.compile_cache)
     dev = runtime.device()
-    model = run.wrap(loop.replica_model(iplan.model, dev)).eval()
+    model = run.wrap(loop.replica_model(iplan.model, None)).eval()
     iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)
     acc, targets = loop.inference_pass(model, iplan, cfg=trainer.config,
                                        eval_step=trainer.eval_step, world_size=1, rank=0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
-           "sharded_batches", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded",
+           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded",
            "FSDP_WRAPPER_PARTS"]
 
 # The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
@@ -105,11 +105,55 @@ def _wrap_policy(wrap: Any) -> Callable | None:
     return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(wrap))
 
 
+def shard_to_device(model: Any, mesh: Any, on_place: Callable[[], None] | None = None) -> Any:
+    """Move ``model``'s parameters from the host to the devices one at a time, each one
+    straight into its FSDPv2 shards (largest dimension over ``mesh``'s ``fsdp`` axis).
+
+    No device ever holds a parameter, let alone the model, unsharded: each host tensor
+    is split on the host and every device receives only its shard
+    (``send_cpu_data_to_device(input_sharding=)``). FSDPv2 then finds the parameters
+    sharded already and leaves them as they are (its own ``module.to('xla')`` would
+    copy a unit whole to every device first). Buffers (e.g. BatchNorm statistics) are
+    small and go replicated. Tied parameters stay tied; parameters already on the
+    device are kept. In place; returns ``model``.
+
+    Args:
+        model: A host (CPU) module.
+        mesh: A mesh with an axis named ``"fsdp"``.
+        on_place: Called after each parameter is placed (a memory probe); None: nothing.
+    """
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    dev = torch_xla.device()
+    placed: dict[int, Any] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in placed or p.device.type == "xla":
+                mod._parameters[name] = placed.setdefault(id(p), p)
+                continue
+            spec = xs.ShardingSpec(mesh, _fsdp_spec(p.shape)) if p.dim() else None
+            data = xm.send_cpu_data_to_device([p.detach()], dev, input_sharding=spec)[0]
+            mod._parameters[name] = placed[id(p)] = torch.nn.Parameter(
+                data, requires_grad=p.requires_grad)
+            if on_place is not None:
+                on_place()
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device.type != "xla":
+                mod._buffers[name] = b.to(dev)
+    return model
+
+
 def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> Any:
     """``model`` as FSDPv2 (``SpmdFullyShardedDataParallel``) over ``mesh``'s ``fsdp`` axis.
 
     Args:
-        model: The module (on the CPU or the XLA device).
+        model: The module (on the CPU or the XLA device; from the CPU each parameter
+            goes straight into its shards: :func:`shard_to_device`).
         mesh: A mesh with an axis named ``"fsdp"``.
         wrap: Module classes to wrap as their own units (a tuple), a minimum parameter
             count per unit (an int), or None (the whole model as one unit).
@@ -123,6 +167,7 @@ def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> An
     def unit(m, *args, **kwargs):
         return FSDPv2(checkpoint_module(m) if checkpointing else m, *args, **kwargs)
 
+    shard_to_device(model, mesh)
     policy = _wrap_policy(wrap)
     if policy is None:
         wrapped = unit(model, mesh=mesh)
