@@ -11,13 +11,17 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
-           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded",
+           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded", "zeros_like_param",
+           "SHARDED_META",
            "FSDP_WRAPPER_PARTS"]
 
 # The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
 SPMD_MODULES = ("torch_xla.distributed.spmd",
                 "torch_xla.experimental.spmd_fully_sharded_data_parallel",
                 "torch_xla.distributed.fsdp.wrap")
+
+# The file inside a ``.dcp`` folder holding what a resume needs beside the tensors.
+SHARDED_META = "xla_utils_meta.pt"
 
 # Names FSDPv2 and activation checkpointing insert into parameter paths.
 FSDP_WRAPPER_PARTS = ("_orig_module", "_xla_checkpointed_module", "_checkpoint_wrapped_module")
@@ -225,10 +229,11 @@ def local_shard_bytes(t: Any) -> list[int]:
     return [s.numel() * s.element_size() for s, _ in shards]
 
 
-def save_sharded(state: dict, folder: Any) -> None:
+def save_sharded(state: dict, folder: Any, meta: dict | None = None) -> None:
     """Write ``state`` (nested dicts of sharded device tensors) as a torch.distributed
     checkpoint folder with torch_xla's ``SPMDSavePlanner``: each device's shards, no
-    host-side consolidation. Written to ``<folder>.tmp`` and renamed."""
+    host-side consolidation; ``meta`` (host objects) goes beside them as
+    :data:`SHARDED_META`. Written to ``<folder>.tmp`` and renamed."""
     import shutil
     from pathlib import Path
 
@@ -243,6 +248,10 @@ def save_sharded(state: dict, folder: Any) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     dist_cp.save(state_dict=state, storage_writer=dist_cp.FileSystemWriter(str(tmp)),
                  planner=SPMDSavePlanner())
+    if meta is not None:
+        import torch
+
+        torch.save(meta, tmp / SHARDED_META)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
 
@@ -257,3 +266,18 @@ def load_sharded(state: dict, folder: Any) -> None:
     xm.wait_device_ops()  # the planner reads the targets' shards: none may still be computing
     dist_cp.load(state_dict=state, storage_reader=dist_cp.FileSystemReader(str(folder)),
                  planner=SPMDLoadPlanner())
+
+
+def zeros_like_param(p: Any, mesh: Any, shape: Sequence[int], dtype: Any) -> Any:
+    """Zeros of ``shape`` on the devices: sharded as FSDPv2 shards ``p`` when ``p`` is
+    sharded and the shape is ``p``'s, else replicated (never whole on one device more
+    than a replicated tensor is)."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    z = torch.zeros(tuple(shape), dtype=dtype)
+    sharded = sharding_spec(p) not in ("", "{replicated}") and tuple(shape) == tuple(p.shape)
+    spec = xs.ShardingSpec(mesh, _fsdp_spec(shape)) if sharded and len(shape) else None
+    return xm.send_cpu_data_to_device([z], torch_xla.device(), input_sharding=spec)[0]
