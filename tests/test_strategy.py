@@ -107,10 +107,11 @@ def test_resume_from_epoch_checkpoint_is_exact(runs, strategy):
         torch.testing.assert_close(v, h2.state_dict[k])
 
 
-@pytest.mark.parametrize("was,now", [("fsdp", "fsdp"), ("spmd", "fsdp")])
+@pytest.mark.parametrize("was,now", [("spmd", "spmd"), ("spmd", "fsdp")])
 def test_resume_from_the_sharded_dcp_twin(runs, tmp_path, was, now):
     """The .dcp folder alone resumes (nothing consolidated is read): exact under its own
-    strategy, and under the other one with the same devices (the state is equivalent)."""
+    strategy, and under the other one with the same devices (the state is equivalent).
+    fsdp's own exact .dcp resume: the EMA test below."""
     h, d, _ = runs[was]
     dcp = next(d.glob("epoch_015-*.dcp"))
     h2 = _trainer(now, tmp_path).fit(simulate=DEVICES, resume=dcp)

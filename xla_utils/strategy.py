@@ -19,8 +19,13 @@ spawn is device ``r``'s shard here). Epoch checkpoints are consolidated (full te
 the unwrapped model's parameter names), so an epoch checkpoint of one strategy
 resumes under another with the same number of devices, and ``final.pt`` loads into
 the plain model anywhere; beside each, ``epoch_<nnn>-<run id>.dcp/`` holds the same
-state sharded (torch.distributed.checkpoint with torch_xla's SPMD planners), loaded
-by :func:`load_sharded_checkpoint`.
+state sharded (torch.distributed.checkpoint with torch_xla's SPMD planners, the
+unwrapped names, and the resume metadata in ``xla_utils_meta.pt``): ``fit(resume=<the
+.dcp folder>)`` continues from it alone under ``"spmd"`` or ``"fsdp"``
+(:meth:`MeshRun.resume_sharded`, :func:`load_sharded_checkpoint`). Under ``"fsdp"``
+the model goes from the host straight into its shards, one parameter at a time
+(:func:`xla_utils.runtime.spmd.shard_to_device`): no device ever holds it whole. The
+EMA copy (``ema=``) is placed like the model's parameters.
 
 This module plans on the host (every check before device time) and runs the SPMD
 process's side (:func:`fit_replica`, :func:`inference_replica`) through

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
-           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded", "zeros_like_param",
+           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_output", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded", "zeros_like_param",
            "SHARDED_META",
            "FSDP_WRAPPER_PARTS"]
 
@@ -95,8 +95,9 @@ def sharded_batches(batches: Iterable, mesh: Any, axis: str) -> Iterator:
         yield type(batch)(out) if isinstance(batch, tuple) else out
 
 
-def _wrap_policy(wrap: Any) -> Callable | None:
-    """torch_xla's auto-wrap policy for ``wrap`` (a tuple of classes, a parameter count, None)."""
+def _wrap_policy(model: Any, wrap: Any) -> Callable | None:
+    """torch_xla's auto-wrap policy for ``wrap``: module classes or class names (resolved
+    against ``model``'s modules), a minimum parameter count, or None (no policy)."""
     import functools
 
     from torch_xla.distributed.fsdp.wrap import (size_based_auto_wrap_policy,
@@ -104,9 +105,25 @@ def _wrap_policy(wrap: Any) -> Callable | None:
 
     if wrap is None:
         return None
-    if isinstance(wrap, int):
+    if isinstance(wrap, int) and not isinstance(wrap, bool):
         return functools.partial(size_based_auto_wrap_policy, min_num_params=wrap)
-    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(wrap))
+    wrap = [wrap] if isinstance(wrap, (str, type)) else list(wrap)
+    names = {w for w in wrap if isinstance(w, str)}
+    classes = {w for w in wrap if isinstance(w, type)}
+    classes |= {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"fsdp_wrap={wrap!r} matches no module of the model")
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+
+
+def shard_output(output: Any, mesh: Any) -> None:
+    """FSDPv2's output hook: shard a batch-first output (or a tuple's first) on ``fsdp``;
+    scalars (a loss) and other outputs (a dict) are left to XLA's propagation."""
+    import torch_xla.distributed.spmd as xs
+
+    t = output[0] if isinstance(output, (tuple, list)) and output else output
+    if hasattr(t, "dim") and t.dim() >= 1:
+        xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
 
 
 def shard_to_device(model: Any, mesh: Any, on_place: Callable[[], None] | None = None) -> Any:
@@ -159,8 +176,8 @@ def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> An
         model: The module (on the CPU or the XLA device; from the CPU each parameter
             goes straight into its shards: :func:`shard_to_device`).
         mesh: A mesh with an axis named ``"fsdp"``.
-        wrap: Module classes to wrap as their own units (a tuple), a minimum parameter
-            count per unit (an int), or None (the whole model as one unit).
+        wrap: Module classes or class names to wrap as their own units, a minimum
+            parameter count per unit (an int), or None (the whole model as one unit).
         checkpointing: Recompute each wrapped unit's activations in the backward pass
             (``checkpoint_module``); with ``wrap=None`` the whole model.
     """
@@ -172,11 +189,12 @@ def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> An
         return FSDPv2(checkpoint_module(m) if checkpointing else m, *args, **kwargs)
 
     shard_to_device(model, mesh)
-    policy = _wrap_policy(wrap)
+    policy = _wrap_policy(model, wrap)
     if policy is None:
-        wrapped = unit(model, mesh=mesh)
+        wrapped = unit(model, mesh=mesh, shard_output=shard_output)
     else:
-        wrapped = FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+        wrapped = FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrap_policy=policy,
+                         auto_wrapper_callable=unit)
     shard_grads_like_params(wrapped, mesh)
     return wrapped
 
