@@ -54,10 +54,9 @@ def _trainer(strategy: str, ckdir, **kw) -> OneCycleTrainer:
     extra = dict(fsdp_wrap=["Block"]) if strategy == "fsdp" else {}
     # 64 samples = one global batch of 8 x 8: every epoch is one step, so the
     # history's train_loss per epoch is the loss curve step by step.
-    return OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), batch_size=8,
-                           epochs=20, max_lr=3e-2, log_every=1, compile_cache=None,
-                           strategy=strategy, checkpoint_dir=ckdir, keep_checkpoints=20,
-                           **extra, **kw)
+    args = dict(batch_size=8, epochs=20, max_lr=3e-2, log_every=1, compile_cache=None,
+                strategy=strategy, checkpoint_dir=ckdir, keep_checkpoints=20, **extra)
+    return OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), **{**args, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +105,54 @@ def test_resume_from_epoch_checkpoint_is_exact(runs, strategy):
     plain.load_state_dict(torch.load(d / "final.pt"))
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(v, h2.state_dict[k])
+
+
+@pytest.mark.parametrize("was,now", [("spmd", "spmd"), ("spmd", "fsdp")])
+def test_resume_from_the_sharded_dcp_twin(runs, tmp_path, was, now):
+    """The .dcp folder alone resumes (nothing consolidated is read): exact under its own
+    strategy, and under the other one with the same devices (the state is equivalent).
+    fsdp's own exact .dcp resume: the EMA test below."""
+    h, d, _ = runs[was]
+    dcp = next(d.glob("epoch_015-*.dcp"))
+    h2 = _trainer(now, tmp_path).fit(simulate=DEVICES, resume=dcp)
+    full, resumed = [e["train_loss"] for e in h.epochs], [e["train_loss"] for e in h2.epochs]
+    assert len(resumed) == 20 and resumed[:15] == full[:15]
+    np.testing.assert_allclose(resumed[15:], full[15:], rtol=0,
+                               atol=1e-6 if was == now else 1e-4)
+    for k, v in h.state_dict.items():
+        torch.testing.assert_close(h2.state_dict[k], v, rtol=0, atol=1e-6 if was == now else 1e-4)
+
+
+def test_sharded_dcp_under_spawn_or_another_mesh_is_refused_naming_both(runs, tmp_path):
+    _, d, _ = runs["fsdp"]
+    dcp = next(d.glob("epoch_010-*.dcp"))
+    with pytest.raises(ResumeError, match=r"a sharded checkpoint \(.dcp\) of strategy 'fsdp', "
+                                          r"strategy 'spawn' now.*consolidated twin epoch_010-"):
+        _trainer("spawn", tmp_path).fit(simulate=DEVICES, resume=dcp)
+    with pytest.raises(ResumeError, match=r"cores: 8 in the checkpoint, 4 now \(strategy "
+                                          r"'fsdp' then, 'spmd' now"):
+        _trainer("spmd", tmp_path).fit(simulate=4, resume=dcp)
+
+
+def test_ema_under_fsdp_equals_spawn_compiles_once_and_resumes_from_the_dcp(tmp_path):
+    """ema= on the mesh: the EMA copy is sharded like its parameters (see the set-up test),
+    its weights equal spawn's, no compile after epoch 1, exact resume from the .dcp alone."""
+    def run(strategy, d, **kw):
+        return _trainer(strategy, d, ema=0.9, epochs=4, val_data=_digits(40)).fit(
+            simulate=DEVICES, **kw)
+
+    ref = run("spawn", tmp_path / "spawn")
+    h = run("fsdp", tmp_path / "fsdp")
+    np.testing.assert_allclose([e["val_loss"] for e in h.epochs],
+                               [e["val_loss"] for e in ref.epochs], rtol=0, atol=1e-4)
+    for k, v in ref.ema_state_dict.items():
+        torch.testing.assert_close(h.ema_state_dict[k], v, rtol=0, atol=1e-4)
+    assert [e["compiles"] for e in h.epochs][1:] == [h.epochs[1]["compiles"]] * 3
+    h2 = run("fsdp", tmp_path / "again",
+             resume=next((tmp_path / "fsdp").glob("epoch_002-*.dcp")))
+    assert [e["val_loss"] for e in h2.epochs][2:] == [e["val_loss"] for e in h.epochs][2:]
+    for k, v in h.ema_state_dict.items():
+        torch.testing.assert_close(h2.ema_state_dict[k], v, rtol=0, atol=0)
 
 
 def test_checkpoint_resumes_under_another_strategy_with_same_devices(runs, tmp_path):
@@ -188,6 +235,104 @@ def test_fsdp_shards_8_ways_read_from_the_real_tensors(tmp_path):
     assert r["adam_bytes"] == [2 * 32 * 32 * 4 // 8] * 8
     assert r["x_bytes"] == [8 * 64 * 4] * 8
     assert r["keys"] == sorted(Net().state_dict())
+
+
+class Tower(torch.nn.Module):
+    """8 blocks of 64 x 64 (tiny compiles; 8 units, none more than 1/8 of the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(Block64() for _ in range(8)))
+        self.norm = torch.nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        return self.norm(self.blocks(x))
+
+
+class Block64(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) + x
+
+
+def _device_model_bytes(model) -> int:
+    """Bytes ONE device holds of ``model``'s parameters and buffers now, read from the
+    real shards (an unsharded device tensor counts whole: every device holds it)."""
+    from xla_utils.runtime import spmd
+
+    ts = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type == "xla"}
+    return sum(max(spmd.local_shard_bytes(t)) for t in ts.values())
+
+
+def _setup_peak_memory():
+    """In the 8-device SPMD process: the peak per-device bytes of the model while it is
+    placed (after every parameter), moved whole first (what FSDPv2 does to a unit) versus
+    straight into its shards; and the trainer's own wrap from a host model, with every
+    mark_sharding call recorded (an unsharded parameter reaching it was on the devices whole)."""
+    import torch_xla.distributed.spmd as xs
+
+    from xla_utils.runtime import spmd
+    from xla_utils.strategy import MeshRun, _enter
+
+    _, run = _enter(StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block64,)), None)
+    total = sum(t.numel() * t.element_size() for t in [*Tower().parameters(), *Tower().buffers()])
+    whole, peak = Tower(), [0]
+    for name, p in list(whole.named_parameters()):  # nn.Module.to, one tensor at a time
+        mod = whole.get_submodule(name.rpartition(".")[0])
+        mod._parameters[name.rpartition(".")[2]] = torch.nn.Parameter(p.detach().to(runtime.device()))
+        peak[0] = max(peak[0], _device_model_bytes(whole))
+    whole_peak = peak[0]
+    sharded, peak[0] = Tower(), 0
+    spmd.shard_to_device(sharded, run.mesh,
+                         on_place=lambda: peak.__setitem__(0, max(peak[0], _device_model_bytes(sharded))))
+    sharded_peak = peak[0]
+    seen, real = [], xs.mark_sharding
+
+    def recording(t, *a, **k):
+        if isinstance(t, torch.nn.Parameter):
+            seen.append(spmd.sharding_spec(t))
+        return real(t, *a, **k)
+
+    xs.mark_sharding = recording
+    try:
+        model = MeshRun.wrap(run, Tower())
+    finally:
+        xs.mark_sharding = real
+    from xla_utils.ema import DeviceEMA
+
+    ema = DeviceEMA(Tower(), 0.9, 0, runtime.device(), place=run.place)
+    x = next(iter(run.feed([(torch.randn(64, 64),)])))[0]
+    out = model(x).sum()
+    out.backward()
+    runtime.sync()
+    return {"total": total, "whole_peak": whole_peak, "sharded_peak": sharded_peak,
+            "unsharded_params_marked": [s for s in seen if s == ""],
+            "after_wrap": _device_model_bytes(model), "loss_finite": math.isfinite(out.item()),
+            "specs": sorted({spmd.sharding_spec(p) for p in model.parameters()}),
+            "ema_same_specs": [spmd.sharding_spec(e) == spmd.sharding_spec(p) for e, p in
+                               zip(ema.module.parameters(), model.parameters())],
+            "ema_bytes": _device_model_bytes(ema.module)}
+
+
+def test_fsdp_setup_never_holds_the_model_whole_on_a_device():
+    """A model bigger than one core: each parameter goes from the host straight into its
+    shards, so the per-device peak during set-up is ~1/8 of the model, not all of it."""
+    from xla_utils.simulate.devices import run_on_devices
+
+    r = run_on_devices(_setup_peak_memory, (), DEVICES, timeout=300)
+    buffers = 2 * 64 * 4 + 8  # BatchNorm's running stats and step count stay replicated
+    assert r["whole_peak"] == r["total"] - buffers  # the probe sees the parameters moved whole
+    assert r["sharded_peak"] == (r["total"] - buffers) / DEVICES  # 1/8 of the parameters
+    assert r["sharded_peak"] < r["total"] / 6
+    assert r["unsharded_params_marked"] == []  # FSDPv2 found every parameter sharded already
+    assert r["after_wrap"] <= (r["total"] - buffers) / DEVICES + buffers
+    assert r["specs"] == ["{devices=[8,1]0,1,2,3,4,5,6,7}", "{devices=[8]0,1,2,3,4,5,6,7}"]
+    assert r["loss_finite"]
+    # the EMA copy (ema=) is placed the same way: sharded like its parameters
+    assert r["ema_same_specs"] == [True] * 18 and r["ema_bytes"] == r["after_wrap"]
 
 
 def _resnet_data(n: int) -> TensorDataset:

@@ -18,7 +18,7 @@ import torch
 from . import runtime
 
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
-           "model_with_weights"]
+           "model_with_weights", "sharded_meta"]
 
 
 class CheckpointError(ValueError):
@@ -116,13 +116,16 @@ def _run_epoch_file(path: Path, doing: str) -> Path:
 
 
 def resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, dict]:
-    """``resume`` is a file, a folder, or ``"last"`` (the configured
+    """``resume`` is a file, a sharded ``epoch_<nnn>-<run id>.dcp`` folder
+    (``strategy="spmd"``/``"fsdp"``), a folder, or ``"last"`` (the configured
     ``checkpoint_dir``); a folder means its newest good epoch checkpoint."""
     if isinstance(resume, str) and resume == "last":
         if checkpoint_dir is None:
             raise ValueError("resume='last' needs checkpoint_dir=...; or pass a checkpoint file")
         resume = checkpoint_dir
     path = _run_epoch_file(Path(resume), "resuming from")
+    if path.is_dir() and path.suffix == ".dcp":
+        return path, _load_sharded_meta(path)
     if path.is_dir():
         good = _newest_good_checkpoint(path)
         if good is None:
@@ -163,6 +166,12 @@ def check_resume(path: Path, ckpt: dict, cfg: Any, model: torch.nn.Module,
     was_opt, now_opt = _ckpt_optimizer(ckpt), _optimizer_name(cfg.optimizer)
     if was_opt is not None and was_opt != now_opt:
         fixed.append(f"optimizer: {was_opt!r} in the checkpoint, {now_opt!r} now")
+    now_strategy = getattr(cfg, "strategy", "spawn")
+    if "sharded" in ckpt and now_strategy == "spawn":
+        fixed.append(f"strategy: a sharded checkpoint (.dcp) of strategy "
+                     f"{ckpt['sharded_strategy']!r}, strategy 'spawn' now: it loads only on a mesh "
+                     f"(strategy='spmd' or 'fsdp'); under 'spawn' resume from its consolidated "
+                     f"twin {path.with_suffix('.pt').name}")
     if world is None:
         pass  # checked in the replica, where the world size is known
     elif ckpt["world_size"] != world:
@@ -234,7 +243,7 @@ def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch
 def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any, *, epoch: int,
                     history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
                     steps_per_epoch: int, run_id: str, host_state: dict | None,
-                    initial_loss: float | None, ema: dict | None = None) -> None:
+                    initial_loss: float | None, ema: dict | None = None) -> dict:
     """Write this run's epoch checkpoint from every replica; keep its newest files.
 
     Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
@@ -254,6 +263,9 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
         host_state: A host copy of the weights to save instead of the model's.
         initial_loss: The untrained model's loss at the run's first step.
         ema: The EMA weights (``cfg.ema`` set), saved under ``"ema"``.
+
+    Returns:
+        What was written (the state dict).
     """
     directory = Path(cfg.checkpoint_dir)
     state = {
@@ -274,3 +286,38 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
                       if _epoch_of(p) is not None)
         for _, p in mine[:-cfg.keep_checkpoints]:
             p.unlink(missing_ok=True)
+    return state
+
+
+def sharded_meta(state: dict, strategy: str) -> dict:
+    """What a ``.dcp`` sharded checkpoint keeps beside its tensors: the epoch checkpoint
+    ``state`` with every tensor as a ``meta`` tensor (shape and dtype, no data), the
+    optimizer state's devices, and the strategy that wrote it."""
+    def skel(t: Any) -> Any:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+
+    meta = {k: v for k, v in state.items() if k not in ("model", "optimizer", "ema")}
+    meta["model"] = {k: skel(v) for k, v in state["model"].items()}
+    opt = state["optimizer"]
+    meta["optimizer"] = {"param_groups": opt["param_groups"],
+                         "state": {i: {k: skel(v) for k, v in e.items()}
+                                   for i, e in opt["state"].items()}}
+    meta["optimizer_devices"] = {i: {k: v.device.type for k, v in e.items()
+                                     if isinstance(v, torch.Tensor)}
+                                 for i, e in opt["state"].items()}
+    meta["sharded_strategy"] = strategy
+    return meta
+
+
+def _load_sharded_meta(path: Path) -> dict:
+    """The resume state of a ``.dcp`` folder (its tensors stay in the folder)."""
+    from .runtime.spmd import SHARDED_META
+
+    f = path / SHARDED_META
+    if not f.is_file():
+        raise CheckpointError(f"{path} is not an xla_utils sharded checkpoint (no {SHARDED_META}: "
+                              "written before sharded resume existed, or not by xla_utils). Fix: "
+                              "resume from its consolidated twin " f"{path.with_suffix('.pt').name}")
+    meta = torch.load(f, map_location="cpu", weights_only=False)
+    meta["sharded"] = str(path)
+    return meta

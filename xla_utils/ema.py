@@ -71,17 +71,24 @@ class DeviceEMA:
         dev: The replica's device.
         state: The EMA weights to start from (a resumed checkpoint's), or None
             (a copy of ``model``).
+        place: Moves the (host) EMA copy to the devices as the strategy places its
+            model (``"fsdp"``: each parameter straight into the shards its parameter
+            has); None: ``module.to(dev)``.
     """
 
     def __init__(self, model: torch.nn.Module, decay: float, step: int, dev: torch.device,
-                 state: dict[str, torch.Tensor] | None = None):
+                 state: dict[str, torch.Tensor] | None = None,
+                 place: Any = None):
         from . import runtime
 
         self.decay = float(decay)
         self.module = copy.deepcopy(model).eval()
         if state is not None:
             self.module.load_state_dict(state)
-        self.module.to(dev)
+        if place is None:
+            self.module.to(dev)
+        else:
+            self.module = place(self.module)
         for p in self.module.parameters():
             p.requires_grad_(False)
         # Device data: the count and decay change every step without recompiling.

@@ -59,9 +59,10 @@ def prepare_input(x: torch.Tensor, cfg: Any, train: bool, inputs: Any) -> torch.
     return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip)
 
 
-def replica_model(model: torch.nn.Module, dev: torch.device,
+def replica_model(model: torch.nn.Module, dev: torch.device | None,
                   state_dict: dict | None = None) -> torch.nn.Module:
-    """This replica's model on ``dev``, optionally loaded with ``state_dict`` first.
+    """This replica's model on ``dev`` (None: left on the host, for a strategy that
+    places it itself), optionally loaded with ``state_dict`` first.
 
     Simulated replica threads share Python objects, and in-process (torch
     backend) the caller's model must stay untouched until success: both get
@@ -71,7 +72,7 @@ def replica_model(model: torch.nn.Module, dev: torch.device,
         model = copy.deepcopy(model)
     if state_dict is not None:
         model.load_state_dict(state_dict)
-    return model.to(dev)
+    return model if dev is None else model.to(dev)
 
 
 def loader(data, cfg: Any, *, world_size: int, rank: int, epoch: int, train: bool):
@@ -214,7 +215,10 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
     ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
     k = cfg.accum_steps
     ema_from = None if cfg.ema is None else copy.deepcopy(model).cpu()  # before it moves
-    model = replica_model(model, dev, None if ckpt is None else ckpt["model"])
+    # A mesh strategy places the model itself ("fsdp": straight into the shards).
+    sharded = ckpt is not None and "sharded" in ckpt  # a .dcp: loaded onto the mesh below
+    model = replica_model(model, None if strategy is not None else dev,
+                          None if ckpt is None or sharded else ckpt["model"])
     if strategy is not None:
         ws, model = strategy.devices, strategy.wrap(model)
     rule = cfg.scaling_rule
@@ -242,12 +246,16 @@ def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_w
                 f"checkpoint was written with {ckpt['world_size']} cores and "
                 f"{ckpt['steps_per_epoch']} steps/epoch; this run has {ws} and "
                 f"{steps_per_epoch}: the one-cycle schedule would not continue exactly")
-        opt.load_state_dict(ckpt["optimizer"])
+        if not sharded:
+            opt.load_state_dict(ckpt["optimizer"])
         start_epoch, history = ckpt["epoch"], list(ckpt["history"])
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     ema = None if cfg.ema is None else DeviceEMA(
         ema_from, cfg.ema, start_epoch * steps_per_epoch, dev,
-        state=None if ckpt is None else ckpt.get("ema", ckpt["model"]))
+        state=None if ckpt is None or sharded else ckpt.get("ema", ckpt["model"]),
+        place=None if strategy is None else strategy.place)
+    if sharded:  # model, optimizer and EMA filled from the shards, nothing gathered
+        strategy.resume_sharded(model, opt, ckpt, ema=ema)
     return Setup(model=model, opt=opt, sched=sched, world_size=ws, rank=rk, device=dev,
                  base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,

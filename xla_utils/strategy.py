@@ -19,8 +19,13 @@ spawn is device ``r``'s shard here). Epoch checkpoints are consolidated (full te
 the unwrapped model's parameter names), so an epoch checkpoint of one strategy
 resumes under another with the same number of devices, and ``final.pt`` loads into
 the plain model anywhere; beside each, ``epoch_<nnn>-<run id>.dcp/`` holds the same
-state sharded (torch.distributed.checkpoint with torch_xla's SPMD planners), loaded
-by :func:`load_sharded_checkpoint`.
+state sharded (torch.distributed.checkpoint with torch_xla's SPMD planners, the
+unwrapped names, and the resume metadata in ``xla_utils_meta.pt``): ``fit(resume=<the
+.dcp folder>)`` continues from it alone under ``"spmd"`` or ``"fsdp"``
+(:meth:`MeshRun.resume_sharded`, :func:`load_sharded_checkpoint`). Under ``"fsdp"``
+the model goes from the host straight into its shards, one parameter at a time
+(:func:`xla_utils.runtime.spmd.shard_to_device`): no device ever holds it whole. The
+EMA copy (``ema=``) is placed like the model's parameters.
 
 This module plans on the host (every check before device time) and runs the SPMD
 process's side (:func:`fit_replica`, :func:`inference_replica`) through
@@ -71,9 +76,6 @@ def check_config(cfg: Any) -> None:
         name = "fsdp_wrap" if wrap is not None else "activation_checkpointing"
         raise ValueError(f"{name} applies to FSDP units, but strategy={cfg.strategy!r}. Fix: "
                          f"strategy='fsdp', or drop {name}")
-    if cfg.strategy != "spawn" and getattr(cfg, "ema", None) is not None:
-        raise ValueError(f"ema={cfg.ema!r} is not supported with strategy={cfg.strategy!r} yet: the "
-                         "EMA copy is not sharded over the mesh. Fix: ema=None, or strategy='spawn'")
 
 
 def check_global_batch(global_batch: int, devices: int, setting: str = "batch_size") -> None:
@@ -196,12 +198,24 @@ class MeshRun:
         return self.plan.devices
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model as this strategy runs it (on the device already)."""
+        """The model (on the host, or on the device already) as this strategy runs it:
+        ``"spmd"`` replicated on every device, ``"fsdp"`` wrapped by FSDPv2 with each
+        parameter moved straight into its shards (the device never holds the model whole)."""
         if self.plan.strategy == "spmd":
-            return model
+            return model.to(runtime.device())
         from .runtime.spmd import fsdp_wrap_model
 
         return fsdp_wrap_model(model, self.mesh, self.plan.wrap, self.plan.checkpointing)
+
+    def place(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A host module on the devices sharded as this strategy shards the model's
+        parameters, unwrapped (the EMA copy): replicated (``"spmd"``) or each parameter
+        straight into its FSDPv2 shards (``"fsdp"``)."""
+        if self.plan.strategy == "spmd":
+            return module.to(runtime.device())
+        from .runtime.spmd import shard_to_device
+
+        return shard_to_device(module, self.mesh)
 
     def loader(self, data, cfg: Any, epoch: int, train: bool):
         """Global batches (``batch_size`` x devices): one process feeds every device."""
@@ -218,36 +232,79 @@ class MeshRun:
         return consolidated_state_dict(model)
 
     def save_sharded(self, model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Any,
-                     epoch: int, run_id: str, keep: int) -> Path:
+                     epoch: int, run_id: str, keep: int, meta: dict | None = None,
+                     ema: Any = None) -> Path:
         """Beside the consolidated epoch file, its sharded twin
         ``epoch_<nnn>-<run id>.dcp/`` (torch.distributed.checkpoint, SPMD planner:
         each device's shards of the model and optimizer state); this run's older twins
-        beyond ``keep`` are deleted. Load one with :func:`load_sharded_checkpoint`."""
+        beyond ``keep`` are deleted. Parameters are stored under the unwrapped model's
+        names, so a twin loads under either strategy and any wrap policy. ``meta``
+        (:func:`xla_utils.checkpoint.sharded_meta`) makes it resumable on its own:
+        ``fit(resume=<folder>)``. Load one with :func:`load_sharded_checkpoint`."""
         import shutil
 
         from .runtime.spmd import save_sharded
 
         runtime.sync()
         folder = Path(directory) / f"epoch_{epoch:03d}-{run_id}.dcp"
-        save_sharded({"model": model.state_dict(), "optim": opt.state_dict()}, folder)
+        state = {"model": consolidated_state_dict(model), "optim": opt.state_dict()}
+        if ema is not None:  # a DeviceEMA: its weights, sharded like the model's
+            state["ema"] = ema.state_dict()
+        save_sharded(state, folder, meta)
         mine = sorted(Path(directory).glob(f"epoch_*-{run_id}.dcp"))
         for old in mine[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return folder
 
 
-def load_sharded_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-                            folder: Any) -> None:
-    """Load a ``.dcp`` twin into ``model`` (wrapped as when it was saved; its parameters
-    keep their shardings) and ``opt`` (whose state must exist: after one step or a
-    consolidated ``load_state_dict``), in place, in the SPMD process."""
-    from .runtime.spmd import load_sharded
+    def resume_sharded(self, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                       ckpt: dict, ema: Any = None) -> None:
+        """Resume from a ``.dcp`` folder (``ckpt``: its meta, ``ckpt["sharded"]`` the
+        folder): the optimizer state is first created on the devices, sharded like its
+        parameters (zeros), then both are filled from the shards; nothing is gathered."""
+        from .runtime.spmd import zeros_like_param
 
-    state = {"model": model.state_dict()}
+        skel, devs = ckpt["optimizer"], ckpt["optimizer_devices"]
+        ids = [i for g in skel["param_groups"] for i in g["params"]]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if len(ids) != len(params):
+            raise RuntimeError(f"the sharded checkpoint {ckpt['sharded']} has {len(ids)} optimizer "
+                               f"parameters, this model {len(params)}")
+        by_id = dict(zip(ids, params))
+
+        def make(i: int, k: str, v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            if devs[i][k] != "xla":
+                return torch.zeros(v.shape, dtype=v.dtype)
+            return zeros_like_param(by_id[i], self.mesh, v.shape, v.dtype)
+
+        opt.load_state_dict({"param_groups": skel["param_groups"],
+                             "state": {i: {k: make(i, k, v) for k, v in e.items()}
+                                       for i, e in skel["state"].items()}})
+        load_sharded_checkpoint(model, opt, ckpt["sharded"], ema=ema)
+
+
+def load_sharded_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer | None,
+                            folder: Any, ema: Any = None) -> None:
+    """Load a ``.dcp`` twin into ``model`` (on the mesh, wrapped by any strategy or
+    policy: the twin holds the unwrapped names; its parameters keep their shardings) and
+    ``opt`` (whose state must exist: after one step, a consolidated ``load_state_dict``
+    or :meth:`MeshRun.resume_sharded`), in place, in the SPMD process."""
+    from .runtime.spmd import FSDP_WRAPPER_PARTS, load_sharded
+
+    plain = consolidated_state_dict(model)
+    wrapped = {".".join(p for p in k.split(".") if p not in FSDP_WRAPPER_PARTS): k
+               for k in model.state_dict()}
+    state = {"model": plain}
     if opt is not None:
         state["optim"] = opt.state_dict()
+    if ema is not None:  # a DeviceEMA: the twin of a run with ema set
+        state["ema"] = ema.state_dict()
     load_sharded(state, folder)
-    model.load_state_dict(state["model"])
+    model.load_state_dict({wrapped[k]: v for k, v in state["model"].items()})
+    if ema is not None:
+        ema.module.load_state_dict(state["ema"])
     if opt is not None:
         opt.load_state_dict(state["optim"])
 
@@ -286,7 +343,7 @@ def inference_replica(plan: StrategyPlan, trainer: Any, iplan: Any) -> Any:
 
     _, run = _enter(plan, trainer.config.compile_cache)
     dev = runtime.device()
-    model = run.wrap(loop.replica_model(iplan.model, dev)).eval()
+    model = run.wrap(loop.replica_model(iplan.model, None)).eval()
     iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)
     acc, targets = loop.inference_pass(model, iplan, cfg=trainer.config,
                                        eval_step=trainer.eval_step, world_size=1, rank=0,

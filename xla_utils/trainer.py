@@ -30,7 +30,7 @@ import torch
 from . import loop, runtime
 from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
-                         resolve_resume, save_checkpoint)
+                         resolve_resume, save_checkpoint, sharded_meta)
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
 from .ema import with_weights
@@ -708,7 +708,7 @@ class OneCycleTrainer:
         if cfg.checkpoint_dir is None:
             return
         if finite:
-            save_checkpoint(s.model, s.opt, cfg, epoch=epoch + 1, history=s.history,
+            written = save_checkpoint(s.model, s.opt, cfg, epoch=epoch + 1, history=s.history,
                             base_lr=s.base_lr, lr_world=s.lr_world, world_size=s.world_size,
                             steps_per_epoch=s.steps_per_epoch, run_id=run_id,
                             host_state=state.finite_state if state.finite_state is not None
@@ -716,7 +716,8 @@ class OneCycleTrainer:
                             ema=None if s.ema is None else s.ema.state_dict())
             if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
                 s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
-                                    cfg.keep_checkpoints)
+                                    cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
+                                    ema=s.ema)
         else:
             runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                                  "(non-finite loss); older checkpoints are kept")

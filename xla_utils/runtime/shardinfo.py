@@ -20,7 +20,6 @@ XLA's sharding propagation has placed them, minus parameters and views of them.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -60,57 +59,20 @@ def shard_bytes(t: Any) -> int:
     return best
 
 
-def _wrap_policy(model: Any, wrap: Any) -> Callable | None:
-    """FSDPv2 auto-wrap policy for ``fsdp_wrap`` (classes, class names, or a parameter count)."""
-    from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
-    if wrap is None:
-        return None
-    if isinstance(wrap, int) and not isinstance(wrap, bool):
-        return functools.partial(size_based_auto_wrap_policy, min_num_params=wrap)
-    names = {w for w in wrap if isinstance(w, str)}
-    classes = {w for w in wrap if isinstance(w, type)}
-    classes |= {type(m) for m in model.modules() if type(m).__name__ in names}
-    if not classes:
-        raise ValueError(f"fsdp_wrap={wrap!r} matches no module of the model")
-    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
-
-
-def _shard_output(output: Any, mesh: Any) -> None:
-    """FSDPv2's output hook: shard a batch-first output on ``fsdp``; scalars (a loss) stay replicated."""
-    import torch_xla.distributed.spmd as xs
-
-    t = output[0] if isinstance(output, (tuple, list)) else output
-    if hasattr(t, "dim") and t.dim() >= 1:
-        xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
-
-
 def _setup(model: Any, strategy: str, n: int, wrap: Any, checkpointing: bool) -> tuple[Any, Any]:
-    """``(model on the device (wrapped for fsdp), mesh or None)``."""
-    import numpy as np
+    """``(model on the device (wrapped for fsdp), mesh or None)``: the trainer's own
+    placement and FSDPv2 wrap (:func:`xla_utils.runtime.spmd.fsdp_wrap_model`)."""
     import torch_xla
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
+
+    from . import spmd
 
     if strategy == "spawn":
         return model.to(torch_xla.device()), None
-    xr.use_spmd()
-    mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
-    model = model.to(torch_xla.device())
+    spmd.enable_spmd()
+    mesh = spmd.make_mesh(n, "fsdp")
     if strategy == "fsdp":
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
-            SpmdFullyShardedDataParallel as FSDPv2
-
-        policy = _wrap_policy(model, wrap)
-        kwargs: dict[str, Any] = {"mesh": mesh, "shard_output": _shard_output}
-        if policy is not None:
-            kwargs["auto_wrap_policy"] = policy
-        if checkpointing:
-            from torch_xla.distributed.fsdp import checkpoint_module
-
-            kwargs["auto_wrapper_callable"] = lambda m, *a, **k: FSDPv2(checkpoint_module(m), *a, **k)
-        model = FSDPv2(model, **kwargs)
-    return model, mesh
+        return spmd.fsdp_wrap_model(model, mesh, wrap, checkpointing), mesh
+    return model.to(torch_xla.device()), mesh
 
 
 def _to_device(batch: Any, mesh: Any, n: int) -> Any:

@@ -11,13 +11,17 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
-           "sharded_batches", "fsdp_wrap_model", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded",
+           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_output", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded", "zeros_like_param",
+           "SHARDED_META",
            "FSDP_WRAPPER_PARTS"]
 
 # The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
 SPMD_MODULES = ("torch_xla.distributed.spmd",
                 "torch_xla.experimental.spmd_fully_sharded_data_parallel",
                 "torch_xla.distributed.fsdp.wrap")
+
+# The file inside a ``.dcp`` folder holding what a resume needs beside the tensors.
+SHARDED_META = "xla_utils_meta.pt"
 
 # Names FSDPv2 and activation checkpointing insert into parameter paths.
 FSDP_WRAPPER_PARTS = ("_orig_module", "_xla_checkpointed_module", "_checkpoint_wrapped_module")
@@ -91,8 +95,9 @@ def sharded_batches(batches: Iterable, mesh: Any, axis: str) -> Iterator:
         yield type(batch)(out) if isinstance(batch, tuple) else out
 
 
-def _wrap_policy(wrap: Any) -> Callable | None:
-    """torch_xla's auto-wrap policy for ``wrap`` (a tuple of classes, a parameter count, None)."""
+def _wrap_policy(model: Any, wrap: Any) -> Callable | None:
+    """torch_xla's auto-wrap policy for ``wrap``: module classes or class names (resolved
+    against ``model``'s modules), a minimum parameter count, or None (no policy)."""
     import functools
 
     from torch_xla.distributed.fsdp.wrap import (size_based_auto_wrap_policy,
@@ -100,19 +105,79 @@ def _wrap_policy(wrap: Any) -> Callable | None:
 
     if wrap is None:
         return None
-    if isinstance(wrap, int):
+    if isinstance(wrap, int) and not isinstance(wrap, bool):
         return functools.partial(size_based_auto_wrap_policy, min_num_params=wrap)
-    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(wrap))
+    wrap = [wrap] if isinstance(wrap, (str, type)) else list(wrap)
+    names = {w for w in wrap if isinstance(w, str)}
+    classes = {w for w in wrap if isinstance(w, type)}
+    classes |= {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"fsdp_wrap={wrap!r} matches no module of the model")
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+
+
+def shard_output(output: Any, mesh: Any) -> None:
+    """FSDPv2's output hook: shard a batch-first output (or a tuple's first) on ``fsdp``;
+    scalars (a loss) and other outputs (a dict) are left to XLA's propagation."""
+    import torch_xla.distributed.spmd as xs
+
+    t = output[0] if isinstance(output, (tuple, list)) and output else output
+    if hasattr(t, "dim") and t.dim() >= 1:
+        xs.mark_sharding(t, mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+
+
+def shard_to_device(model: Any, mesh: Any, on_place: Callable[[], None] | None = None) -> Any:
+    """Move ``model``'s parameters from the host to the devices one at a time, each one
+    straight into its FSDPv2 shards (largest dimension over ``mesh``'s ``fsdp`` axis).
+
+    No device ever holds a parameter, let alone the model, unsharded: each host tensor
+    is split on the host and every device receives only its shard
+    (``send_cpu_data_to_device(input_sharding=)``). FSDPv2 then finds the parameters
+    sharded already and leaves them as they are (its own ``module.to('xla')`` would
+    copy a unit whole to every device first). Buffers (e.g. BatchNorm statistics) are
+    small and go replicated. Tied parameters stay tied; parameters already on the
+    device are kept. In place; returns ``model``.
+
+    Args:
+        model: A host (CPU) module.
+        mesh: A mesh with an axis named ``"fsdp"``.
+        on_place: Called after each parameter is placed (a memory probe); None: nothing.
+    """
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    dev = torch_xla.device()
+    placed: dict[int, Any] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in placed or p.device.type == "xla":
+                mod._parameters[name] = placed.setdefault(id(p), p)
+                continue
+            spec = xs.ShardingSpec(mesh, _fsdp_spec(p.shape)) if p.dim() else None
+            data = xm.send_cpu_data_to_device([p.detach()], dev, input_sharding=spec)[0]
+            mod._parameters[name] = placed[id(p)] = torch.nn.Parameter(
+                data, requires_grad=p.requires_grad)
+            if on_place is not None:
+                on_place()
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device.type != "xla":
+                mod._buffers[name] = b.to(dev)
+    return model
 
 
 def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> Any:
     """``model`` as FSDPv2 (``SpmdFullyShardedDataParallel``) over ``mesh``'s ``fsdp`` axis.
 
     Args:
-        model: The module (on the CPU or the XLA device).
+        model: The module (on the CPU or the XLA device; from the CPU each parameter
+            goes straight into its shards: :func:`shard_to_device`).
         mesh: A mesh with an axis named ``"fsdp"``.
-        wrap: Module classes to wrap as their own units (a tuple), a minimum parameter
-            count per unit (an int), or None (the whole model as one unit).
+        wrap: Module classes or class names to wrap as their own units, a minimum
+            parameter count per unit (an int), or None (the whole model as one unit).
         checkpointing: Recompute each wrapped unit's activations in the backward pass
             (``checkpoint_module``); with ``wrap=None`` the whole model.
     """
@@ -123,11 +188,13 @@ def fsdp_wrap_model(model: Any, mesh: Any, wrap: Any, checkpointing: bool) -> An
     def unit(m, *args, **kwargs):
         return FSDPv2(checkpoint_module(m) if checkpointing else m, *args, **kwargs)
 
-    policy = _wrap_policy(wrap)
+    shard_to_device(model, mesh)
+    policy = _wrap_policy(model, wrap)
     if policy is None:
-        wrapped = unit(model, mesh=mesh)
+        wrapped = unit(model, mesh=mesh, shard_output=shard_output)
     else:
-        wrapped = FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+        wrapped = FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrap_policy=policy,
+                         auto_wrapper_callable=unit)
     shard_grads_like_params(wrapped, mesh)
     return wrapped
 
@@ -180,10 +247,11 @@ def local_shard_bytes(t: Any) -> list[int]:
     return [s.numel() * s.element_size() for s, _ in shards]
 
 
-def save_sharded(state: dict, folder: Any) -> None:
+def save_sharded(state: dict, folder: Any, meta: dict | None = None) -> None:
     """Write ``state`` (nested dicts of sharded device tensors) as a torch.distributed
     checkpoint folder with torch_xla's ``SPMDSavePlanner``: each device's shards, no
-    host-side consolidation. Written to ``<folder>.tmp`` and renamed."""
+    host-side consolidation; ``meta`` (host objects) goes beside them as
+    :data:`SHARDED_META`. Written to ``<folder>.tmp`` and renamed."""
     import shutil
     from pathlib import Path
 
@@ -198,6 +266,10 @@ def save_sharded(state: dict, folder: Any) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     dist_cp.save(state_dict=state, storage_writer=dist_cp.FileSystemWriter(str(tmp)),
                  planner=SPMDSavePlanner())
+    if meta is not None:
+        import torch
+
+        torch.save(meta, tmp / SHARDED_META)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
 
@@ -212,3 +284,18 @@ def load_sharded(state: dict, folder: Any) -> None:
     xm.wait_device_ops()  # the planner reads the targets' shards: none may still be computing
     dist_cp.load(state_dict=state, storage_reader=dist_cp.FileSystemReader(str(folder)),
                  planner=SPMDLoadPlanner())
+
+
+def zeros_like_param(p: Any, mesh: Any, shape: Sequence[int], dtype: Any) -> Any:
+    """Zeros of ``shape`` on the devices: sharded as FSDPv2 shards ``p`` when ``p`` is
+    sharded and the shape is ``p``'s, else replicated (never whole on one device more
+    than a replicated tensor is)."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    z = torch.zeros(tuple(shape), dtype=dtype)
+    sharded = sharding_spec(p) not in ("", "{replicated}") and tuple(shape) == tuple(p.shape)
+    spec = xs.ShardingSpec(mesh, _fsdp_spec(shape)) if sharded and len(shape) else None
+    return xm.send_cpu_data_to_device([z], torch_xla.device(), input_sharding=spec)[0]
