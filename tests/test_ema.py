@@ -108,6 +108,11 @@ def test_trainer_ema_used_by_evaluate_saved_and_exact_on_resume(tmp_path):
     assert t.evaluate(val, simulate=2)["loss"] == pytest.approx(full[-1]["val_loss"], rel=1e-5)
     ckpt = torch.load(tmp_path / "full" / f"epoch_003-{full.run_id}.pt", weights_only=False)
     torch.testing.assert_close(ckpt["ema"]["0.weight"], full.ema_state_dict["0.weight"])
+    # final.pt holds the weights predict uses (EMA); final_raw.pt the trained ones
+    final = torch.load(tmp_path / "full" / "final.pt", weights_only=False)
+    raw = torch.load(tmp_path / "full" / "final_raw.pt", weights_only=False)
+    torch.testing.assert_close(final["0.weight"], full.ema_state_dict["0.weight"])
+    torch.testing.assert_close(raw["0.weight"], full.state_dict["0.weight"])
     from xla_utils.checkpoint import model_with_weights  # predict(weights=<epoch file>)
 
     path = tmp_path / "full" / f"epoch_003-{full.run_id}.pt"

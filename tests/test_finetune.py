@@ -2,6 +2,8 @@
 on XLA:CPU: 1 core and simulated cores; torchvision and timm models built without downloads."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -118,6 +120,8 @@ def test_fine_tune_refuses_bad_values_before_device_time():
     with pytest.raises(ValueError, match="lr_mult must be a number >= 1"):
         t.fine_tune(1, lr_mult=0.5)
     with pytest.raises(TypeError, match="unexpected argument"):
+        t.fine_tune(1, max_lr=1e-3)
+    with pytest.raises(ValueError, match="needs checkpoint_dir"):
         t.fine_tune(1, resume="last")
 
 
@@ -151,3 +155,41 @@ def test_freeze_then_fine_tune_on_xla(simulate):
     assert ft[-1]["accuracy"] > 0.8, ft
     assert all(p.requires_grad for p in t.model.parameters()) and t._lr_groups is None
     assert t.config.epochs == 2 and t.config.pct_start == 0.3  # the trainer's config is back
+
+
+@pytest.mark.timeout(400)
+def test_fine_tune_resumes_in_the_unfrozen_phase(tmp_path):
+    """A run that crashed after unfrozen epoch 1 (its later files gone) resumes there with
+    resume="last": the frozen phase is not rerun, the result equals the uninterrupted run's,
+    and the history still holds the frozen epoch. A checkpoint of plain fit is refused."""
+    import copy
+
+    train, val = _digits()
+    torch.manual_seed(0)
+    init = Net()
+    kw = dict(batch_size=32, epochs=2, max_lr=1e-2, seed=0, keep_checkpoints=5)
+    full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
+    t = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
+                        checkpoint_dir=str(full_dir), **kw)
+    full = t.fine_tune(2, freeze_epochs=1, simulate=1)
+    files = sorted(full_dir.glob("epoch_*.pt"), key=lambda p: p.stat().st_mtime)
+    phases = [torch.load(p, weights_only=False)["fine_tune"]["phase"] for p in files]
+    assert phases == ["frozen", "unfrozen", "unfrozen"], phases
+    crash_dir.mkdir()
+    for p in files[:2]:  # the frozen epoch and unfrozen epoch 1 were written, then the crash
+        (crash_dir / p.name).write_bytes(p.read_bytes())
+        os.utime(crash_dir / p.name, (p.stat().st_atime, p.stat().st_mtime))
+    r = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
+                        checkpoint_dir=str(crash_dir), **kw)
+    resumed = r.fine_tune(2, freeze_epochs=1, resume="last", simulate=1)
+    assert [e["phase"] for e in resumed.epochs] == ["frozen", "unfrozen", "unfrozen"]
+    assert [e["epoch"] for e in resumed.epochs] == [1, 2, 3]
+    assert resumed.epochs[0]["train_loss"] == full.epochs[0]["train_loss"]
+    assert resumed[-1]["val_loss"] == pytest.approx(full[-1]["val_loss"], rel=1e-5)
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=1e-6)
+    assert all(p.requires_grad for p in r.model.parameters())
+    torch.save({**torch.load(files[0], weights_only=False), "fine_tune": None},
+               tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="not by fine_tune"):
+        r.fine_tune(2, resume=tmp_path / "plain.pt")
