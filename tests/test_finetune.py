@@ -205,6 +205,9 @@ def _bench_finetune():
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
+    import cloudpickle  # the simulated cores' process cannot import scripts/: ship it by value
+
+    cloudpickle.register_pickle_by_value(mod)
     return mod
 
 
@@ -213,8 +216,9 @@ def test_transfer_fine_tune_beats_fit_from_pretrained_and_from_scratch():
     """The issue's transfer task, CI-sized (scripts/bench_finetune.py, its defaults): a CNN
     pretrained here on upright digits, then 3 labelled images per class of the other digits
     turned upside down, 10 epochs for everyone at the same peak LR. Medians over 3 seeds:
-    fine_tune (library defaults: 1 frozen epoch, lr_mult 100) > fit from the same weights >
-    fit from scratch, each by a margin (docs/BENCHMARKS.md has the 5-seed figures)."""
+    fine_tune (library defaults: 1 frozen epoch, lr_mult 100) beats fit from the same weights
+    and fit from scratch, each by 3 points (docs/BENCHMARKS.md has the figures: margins of 6-12
+    points; fit from the same weights and from scratch are about even on this task)."""
     bench = _bench_finetune()
     source, _, _ = bench.transfer_data(3, 0)
     pre = bench.pretrain(source, 8, simulate=1)
@@ -223,5 +227,5 @@ def test_transfer_fine_tune_beats_fit_from_pretrained_and_from_scratch():
         _, target, val = bench.transfer_data(3, seed, n_val=300)
         rows.append(bench.run_all(pre, target, val, epochs=10, lr=5e-2, seed=seed, simulate=1))
     med = {k: sorted(r[k] for r in rows)[1] for k in rows[0]}
-    assert med["fine_tune"] > med["fit_pretrained"] + 0.02, rows
-    assert med["fit_pretrained"] > med["fit_scratch"] + 0.02, rows
+    assert med["fine_tune"] > med["fit_pretrained"] + 0.03, rows
+    assert med["fine_tune"] > med["fit_scratch"] + 0.03, rows
