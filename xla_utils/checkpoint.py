@@ -243,7 +243,8 @@ def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch
 def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any, *, epoch: int,
                     history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
                     steps_per_epoch: int, run_id: str, host_state: dict | None,
-                    initial_loss: float | None, ema: dict | None = None) -> dict:
+                    initial_loss: float | None, ema: dict | None = None,
+                    extra: dict | None = None) -> dict:
     """Write this run's epoch checkpoint from every replica; keep its newest files.
 
     Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
@@ -263,6 +264,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
         host_state: A host copy of the weights to save instead of the model's.
         initial_loss: The untrained model's loss at the run's first step.
         ema: The EMA weights (``cfg.ema`` set), saved under ``"ema"``.
+        extra: More keys to store (``fine_tune`` stores which phase wrote the file).
 
     Returns:
         What was written (the state dict).
@@ -278,6 +280,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
     }
     if ema is not None:
         state["ema"] = ema
+    state.update(extra or {})
     runtime.save(state, directory / f"epoch_{epoch:03d}-{run_id}.pt")
     if runtime.is_master():
         # Only this run's files, ranked by epoch number: a rerun into the same

@@ -94,25 +94,49 @@ class DeviceEMA:
         # Device data: the count and decay change every step without recompiling.
         self._step = runtime.to_device(torch.tensor(float(step)), dev)
         self._max = runtime.to_device(torch.tensor(self.decay), dev)
+        self._cached: tuple[Any, list, list] | None = None
 
-    def _pairs(self, model: torch.nn.Module):
+    def _lists(self, model: torch.nn.Module) -> tuple[list, list]:
+        """``[(ema floats, model floats) per dtype], [(ema, model) integer pairs]`` of
+        ``model``, built once per model (the replica's model does not change)."""
+        if self._cached is not None and self._cached[0] is model:
+            return self._cached[1], self._cached[2]
         mine = list(self.module.parameters()) + list(self.module.buffers())
         theirs = list(model.parameters()) + list(model.buffers())
-        return zip(mine, theirs)
+        by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+        ints = []
+        for e, m in zip(mine, theirs):
+            if e.is_floating_point():
+                es, ms = by_dtype.setdefault(e.dtype, ([], []))
+                es.append(e)
+                ms.append(m)
+            else:
+                ints.append((e, m))
+        self._cached = (model, list(by_dtype.values()), ints)
+        return self._cached[1], ints
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        """One EMA step after an optimizer step of ``model`` (no sync: it joins the step's graph)."""
+        """One EMA step after an optimizer step of ``model`` (no sync: it joins the step's graph).
+
+        ``ema += (1 - decay) * (weights - ema)`` for all floating-point tensors of a
+        dtype at once (three ``torch._foreach_*`` calls, not a Python loop over the
+        tensors), then the integer buffers are copied."""
         self._step = self._step + 1
         s = (self._step - 1).clamp_min(0)
         warm = 1 - (1 + s / WARMUP_GAMMA) ** -WARMUP_POWER
         decay = torch.where(s <= 0, torch.zeros_like(s), torch.minimum(warm, self._max).clamp_min(0))
         weight = 1 - decay
-        for e, m in self._pairs(model):
-            if e.is_floating_point():
-                e.lerp_(m.detach().to(e.dtype), weight.to(e.dtype))
-            else:
-                e.copy_(m)
+        floats, ints = self._lists(model)
+        for es, ms in floats:
+            w = weight if es[0].dtype == weight.dtype else weight.to(es[0].dtype)
+            if ms[0].dtype != es[0].dtype:  # a bf16 model, say: its EMA keeps its own dtype
+                ms = [m.to(es[0].dtype) for m in ms]
+            diff = torch._foreach_sub(ms, es)
+            torch._foreach_mul_(diff, w)
+            torch._foreach_add_(es, diff)
+        for e, m in ints:
+            e.copy_(m)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The EMA weights (on the device)."""

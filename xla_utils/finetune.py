@@ -228,7 +228,8 @@ def load_pretrained(model: torch.nn.Module, source: str | os.PathLike | Callable
 def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
               base_lr: float | str | None = None, lr_mult: float = 100.0, pct_start: float = 0.3,
               div: float = 5.0, head: HeadSpec = None, n_groups: int = 3, train_bn: bool = True,
-              weights: Any = None, **fit_kwargs: Any) -> "History":
+              weights: Any = None, resume: str | os.PathLike | None = None,
+              **fit_kwargs: Any) -> "History":
     """fastai's ``fine_tune``: the head alone, then everything with discriminative LRs.
 
     Args:
@@ -247,7 +248,12 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
             groups (head included, >= 2). Defaults None and 3.
         train_bn: Keep normalisation layers trainable while frozen. Default True.
         weights: Pretrained weights loaded first (see :func:`load_pretrained`);
-            default None = the model as it is.
+            default None = the model as it is. Not loaded when resuming.
+        resume: An epoch checkpoint of an earlier ``fine_tune`` (a file, a folder
+            or ``"last"``, as in :meth:`fit`): every checkpoint records its phase, so
+            a run stopped in the frozen phase continues it, and one stopped in the
+            unfrozen phase continues there (the frozen phase is not rerun; its
+            epochs come back from the checkpoint). Default None (a new run).
         **fit_kwargs: ``cores``, ``simulate``, ``timeout``, ``check`` of :meth:`fit`.
 
     Returns:
@@ -257,8 +263,48 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
 
     Raises:
         ValueError: bad ``epochs`` / ``freeze_epochs`` / ``lr_mult`` / ``n_groups``,
-            or a head that cannot be found, before any device time.
+            a head that cannot be found, or a ``resume`` checkpoint that ``fit``
+            wrote outside ``fine_tune``, before any device time.
     """
+    _check_fine_tune_args(epochs, freeze_epochs, lr_mult, fit_kwargs)
+    model, cfg = trainer.model, trainer.config
+    groups = layer_groups(model, head, n_groups)
+    path, phase = _resume_phase(resume, cfg.checkpoint_dir)
+    if weights is not None and path is None:
+        load_pretrained(model, weights, head)
+    base = cfg.max_lr if base_lr is None else base_lr
+    phases: list[tuple[str, "History"]] = []
+    frozen_cfg = dataclasses.replace(cfg, epochs=freeze_epochs, pct_start=0.99)
+    unfrozen_cfg = dataclasses.replace(cfg, epochs=epochs, pct_start=pct_start, div_factor=div)
+    try:
+        if freeze_epochs and phase != "unfrozen":
+            freeze(model, head, train_bn)
+            mults = [0.1] * (len(groups) - 1) + [1.0]
+            h1 = _phase(trainer, groups, mults, frozen_cfg, base, fit_kwargs, "frozen", [], path)
+            phases.append(("frozen", h1))
+            base, path = h1.base_lr, None
+            if h1.stop_reason and not h1.stop_reason.startswith("early stop"):
+                return _merge(phases)
+        unfreeze(model)
+        if path is not None:  # the unfrozen phase resumes: its max_lr is the checkpoint's
+            phase2_lr: float | str = _resumed_lr(path)
+        else:
+            phase2_lr = "find" if base == "find" else float(base) / 2
+        done = list(phases[0][1].epochs) if phases else []
+        h2 = _phase(trainer, groups, even_mults(lr_mult, len(groups)), unfrozen_cfg, phase2_lr,
+                    fit_kwargs, "unfrozen", done, path)
+        if not phases and h2.epochs and h2.epochs[0].get("phase") == "frozen":
+            return h2  # resumed: the frozen epochs came back from the checkpoint
+        phases.append(("unfrozen", h2))
+    finally:
+        unfreeze(model)
+        trainer.config = cfg
+    return _merge(phases)
+
+
+def _check_fine_tune_args(epochs: Any, freeze_epochs: Any, lr_mult: Any,
+                          fit_kwargs: dict[str, Any]) -> None:
+    """Refuse bad ``fine_tune`` arguments before any device time."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fine_tune: epochs must be an int >= 1 (unfrozen epochs), got {epochs!r}")
     if isinstance(freeze_epochs, bool) or not isinstance(freeze_epochs, int) or freeze_epochs < 0:
@@ -270,48 +316,52 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
     if unknown:
         raise TypeError(f"fine_tune: unexpected argument(s) {sorted(unknown)}; fit options "
                         "passed on are cores, simulate, timeout, check")
-    model, cfg = trainer.model, trainer.config
-    groups = layer_groups(model, head, n_groups)
-    if weights is not None:
-        load_pretrained(model, weights, head)
-    base = cfg.max_lr if base_lr is None else base_lr
-    phases = []
-    try:
-        if freeze_epochs:
-            freeze(model, head, train_bn)
-            mults = [0.1] * (len(groups) - 1) + [1.0]
-            h1 = _phase(trainer, groups, mults, dataclasses.replace(cfg, epochs=freeze_epochs,
-                                                                    pct_start=0.99), base, fit_kwargs)
-            phases.append(("frozen", h1))
-            base = h1.base_lr
-            if h1.stop_reason and not h1.stop_reason.startswith("early stop"):
-                return _merge(phases)
-        unfreeze(model)
-        if base == "find":
-            phase2_lr: float | str = "find"
-        else:
-            phase2_lr = float(base) / 2
-        h2 = _phase(trainer, groups, even_mults(lr_mult, len(groups)),
-                    dataclasses.replace(cfg, epochs=epochs, pct_start=pct_start, div_factor=div),
-                    phase2_lr, fit_kwargs)
-        phases.append(("unfrozen", h2))
-    finally:
-        unfreeze(model)
-        trainer.config = cfg
-    return _merge(phases)
+
+
+def _resume_phase(resume: Any, checkpoint_dir: Any) -> tuple[Path | None, str | None]:
+    """``(checkpoint file, "frozen" | "unfrozen")`` of ``fine_tune(resume=...)``, or
+    ``(None, None)`` for a new run."""
+    if resume is None:
+        return None, None
+    from .checkpoint import resolve_resume
+
+    path, ckpt = resolve_resume(resume, checkpoint_dir)
+    info = ckpt.get("fine_tune")
+    if not isinstance(info, dict) or info.get("phase") not in ("frozen", "unfrozen"):
+        raise ValueError(f"fine_tune(resume={str(resume)!r}): {path} was written by fit(), not "
+                         "by fine_tune (it records no phase); continue it with "
+                         "trainer.fit(resume=...) or start fine_tune without resume")
+    return path, info["phase"]
+
+
+def _resumed_lr(path: Path) -> float:
+    """The max_lr (for one core) the checkpoint's run was started with."""
+    return float(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["base_lr"])
 
 
 def _phase(trainer: "OneCycleTrainer", groups: list[list[str]], mults: list[float], cfg: Any,
-           max_lr: float | str, fit_kwargs: dict[str, Any]) -> "History":
-    """One phase: ``fit`` with ``cfg`` and layer-group LRs, counted as a fresh run."""
+           max_lr: float | str, fit_kwargs: dict[str, Any], name: str,
+           before: list[dict[str, Any]], resume: Path | None) -> "History":
+    """One phase: ``fit`` with ``cfg`` and layer-group LRs, counted as a fresh run; its
+    checkpoints record ``name`` and the earlier phase's epochs (``before``). A resumed
+    unfrozen phase returns the merged history (frozen epochs from the checkpoint)."""
     trained = trainer._epochs_trained
     trainer.config, trainer._epochs_trained = cfg, 0
     trainer._lr_groups = functools.partial(_param_groups, groups=groups, mults=mults)
+    trainer._ckpt_extra = {"fine_tune": {"phase": name, "before": before}}
     try:
-        return trainer.fit(max_lr=max_lr, **fit_kwargs)
+        h = trainer.fit(max_lr=max_lr, resume=resume, **fit_kwargs)
     finally:
         trainer._lr_groups = None
+        trainer._ckpt_extra = None
         trainer._epochs_trained += trained
+    if resume is not None and name == "unfrozen":
+        before = torch.load(resume, map_location="cpu", weights_only=False,
+                            mmap=True)["fine_tune"]["before"]
+        if before:
+            return _merge([("frozen", dataclasses.replace(h, epochs=list(before))),
+                           ("unfrozen", h)])
+    return h
 
 
 def _merge(phases: list[tuple[str, "History"]]) -> "History":

@@ -78,7 +78,10 @@ class TrainerConfig:
             multi-label data.
         checkpoint_dir: Write ``epoch_<nnn>-<run id>.pt`` after every epoch whose
             loss is finite and ``final.pt`` (weights only) at the end of a run that
-            was not stopped; None (default) = no files.
+            was not stopped: the weights ``predict`` uses (with ``ema`` the EMA
+            weights, with ``monitor`` the best epoch's), and with ``ema`` also
+            ``final_raw.pt`` (the trained, non-averaged weights of the last epoch;
+            resuming uses the epoch files, which hold both). None (default) = no files.
         keep_checkpoints: This run's newest epoch files kept (default 2, >= 1);
             files of other runs in the same folder are never deleted.
         seed: Seeds data order and device RNG (flips, dropout). Default 0.
@@ -661,7 +664,7 @@ class OneCycleTrainer:
             final = state.finite_state if state.finite_state is not None else s.state_dict()
             final = best.best_state if best is not None and best.best_state else final
             if cfg.checkpoint_dir is not None:
-                runtime.save(final, Path(cfg.checkpoint_dir) / "final.pt")
+                self._save_final(s, final, best is not None and bool(best.best_state))
         return History(epochs=s.history, world_size=s.world_size,
                        global_batch=s.world_size * cfg.batch_size * s.accum_steps,
                        base_lr=s.base_lr,
@@ -674,6 +677,17 @@ class OneCycleTrainer:
                        compile_cache=runtime._compile_cache_summary(cache, counters0,
                                                                     runtime.xla_counters()),
                        ema_state_dict={} if s.ema is None else s.ema.state_dict())
+
+    def _save_final(self, s: loop.Setup, final: dict[str, torch.Tensor], is_best: bool) -> None:
+        """``final.pt``: the weights ``predict`` uses (the best epoch's, else the EMA
+        ones when ``ema`` is set, else ``final``); with EMA also ``final_raw.pt``
+        (the last epoch's trained weights). Every rank calls (the master writes)."""
+        folder = Path(self.config.checkpoint_dir)
+        if s.ema is None:
+            runtime.save(final, folder / "final.pt")
+            return
+        runtime.save(final if is_best else s.ema.state_dict(), folder / "final.pt")
+        runtime.save(s.state_dict(), folder / "final_raw.pt")
 
     def _epoch_record(self, epoch: int, s: loop.Setup, state: loop.TrainState,
                       res: loop.EpochResult, val: tuple[Any, InputSpec] | None) -> dict[str, Any]:
@@ -713,7 +727,8 @@ class OneCycleTrainer:
                             steps_per_epoch=s.steps_per_epoch, run_id=run_id,
                             host_state=state.finite_state if state.finite_state is not None
                             else s.state_dict(), initial_loss=state.initial_loss,
-                            ema=None if s.ema is None else s.ema.state_dict())
+                            ema=None if s.ema is None else s.ema.state_dict(),
+                            extra=getattr(self, "_ckpt_extra", None))
             if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
                 s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
                                     cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
