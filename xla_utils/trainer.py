@@ -722,13 +722,13 @@ class OneCycleTrainer:
         if cfg.checkpoint_dir is None:
             return
         if finite:
-            written = save_checkpoint(s.model, s.opt, cfg, epoch=epoch + 1, history=s.history,
-                            base_lr=s.base_lr, lr_world=s.lr_world, world_size=s.world_size,
-                            steps_per_epoch=s.steps_per_epoch, run_id=run_id,
-                            host_state=state.finite_state if state.finite_state is not None
-                            else s.state_dict(), initial_loss=state.initial_loss,
-                            ema=None if s.ema is None else s.ema.state_dict(),
-                            extra=getattr(self, "_ckpt_extra", None))
+            written = save_checkpoint(
+                s.model, s.opt, cfg, epoch=epoch + 1, history=s.history, base_lr=s.base_lr,
+                lr_world=s.lr_world, world_size=s.world_size, steps_per_epoch=s.steps_per_epoch,
+                run_id=run_id, host_state=state.finite_state if state.finite_state is not None
+                else s.state_dict(), initial_loss=state.initial_loss,
+                ema=None if s.ema is None else s.ema.state_dict(),
+                extra=getattr(self, "_ckpt_extra", None))
             if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
                 s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
                                     cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
