@@ -42,9 +42,9 @@ class Net(torch.nn.Module):
 
 
 class Block(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 32):
         super().__init__()
-        self.fc = torch.nn.Linear(32, 32)
+        self.fc = torch.nn.Linear(width, width)
 
     def forward(self, x):
         return torch.relu(self.fc(x)) + x
@@ -242,20 +242,11 @@ class Tower(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = torch.nn.Sequential(*(Block64() for _ in range(8)))
+        self.blocks = torch.nn.Sequential(*(Block(64) for _ in range(8)))
         self.norm = torch.nn.BatchNorm1d(64)
 
     def forward(self, x):
         return self.norm(self.blocks(x))
-
-
-class Block64(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(64, 64)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x)) + x
 
 
 def _device_model_bytes(model) -> int:
@@ -277,7 +268,7 @@ def _setup_peak_memory():
     from xla_utils.runtime import spmd
     from xla_utils.strategy import MeshRun, _enter
 
-    _, run = _enter(StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block64,)), None)
+    _, run = _enter(StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block,)), None)
     total = sum(t.numel() * t.element_size() for t in [*Tower().parameters(), *Tower().buffers()])
     whole, peak = Tower(), [0]
     for name, p in list(whole.named_parameters()):  # nn.Module.to, one tensor at a time

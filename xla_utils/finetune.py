@@ -269,7 +269,7 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
     _check_fine_tune_args(epochs, freeze_epochs, lr_mult, fit_kwargs)
     model, cfg = trainer.model, trainer.config
     groups = layer_groups(model, head, n_groups)
-    path, phase = _resume_phase(resume, cfg.checkpoint_dir)
+    path, resumed = _resume_phase(resume, cfg.checkpoint_dir)
     if weights is not None and path is None:
         load_pretrained(model, weights, head)
     base = cfg.max_lr if base_lr is None else base_lr
@@ -277,22 +277,22 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
     frozen_cfg = dataclasses.replace(cfg, epochs=freeze_epochs, pct_start=0.99)
     unfrozen_cfg = dataclasses.replace(cfg, epochs=epochs, pct_start=pct_start, div_factor=div)
     try:
-        if freeze_epochs and phase != "unfrozen":
+        if freeze_epochs and resumed.get("phase") != "unfrozen":
             freeze(model, head, train_bn)
             mults = [0.1] * (len(groups) - 1) + [1.0]
-            h1 = _phase(trainer, groups, mults, frozen_cfg, base, fit_kwargs, "frozen", [], path)
+            h1 = _phase(trainer, groups, mults, frozen_cfg, base, fit_kwargs, "frozen", [], path, [])
             phases.append(("frozen", h1))
             base, path = h1.base_lr, None
             if h1.stop_reason and not h1.stop_reason.startswith("early stop"):
                 return _merge(phases)
         unfreeze(model)
         if path is not None:  # the unfrozen phase resumes: its max_lr is the checkpoint's
-            phase2_lr: float | str = _resumed_lr(path)
+            phase2_lr: float | str = resumed["base_lr"]
         else:
             phase2_lr = "find" if base == "find" else float(base) / 2
         done = list(phases[0][1].epochs) if phases else []
         h2 = _phase(trainer, groups, even_mults(lr_mult, len(groups)), unfrozen_cfg, phase2_lr,
-                    fit_kwargs, "unfrozen", done, path)
+                    fit_kwargs, "unfrozen", done, path, resumed.get("before", []))
         if not phases and h2.epochs and h2.epochs[0].get("phase") == "frozen":
             return h2  # resumed: the frozen epochs came back from the checkpoint
         phases.append(("unfrozen", h2))
@@ -318,11 +318,13 @@ def _check_fine_tune_args(epochs: Any, freeze_epochs: Any, lr_mult: Any,
                         "passed on are cores, simulate, timeout, check")
 
 
-def _resume_phase(resume: Any, checkpoint_dir: Any) -> tuple[Path | None, str | None]:
-    """``(checkpoint file, "frozen" | "unfrozen")`` of ``fine_tune(resume=...)``, or
-    ``(None, None)`` for a new run."""
+def _resume_phase(resume: Any, checkpoint_dir: Any) -> tuple[Path | None, dict[str, Any]]:
+    """``(checkpoint file, its fine_tune record)`` of ``fine_tune(resume=...)``: the
+    record holds ``"phase"`` (``"frozen"`` | ``"unfrozen"``), ``"before"`` (the earlier
+    phase's epochs) and ``"base_lr"`` (the run's max_lr for one core); ``(None, {})``
+    for a new run."""
     if resume is None:
-        return None, None
+        return None, {}
     from .checkpoint import resolve_resume
 
     path, ckpt = resolve_resume(resume, checkpoint_dir)
@@ -331,20 +333,17 @@ def _resume_phase(resume: Any, checkpoint_dir: Any) -> tuple[Path | None, str | 
         raise ValueError(f"fine_tune(resume={str(resume)!r}): {path} was written by fit(), not "
                          "by fine_tune (it records no phase); continue it with "
                          "trainer.fit(resume=...) or start fine_tune without resume")
-    return path, info["phase"]
-
-
-def _resumed_lr(path: Path) -> float:
-    """The max_lr (for one core) the checkpoint's run was started with."""
-    return float(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["base_lr"])
+    return path, {**info, "base_lr": float(ckpt["base_lr"])}
 
 
 def _phase(trainer: "OneCycleTrainer", groups: list[list[str]], mults: list[float], cfg: Any,
            max_lr: float | str, fit_kwargs: dict[str, Any], name: str,
-           before: list[dict[str, Any]], resume: Path | None) -> "History":
+           before: list[dict[str, Any]], resume: Path | None,
+           resumed_before: list[dict[str, Any]]) -> "History":
     """One phase: ``fit`` with ``cfg`` and layer-group LRs, counted as a fresh run; its
     checkpoints record ``name`` and the earlier phase's epochs (``before``). A resumed
-    unfrozen phase returns the merged history (frozen epochs from the checkpoint)."""
+    unfrozen phase returns the merged history (``resumed_before``: the frozen epochs
+    its checkpoint recorded)."""
     trained = trainer._epochs_trained
     trainer.config, trainer._epochs_trained = cfg, 0
     trainer._lr_groups = functools.partial(_param_groups, groups=groups, mults=mults)
@@ -355,12 +354,9 @@ def _phase(trainer: "OneCycleTrainer", groups: list[list[str]], mults: list[floa
         trainer._lr_groups = None
         trainer._ckpt_extra = None
         trainer._epochs_trained += trained
-    if resume is not None and name == "unfrozen":
-        before = torch.load(resume, map_location="cpu", weights_only=False,
-                            mmap=True)["fine_tune"]["before"]
-        if before:
-            return _merge([("frozen", dataclasses.replace(h, epochs=list(before))),
-                           ("unfrozen", h)])
+    if resume is not None and name == "unfrozen" and resumed_before:
+        return _merge([("frozen", dataclasses.replace(h, epochs=list(resumed_before))),
+                       ("unfrozen", h)])
     return h
 
 

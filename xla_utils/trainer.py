@@ -244,6 +244,10 @@ class OneCycleTrainer:
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
         self.ema_state: dict[str, torch.Tensor] | None = None  # EMA weights of the last fit
         self._mix = None  # the fit run's MixConfig (set by fit on the host)
+        # Set by fine_tune for one phase's fit: layer-group LRs, and what its
+        # checkpoints record beside the run's state (the phase).
+        self._lr_groups: Callable[..., Any] | None = None
+        self._ckpt_extra: dict[str, Any] | None = None
         # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
         # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
         runtime._prestart_if_simulation_likely()
@@ -634,7 +638,7 @@ class OneCycleTrainer:
         cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
         counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                        ckpt=ckpt, mix=self._mix, lr_groups=getattr(self, "_lr_groups", None),
+                        ckpt=ckpt, mix=self._mix, lr_groups=self._lr_groups,
                         strategy=strategy)
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                                 initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
@@ -728,7 +732,7 @@ class OneCycleTrainer:
                 run_id=run_id, host_state=state.finite_state if state.finite_state is not None
                 else s.state_dict(), initial_loss=state.initial_loss,
                 ema=None if s.ema is None else s.ema.state_dict(),
-                extra=getattr(self, "_ckpt_extra", None))
+                extra=self._ckpt_extra)
             if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
                 s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
                                     cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),

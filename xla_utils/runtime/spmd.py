@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SPMD_MODULES", "spmd_support", "enable_spmd", "device_count", "make_mesh",
-           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_output", "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded", "load_sharded", "zeros_like_param",
-           "SHARDED_META",
-           "FSDP_WRAPPER_PARTS"]
+           "sharded_batches", "shard_to_device", "fsdp_wrap_model", "shard_output",
+           "shard_grads_like_params", "sharding_spec", "local_shard_bytes", "save_sharded",
+           "load_sharded", "zeros_like_param", "SHARDED_META", "FSDP_WRAPPER_PARTS"]
 
 # The modules "fsdp" needs (SPMD itself, FSDPv2, the wrap policies, checkpoint_module).
 SPMD_MODULES = ("torch_xla.distributed.spmd",
