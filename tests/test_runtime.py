@@ -270,8 +270,16 @@ def test_simulated_launch_leaves_torch_xla_to_the_zygote():
 
         print("PROBE:", rt.launch(probe, simulate=1))
         print("CALLER HAS TORCH_XLA:", "torch_xla" in sys.modules)
+        import torch
+        from xla_utils import check, debug_run
+        x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+        check(torch.nn.Linear(4, 2), (x[:8], y[:8]), steps=3, verbose=False)
+        debug_run(torch.nn.Linear(4, 2), torch.nn.functional.cross_entropy,
+                  torch.utils.data.TensorDataset(x, y), steps=3, print_report=False)
+        print("AFTER CHECK AND DEBUG_RUN:", "torch_xla" in sys.modules)
     """, timeout=300)
     assert "CALLER HAS TORCH_XLA: False" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "AFTER CHECK AND DEBUG_RUN: False" in p.stdout, p.stdout + p.stderr[-2000:]
     frozen, lr_finder, pil = eval(p.stdout.split("PROBE:")[1].splitlines()[0])
     assert frozen > 50_000 and lr_finder and pil, (frozen, lr_finder, pil)
 

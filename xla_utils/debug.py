@@ -101,8 +101,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
     check_targets(module, loss, data, "data", to_input, eval_step or default_eval_step)
     step_fn = train_step or default_train_step
     simulate = None if runtime._tpu_present() else 1
-    if simulate is not None and not runtime.xla_available():
-        simulate = None  # no torch_xla: the same loop on plain torch
+    if simulate is not None and not runtime._xla_installed():
+        simulate = None  # no torch_xla: the same loop on plain torch (the zygote imports it)
 
     def job() -> DebugReport:
         return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,

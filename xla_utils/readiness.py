@@ -294,7 +294,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     if isinstance(optimizer, torch.optim.Optimizer):
         _param_positions(module, optimizer)  # fail here, not in the child
     loss_fn, loss_name = (loss, "your loss") if loss is not None else _auto_loss(y)
-    if not runtime.xla_available():
+    if not runtime._xla_installed():  # without importing it here: the zygote does
         runtime._load_xla()  # raises XLAUnavailableError with the fix
     t0 = time.perf_counter()
     job = _Job(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)

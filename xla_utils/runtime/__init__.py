@@ -78,6 +78,7 @@ from .world import (all_reduce, backend, device, graph_text, is_master, is_simul
                     world_size)
 from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, load_xla as _load_xla,
                   tpu_present as _tpu_present, xla_available,
+                  xla_installed as _xla_installed,
                   xla_runtime_initialized as _xla_runtime_initialized)
 
 __all__ = [

@@ -84,10 +84,11 @@ def zygote_main(fd: int) -> None:
 
 # What the library's own thread jobs (lr_find, fit, predict, evaluate) import when
 # they unpickle their function and arguments (the fed dataset pulls in PIL and
-# xla_utils.cache): imported once here, before mark_clean, instead of in every
-# job (about 0.1-0.2 s per job on a quiet 2-core host). None runs a torch op.
+# xla_utils.cache; their progress bars, fastprogress): imported once here, before
+# mark_clean, instead of in every job (about 0.1-0.2 s per job on a quiet 2-core
+# host, fastprogress alone 0.1 s). None runs a torch op.
 _JOB_MODULES = ("torch.utils.serialization", "xla_utils.inputs", "xla_utils.data",
-                "xla_utils.lr_finder", "xla_utils.trainer")
+                "xla_utils.lr_finder", "xla_utils.trainer", "fastprogress.fastprogress")
 
 
 def _import_job_modules() -> None:
