@@ -25,7 +25,7 @@ transfers per step of the ``fit1`` pair.
 
     PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--pairs fit1,fit8,lr_find] [--json out.json]
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs accum,ema,mixup,all  # issue 18 options
-    PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs ema,mixup --model resnet  # a ResNet
+    PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs ema,mixup,all --model resnet --samples 512
 
 ``--model`` picks the network (``small`` by default, ``mlp``, ``resnet``; see ``make_model``).
 
@@ -45,7 +45,8 @@ import time
 
 import _bench
 
-N_SAMPLES = 2048
+DEFAULT_SAMPLES = 2048
+N_SAMPLES = DEFAULT_SAMPLES  # set by --samples
 IMAGE = 32
 CLASSES = 10
 SWEEP = (1e-7, 10.0, 100)  # lr_find's defaults: start, end, steps
@@ -269,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"which pairs of {list(PAIRS)} (default: fit1,fit8,lr_find)")
     ap.add_argument("--model", choices=MODELS, default="small",
                     help="small (default: 2 convs + MLP head), mlp or resnet; see make_model")
+    ap.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                    help=f"training samples (default {DEFAULT_SAMPLES}; fewer for --model resnet)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    global MODEL
-    MODEL = args.model
+    global MODEL, N_SAMPLES
+    MODEL, N_SAMPLES = args.model, args.samples
     if args.child:
         print(json.dumps(RUNNERS[args.child](args.batch, args.epochs)))
         return 0
@@ -291,13 +294,14 @@ def main(argv: list[str] | None = None) -> int:
             order = PAIRS[pair] if rep % 2 == 0 else PAIRS[pair][::-1]
             for variant in order:
                 r = _bench.child(__file__, variant, "--batch", str(args.batch),
-                                 "--epochs", str(args.epochs), "--model", args.model)
+                                 "--epochs", str(args.epochs), "--model", args.model,
+                                 "--samples", str(args.samples))
                 rates[pair][variant].append(_rate(r))
                 raw[variant].append(r)
                 print(f"rep {rep} {variant:8s} {rates[pair][variant][-1]:8.2f} steps/s  "
                       f"({_bench.load()})", flush=True)
-    print(f"\nend: {_bench.load()}; model {args.model}, batch {args.batch} per core, "
-          f"{args.reps} reps")
+    print(f"\nend: {_bench.load()}; model {args.model}, {args.samples} samples, batch "
+          f"{args.batch} per core, {args.reps} reps")
     summary = {p: _bench.compare(p, rates[p][PAIRS[p][0]], rates[p][PAIRS[p][1]], "steps/s",
                                  **({"base_name": "plain fit"} if p in OPTIONS else {}))
                for p in pairs}
