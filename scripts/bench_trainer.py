@@ -25,7 +25,8 @@ transfers per step of the ``fit1`` pair.
 
     PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--pairs fit1,fit8,lr_find] [--json out.json]
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs accum,ema,mixup,all  # issue 18 options
-    PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs ema,mixup,all --model resnet --samples 512
+    PJRT_DEVICE=CPU python scripts/bench_trainer.py --reps 3 --pairs ema,mixup,all --model resnet \\
+        --samples 512
 
 ``--model`` picks the network (``small`` by default, ``mlp``, ``resnet``; see ``make_model``).
 

@@ -171,10 +171,10 @@ class TrainerConfig:
         self.optimizer = resolve_optimizer(self.optimizer)
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (per core), got {self.batch_size!r}")
-        if self.eval_batch_size is not None and (isinstance(self.eval_batch_size, bool) or not isinstance(
-                self.eval_batch_size, int) or self.eval_batch_size < 1):
-            raise ValueError(f"eval_batch_size must be a positive int (per core) or None (max(batch_size, "
-                             f"64)), got {self.eval_batch_size!r}")
+        ebs = self.eval_batch_size
+        if ebs is not None and (isinstance(ebs, bool) or not isinstance(ebs, int) or ebs < 1):
+            raise ValueError(f"eval_batch_size must be a positive int (per core) or None "
+                             f"(max(batch_size, 64)), got {ebs!r}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
         if self.max_lr != "find" and not (isinstance(self.max_lr, (int, float)) and self.max_lr > 0):
