@@ -25,6 +25,10 @@ transfers per step of the ``fit1`` pair.
 
     PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--pairs fit1,fit8,lr_find] [--json out.json]
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs accum,ema,mixup,all  # issue 18 options
+    PJRT_DEVICE=CPU python scripts/bench_trainer.py --reps 3 --pairs ema,mixup,all --model resnet \\
+        --samples 512
+
+``--model`` picks the network (``small`` by default, ``mlp``, ``resnet``; see ``make_model``).
 
 The hand-written loops are what a careful user writes from the torch_xla docs:
 ``MpDeviceLoader`` + ``xm.optimizer_step`` and no host reads inside the training
@@ -42,7 +46,8 @@ import time
 
 import _bench
 
-N_SAMPLES = 2048
+DEFAULT_SAMPLES = 2048
+N_SAMPLES = DEFAULT_SAMPLES  # set by --samples
 IMAGE = 32
 CLASSES = 10
 SWEEP = (1e-7, 10.0, 100)  # lr_find's defaults: start, end, steps
@@ -55,9 +60,29 @@ OPTIONS = {"accum": dict(accum_steps=2), "ema": dict(ema=0.999),
            "all": dict(accum_steps=2, ema=0.999, mixup=0.2, cutmix=1.0, label_smoothing=0.1)}
 
 
+MODELS = ("small", "mlp", "resnet")
+MODEL = "small"  # set by --model (the children get it on their command line)
+
+
 def make_model():
+    """The benchmark's model on 3x32x32 inputs, 10 classes (``--model``):
+
+    * ``small`` (default; every figure in docs/BENCHMARKS.md before ``--model`` existed):
+      two 3x3 convolutions (16, 32 channels) with max-pooling, then a 2048-64-10 MLP head;
+    * ``mlp``: a 3072-64-10 MLP (the cheapest step: the worst case for per-step overhead);
+    * ``resnet``: torchvision's ``ResNet`` with one basic block per stage (64-512
+      channels) and BatchNorm (``weights=None``), the kind of network the issue 18
+      options are used with.
+    """
     import torch.nn as nn
 
+    if MODEL == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * IMAGE * IMAGE, 64), nn.ReLU(),
+                             nn.Linear(64, CLASSES))
+    if MODEL == "resnet":
+        from torchvision.models.resnet import BasicBlock, ResNet
+
+        return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=CLASSES)
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -244,9 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--pairs", default="fit1,fit8,lr_find",
                     help=f"which pairs of {list(PAIRS)} (default: fit1,fit8,lr_find)")
+    ap.add_argument("--model", choices=MODELS, default="small",
+                    help="small (default: 2 convs + MLP head), mlp or resnet; see make_model")
+    ap.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                    help=f"training samples (default {DEFAULT_SAMPLES}; fewer for --model resnet)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    global MODEL, N_SAMPLES
+    MODEL, N_SAMPLES = args.model, args.samples
     if args.child:
         print(json.dumps(RUNNERS[args.child](args.batch, args.epochs)))
         return 0
@@ -254,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(pairs) - set(PAIRS)
     if unknown:
         ap.error(f"unknown pairs {sorted(unknown)}; choose from {list(PAIRS)}")
-    print(f"start: {_bench.load()}", flush=True)
+    print(f"start: {_bench.load()}; model {args.model}", flush=True)
     # per pair, so that per-pair ratios pair the runs made back to back (fit1 is the
     # baseline of several pairs)
     rates: dict[str, dict[str, list[float]]] = {p: {v: [] for v in PAIRS[p]} for p in pairs}
@@ -264,12 +295,14 @@ def main(argv: list[str] | None = None) -> int:
             order = PAIRS[pair] if rep % 2 == 0 else PAIRS[pair][::-1]
             for variant in order:
                 r = _bench.child(__file__, variant, "--batch", str(args.batch),
-                                 "--epochs", str(args.epochs))
+                                 "--epochs", str(args.epochs), "--model", args.model,
+                                 "--samples", str(args.samples))
                 rates[pair][variant].append(_rate(r))
                 raw[variant].append(r)
                 print(f"rep {rep} {variant:8s} {rates[pair][variant][-1]:8.2f} steps/s  "
                       f"({_bench.load()})", flush=True)
-    print(f"\nend: {_bench.load()}; batch {args.batch} per core, {args.reps} reps")
+    print(f"\nend: {_bench.load()}; model {args.model}, {args.samples} samples, batch "
+          f"{args.batch} per core, {args.reps} reps")
     summary = {p: _bench.compare(p, rates[p][PAIRS[p][0]], rates[p][PAIRS[p][1]], "steps/s",
                                  **({"base_name": "plain fit"} if p in OPTIONS else {}))
                for p in pairs}
@@ -287,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{med(x for r in raw['hand1'] for x in r['exec_per_step'][1:]):.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"summary": summary, "raw": raw}, f, indent=1)
+            json.dump({"model": args.model, "summary": summary, "raw": raw}, f, indent=1)
     return 0
 
 

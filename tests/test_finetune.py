@@ -195,6 +195,49 @@ def test_fine_tune_resumes_in_the_unfrozen_phase(tmp_path):
         r.fine_tune(2, resume=tmp_path / "plain.pt")
 
 
+@pytest.mark.timeout(400)
+def test_fine_tune_resumes_in_the_frozen_phase(tmp_path):
+    """A run that crashed during frozen epoch 2 (only frozen epoch 1's checkpoint written)
+    resumes there: the frozen body is still the initial weights in the resumed frozen
+    epoch's checkpoint, which equals the uninterrupted run's, and the unfrozen phase then
+    ends at the uninterrupted run's weights."""
+    import copy
+
+    train, val = _digits()
+    torch.manual_seed(0)
+    init = Net()
+    kw = dict(batch_size=32, epochs=2, max_lr=1e-2, seed=0, keep_checkpoints=5)
+    full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
+    t = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
+                        checkpoint_dir=str(full_dir), **kw)
+    full = t.fine_tune(1, freeze_epochs=2, simulate=1)
+    files = sorted(full_dir.glob("epoch_*.pt"), key=lambda p: p.stat().st_mtime)
+    ckpts = [torch.load(p, weights_only=False) for p in files]
+    assert [c["fine_tune"]["phase"] for c in ckpts] == ["frozen", "frozen", "unfrozen"]
+    crash_dir.mkdir()
+    (crash_dir / files[0].name).write_bytes(files[0].read_bytes())
+    r = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
+                        checkpoint_dir=str(crash_dir), **kw)
+    resumed = r.fine_tune(1, freeze_epochs=2, resume="last", simulate=1)
+    assert [e["phase"] for e in resumed.epochs] == ["frozen", "frozen", "unfrozen"]
+    assert [e["epoch"] for e in resumed.epochs] == [1, 2, 3]
+    assert resumed.epochs[0]["train_loss"] == full.epochs[0]["train_loss"]
+    again = [c for c in (torch.load(p, weights_only=False) for p in crash_dir.glob("epoch_*.pt"))
+             if c["fine_tune"]["phase"] == "frozen" and c["epoch"] == 2]
+    assert len(again) == 1, sorted(p.name for p in crash_dir.glob("*"))
+    # the linear layers of the body; its BatchNorm (body.1) trains when frozen
+    frozen = {k for k, _ in init.named_parameters() if k.startswith(("body.0.", "body.3."))}
+    init_state = init.state_dict()
+    for k, v in again[0]["model"].items():
+        if k in frozen:
+            assert torch.equal(v, init_state[k]), k
+        torch.testing.assert_close(v, ckpts[1]["model"][k], rtol=1e-5, atol=1e-6)
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=1e-6)
+    assert resumed[-1]["val_loss"] == pytest.approx(full[-1]["val_loss"], rel=1e-5)
+    assert all(p.requires_grad for p in r.model.parameters())
+
+
 def _bench_finetune():
     import importlib.util
     import sys

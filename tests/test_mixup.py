@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from xla_utils import OneCycleTrainer, runtime
-from xla_utils.mixup import mix_batch, sample_beta, sample_gamma, soft_targets
+from xla_utils.mixup import beta_logit_johnk, mix_batch, sample_beta, sample_gamma, soft_targets
 from xla_utils.trainer import TrainerConfig
 
 timm_mixup = pytest.importorskip("timm.data.mixup")
@@ -51,9 +51,8 @@ def _ours_on_xla(cases):
             ys = soft_targets(y, C, 0.1, c["multi"])
             lam = runtime.to_device(torch.tensor(c["lam"], dtype=torch.float32), dev)
             cut = runtime.to_device(torch.tensor(c["cut"]), dev)
-            cy = runtime.to_device(torch.tensor(c["cy"]), dev)
-            cx = runtime.to_device(torch.tensor(c["cx"]), dev)
-            xm, ym = mix_batch(runtime.to_device(c["x"], dev), ys, lam, cut, cy, cx)
+            centre = runtime.to_device(torch.tensor([float(c["cy"]), float(c["cx"])]), dev)
+            xm, ym = mix_batch(runtime.to_device(c["x"], dev), ys, lam, cut, centre)
             runtime.sync()
             out.append((xm.cpu(), ym.cpu()))
         draws = _beta_f64(runtime.to_device(torch.full((4000,), 0.4), dev))
@@ -99,6 +98,9 @@ def test_beta_sampler_distribution(alpha):
     assert _ks_pvalue(_beta_f64(torch.full((20000,), alpha)), alpha) > 1e-3
     d = sample_beta(torch.full((2000,), alpha))  # the float32 draws the trainer uses
     assert torch.isfinite(d).all() and d.min() >= 0 and d.max() <= 1
+    if alpha <= 1:  # Johnk's method, what the trainer uses for alphas <= 1
+        logit = beta_logit_johnk(torch.full((20000,), alpha))
+        assert _ks_pvalue(torch.sigmoid(logit.double()).numpy(), alpha) > 1e-3
 
 
 def test_label_smoothing_alone_equals_timm_targets():

@@ -83,6 +83,34 @@ def test_simulated_8_cores_equal_one_core_with_8x_batch():
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
+def test_validation_batch_is_eval_batch_size():
+    """Per-epoch validation runs at max(batch_size, 64) by default (or eval_batch_size),
+    padded and masked: the same metrics as at the training batch size."""
+    train, val = _digits_tensors()
+    with pytest.raises(ValueError, match="eval_batch_size must be a positive int"):
+        TrainerConfig(eval_batch_size=0)
+    assert TrainerConfig(batch_size=128).val_batch_size == 128
+    torch.manual_seed(0)
+    init = _mlp()
+    runs = {}
+    for ebs in (None, 32):
+        sizes = []
+
+        def eval_step(model, batch):
+            sizes.append(batch[0].shape[0])
+            return model(batch[0])
+
+        t = OneCycleTrainer(_copy(init), nn.CrossEntropyLoss(), train, val, batch_size=32,
+                            eval_batch_size=ebs, epochs=1, max_lr=1e-2, seed=1, eval_step=eval_step)
+        runs[ebs] = (t.fit(), sizes)
+    (h64, s64), (h32, s32) = runs[None], runs[32]
+    assert s64.count(64) == -(-len(val) // 64) and 32 not in s64  # 360 -> 6 padded batches
+    assert s32.count(32) == -(-len(val) // 32) and 64 not in s32
+    assert h64[0]["samples"] == h32[0]["samples"] == len(val)
+    assert h64[0]["accuracy"] == h32[0]["accuracy"]
+    assert h64[0]["val_loss"] == pytest.approx(h32[0]["val_loss"], rel=1e-6)
+
+
 def _copy(m):
     import copy
 

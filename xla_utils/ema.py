@@ -93,7 +93,8 @@ class DeviceEMA:
             p.requires_grad_(False)
         # Device data: the count and decay change every step without recompiling.
         self._step = runtime.to_device(torch.tensor(float(step)), dev)
-        self._max = runtime.to_device(torch.tensor(self.decay), dev)
+        # 1 - decay never goes below this (computed in float64 on the host, as timm's)
+        self._floor = runtime.to_device(torch.tensor(1.0 - self.decay), dev)
         self._cached: tuple[Any, list, list] | None = None
 
     def _lists(self, model: torch.nn.Module) -> tuple[list, list]:
@@ -121,12 +122,12 @@ class DeviceEMA:
 
         ``ema += (1 - decay) * (weights - ema)`` for all floating-point tensors of a
         dtype at once (three ``torch._foreach_*`` calls, not a Python loop over the
-        tensors), then the integer buffers are copied."""
+        tensors; ``_foreach_lerp_`` with a device weight takes 4x longer to trace on
+        XLA), then the integer buffers are copied. After optimizer step ``n``,
+        ``1 - decay(n)`` is ``max(n ** (-2/3), 1 - ema)``: :func:`ema_decay`'s complement
+        (``warmup_gamma=1``), three small ops on the device step count."""
         self._step = self._step + 1
-        s = (self._step - 1).clamp_min(0)
-        warm = 1 - (1 + s / WARMUP_GAMMA) ** -WARMUP_POWER
-        decay = torch.where(s <= 0, torch.zeros_like(s), torch.minimum(warm, self._max).clamp_min(0))
-        weight = 1 - decay
+        weight = torch.maximum(self._step ** -WARMUP_POWER, self._floor)
         floats, ints = self._lists(model)
         for es, ms in floats:
             w = weight if es[0].dtype == weight.dtype else weight.to(es[0].dtype)

@@ -76,9 +76,11 @@ def replica_model(model: torch.nn.Module, dev: torch.device | None,
 
 
 def loader(data, cfg: Any, *, world_size: int, rank: int, epoch: int, train: bool):
-    """This rank's batches of ``data`` for one epoch: shuffled full batches for
-    training (ragged tail dropped), padded and masked ones otherwise."""
-    return iterate_batches(data, cfg.batch_size, world_size=world_size, rank=rank, shuffle=train,
+    """This rank's batches of ``data`` for one epoch: shuffled full batches of
+    ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
+    ``cfg.val_batch_size`` otherwise."""
+    bs = cfg.batch_size if train else getattr(cfg, "val_batch_size", cfg.batch_size)
+    return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
                            seed=cfg.seed, epoch=epoch, drop_last=train,
                            num_workers=cfg.num_workers)
 

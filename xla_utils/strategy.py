@@ -218,8 +218,10 @@ class MeshRun:
         return shard_to_device(module, self.mesh)
 
     def loader(self, data, cfg: Any, epoch: int, train: bool):
-        """Global batches (``batch_size`` x devices): one process feeds every device."""
-        return iterate_batches(data, cfg.batch_size * self.devices, shuffle=train, seed=cfg.seed,
+        """Global batches (``batch_size``, validation ``val_batch_size``, x devices): one
+        process feeds every device."""
+        bs = cfg.batch_size if train else getattr(cfg, "val_batch_size", cfg.batch_size)
+        return iterate_batches(data, bs * self.devices, shuffle=train, seed=cfg.seed,
                                epoch=epoch, drop_last=train, num_workers=cfg.num_workers)
 
     def feed(self, batches: Iterable):

@@ -59,6 +59,10 @@ class TrainerConfig:
     Attributes:
         batch_size: Samples per core per step (global batch = batch_size x cores).
             Default 32.
+        eval_batch_size: Samples per core per batch of the per-epoch validation in
+            ``fit`` (no gradients, so it can be larger; one fixed shape, padded and
+            masked, so nothing recompiles after epoch 1). Default None:
+            ``max(batch_size, 64)``; set ``batch_size`` here if validation runs out of memory.
         epochs: Passes over the training data. Default 1.
         max_lr: Peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``),
             or ``"find"`` to run the LR finder first. Default 1e-3.
@@ -130,6 +134,7 @@ class TrainerConfig:
     """
 
     batch_size: int = 32
+    eval_batch_size: int | None = None
     epochs: int = 1
     max_lr: float | str = 1e-3
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
@@ -166,6 +171,10 @@ class TrainerConfig:
         self.optimizer = resolve_optimizer(self.optimizer)
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (per core), got {self.batch_size!r}")
+        ebs = self.eval_batch_size
+        if ebs is not None and (isinstance(ebs, bool) or not isinstance(ebs, int) or ebs < 1):
+            raise ValueError(f"eval_batch_size must be a positive int (per core) or None "
+                             f"(max(batch_size, 64)), got {ebs!r}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
         if self.max_lr != "find" and not (isinstance(self.max_lr, (int, float)) and self.max_lr > 0):
@@ -183,6 +192,11 @@ class TrainerConfig:
         check_step_options(self)
         check_monitor(self.monitor, self.patience)
         _strategy.check_config(self)
+
+    @property
+    def val_batch_size(self) -> int:
+        """The per-epoch validation's batch per core: ``eval_batch_size`` or max(batch_size, 64)."""
+        return self.eval_batch_size or max(self.batch_size, 64)
 
     @property
     def scaling_rule(self) -> str:

@@ -1,0 +1,147 @@
+"""Per-step cost of the issue 18 options (EMA, mixup/cutmix/label smoothing) in one process.
+
+A training step (forward, backward, ``xm.optimizer_step``, the option, one sync) on one
+XLA:CPU device, for the plain step and each option, run in interleaved rounds in one
+process (no fork, no loader: the option's own cost). Prints per variant the median CPU
+time per step of this process (steadier than wall time on a shared machine), steps/s, the
+overhead against the plain step, and the host time spent tracing the option alone.
+
+    PJRT_DEVICE=CPU python scripts/bench_options_step.py [--model small|mlp|resnet] \\
+        [--variants plain,ema,mix,mixup,cutmix,ls] [--rounds 7] [--steps 60]
+
+Variants: ``ema`` (ema=0.999), ``mix`` (mixup=0.2, cutmix=1.0, label_smoothing=0.1),
+``mixup`` / ``cutmix`` (one of them, smoothing 0.1), ``ls`` (label_smoothing=0.1 only).
+Like scripts/bench_trainer.py this script calls torch_xla itself: it times the
+library's device-side pieces (xla_utils.ema.DeviceEMA, xla_utils.mixup.DeviceMix) inside
+a hand-written step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_trainer  # noqa: E402  (its make_model, so --model means the same networks)
+
+MIX = {"mix": (0.2, 1.0), "mixup": (0.2, 0.0), "cutmix": (0.0, 1.0), "ls": (0.0, 0.0)}
+
+
+class Variant:
+    """One model, optimizer and option, stepping on ``dev`` over a few fixed device batches."""
+
+    def __init__(self, name: str, dev, batches):
+        import torch
+
+        from xla_utils.ema import DeviceEMA
+        from xla_utils.mixup import DeviceMix, MixConfig
+
+        torch.manual_seed(0)
+        self.name, self.dev, self.batches, self.i = name, dev, batches, 0
+        self.model = bench_trainer.make_model().to(dev)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.ema = DeviceEMA(bench_trainer.make_model(), 0.999, 0, dev) if name == "ema" else None
+        self.mix = DeviceMix(MixConfig(*MIX[name], 0.1, bench_trainer.CLASSES), dev) \
+            if name in MIX else None
+        self.loss = torch.nn.CrossEntropyLoss()
+        self.cpu_ms: list[float] = []
+
+    def step(self) -> None:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        if self.mix is not None:
+            x, y = self.mix(x, y)
+        for g in self.opt.param_groups:  # a changing LR, as the one-cycle schedule
+            g["lr"] = 0.01 + 1e-5 * (self.i % 100 + 1)
+        self.opt.zero_grad(set_to_none=True)
+        self.loss(self.model(x), y).backward()
+        xm.optimizer_step(self.opt)
+        if self.ema is not None:
+            self.ema.update(self.model)
+        torch_xla.sync()
+
+    def rate(self, n: int) -> float:
+        """Steps/s over ``n`` steps (device drained before and after)."""
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            self.step()
+        xm.wait_device_ops()
+        self.cpu_ms.append(1000 * (time.process_time() - c0) / n)
+        return n / (time.perf_counter() - t0)
+
+    def trace_ms(self, n: int = 50) -> float:
+        """Median host time to trace the option alone (no execution counted)."""
+        import torch_xla
+
+        x, y = self.batches[0]
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if self.mix is not None:
+                keep = self.mix(x, y)
+            elif self.ema is not None:
+                self.ema.update(self.model)
+                keep = None
+            else:
+                keep = None
+            ts.append(time.perf_counter() - t0)
+            torch_xla.sync()
+            del keep
+        return 1000 * statistics.median(ts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=bench_trainer.MODELS, default="small")
+    ap.add_argument("--variants", default="plain,ema,mix")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    if names[0] != "plain" or set(names) - {"plain", "ema", *MIX}:
+        ap.error(f"--variants: 'plain' first, then any of ema, {', '.join(MIX)}")
+    bench_trainer.MODEL = args.model
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    dev = torch_xla.device()
+    xm.set_rng_state(0, device=dev)
+    g = torch.Generator().manual_seed(0)
+    size = (args.batch, 3, bench_trainer.IMAGE, bench_trainer.IMAGE)
+    batches = [(xm.send_cpu_data_to_device(torch.randn(size, generator=g), dev)[0],
+                xm.send_cpu_data_to_device(
+                    torch.randint(0, bench_trainer.CLASSES, (args.batch,), generator=g), dev)[0])
+               for _ in range(4)]
+    runs = {n: Variant(n, dev, batches) for n in names}
+    for r in runs.values():  # compile
+        for _ in range(3):
+            r.step()
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    print("start: load %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+    for k in range(args.rounds):
+        for n in (names if k % 2 == 0 else names[::-1]):
+            rates[n].append(runs[n].rate(args.steps))
+    print("end: load %.2f %.2f %.2f; model %s, batch %d, %d rounds x %d steps"
+          % (*os.getloadavg(), args.model, args.batch, args.rounds, args.steps))
+    base_cpu = statistics.median(runs["plain"].cpu_ms)
+    base_rate = statistics.median(rates["plain"])
+    for n in names:
+        cpu, rate = statistics.median(runs[n].cpu_ms), statistics.median(rates[n])
+        trace = "" if n == "plain" else f"; tracing the option alone {runs[n].trace_ms():.3f} ms"
+        print(f"{n:7s} CPU {cpu:7.2f} ms/step ({cpu / base_cpu - 1:+6.1%}), {rate:7.1f} steps/s "
+              f"({base_rate / rate - 1:+6.1%} by wall time){trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
