@@ -89,7 +89,11 @@ def test_validation_batch_is_eval_batch_size():
     train, val = _digits_tensors()
     with pytest.raises(ValueError, match="eval_batch_size must be a positive int"):
         TrainerConfig(eval_batch_size=0)
-    assert TrainerConfig(batch_size=128).val_batch_size == 128
+    assert TrainerConfig(batch_size=128).val_batch_size(1000, 1) == 128
+    assert TrainerConfig(batch_size=8).val_batch_size(1000, 8) == 64
+    assert TrainerConfig(batch_size=8).val_batch_size(100, 8) == 13  # one batch per core covers it
+    assert TrainerConfig(batch_size=8).val_batch_size(20, 8) == 8  # never below batch_size
+    assert TrainerConfig(batch_size=8, eval_batch_size=4).val_batch_size(1000, 8) == 4
     torch.manual_seed(0)
     init = _mlp()
     runs = {}

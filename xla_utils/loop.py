@@ -79,7 +79,7 @@ def loader(data, cfg: Any, *, world_size: int, rank: int, epoch: int, train: boo
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
     ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
     ``cfg.val_batch_size`` otherwise."""
-    bs = cfg.batch_size if train else getattr(cfg, "val_batch_size", cfg.batch_size)
+    bs = cfg.batch_size if train else cfg.val_batch_size(len(data), world_size)
     return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
                            seed=cfg.seed, epoch=epoch, drop_last=train,
                            num_workers=cfg.num_workers)

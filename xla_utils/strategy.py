@@ -220,7 +220,7 @@ class MeshRun:
     def loader(self, data, cfg: Any, epoch: int, train: bool):
         """Global batches (``batch_size``, validation ``val_batch_size``, x devices): one
         process feeds every device."""
-        bs = cfg.batch_size if train else getattr(cfg, "val_batch_size", cfg.batch_size)
+        bs = cfg.batch_size if train else cfg.val_batch_size(len(data), self.devices)
         return iterate_batches(data, bs * self.devices, shuffle=train, seed=cfg.seed,
                                epoch=epoch, drop_last=train, num_workers=cfg.num_workers)
 

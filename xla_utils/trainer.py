@@ -62,7 +62,9 @@ class TrainerConfig:
         eval_batch_size: Samples per core per batch of the per-epoch validation in
             ``fit`` (no gradients, so it can be larger; one fixed shape, padded and
             masked, so nothing recompiles after epoch 1). Default None:
-            ``max(batch_size, 64)``; set ``batch_size`` here if validation runs out of memory.
+            ``max(batch_size, 64)``, but no more than one batch per core needs to
+            cover the validation set (never below ``batch_size``); set ``batch_size``
+            here if validation runs out of memory.
         epochs: Passes over the training data. Default 1.
         max_lr: Peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``),
             or ``"find"`` to run the LR finder first. Default 1e-3.
@@ -193,10 +195,12 @@ class TrainerConfig:
         check_monitor(self.monitor, self.patience)
         _strategy.check_config(self)
 
-    @property
-    def val_batch_size(self) -> int:
-        """The per-epoch validation's batch per core: ``eval_batch_size`` or max(batch_size, 64)."""
-        return self.eval_batch_size or max(self.batch_size, 64)
+    def val_batch_size(self, samples: int, cores: int) -> int:
+        """The per-epoch validation's batch per core for ``samples`` items over ``cores``:
+        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))``."""
+        if self.eval_batch_size:
+            return self.eval_batch_size
+        return max(self.batch_size, min(64, -(-samples // cores)))
 
     @property
     def scaling_rule(self) -> str:
