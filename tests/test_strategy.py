@@ -349,6 +349,62 @@ def test_resnet18_one_short_epoch_under_fsdp():
     assert set(h.state_dict) == set(tr.model.state_dict())
 
 
+# ------------------------------------------------------------- lr_find on the mesh
+def _tiny_chip():
+    """A TPU core of 1 KiB: no model fits it (the automatic choice's mesh side)."""
+    from xla_utils.readiness import TPUChip
+
+    return TPUChip("tiny", 1.0, 2**10 / 2**30, 128, 1)
+
+
+def test_find_lr_sweeps_on_the_mesh_when_one_core_cannot_hold_the_model(capsys):
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(256), batch_size=8,
+                         compile_cache=None, strategy="fsdp", fsdp_wrap=["Block"])
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    kw = dict(num_it=30, show_progress=False)
+    mesh = tr.find_lr(simulate=DEVICES, tpu=_tiny_chip(), **kw)
+    said = capsys.readouterr().out
+    assert "lr_find: on the 8-device mesh as strategy='fsdp' runs: one tiny core cannot hold" in said
+    assert mesh.placement in said and tr.lr_finder_result is mesh
+    # seen inside the SPMD process: 8 devices, the parameters and the batch sharded 8 ways
+    assert (mesh.devices, mesh.strategy) == (DEVICES, "fsdp")
+    assert mesh.shardings["parameter"].startswith("{devices=[1,8]")  # stem [32, 64]: dim 1
+    assert mesh.shardings["batch"] == "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    # the fit's global batch: 8 per device x 8 devices, one micro-batch per step
+    assert (mesh.batch_size, mesh.micro_batch_size, mesh.accum_steps) == (64, 64, 1)
+    assert math.isfinite(mesh.suggestion) and len(mesh.lrs) == 30
+    for k, v in tr.model.state_dict().items():  # the trainer's model is untouched
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+    # A model that fits one v5e core (the default target) sweeps on one core, accumulating
+    # 8 micro-batches of 8: the same global batches, the same curve.
+    one = tr.find_lr(simulate=DEVICES, **kw)
+    assert "lr_find: on one core: the model fits one v5e core" in capsys.readouterr().out
+    assert (one.devices, one.strategy, one.shardings) == (1, None, {})
+    assert (one.batch_size, one.micro_batch_size, one.accum_steps) == (64, 8, 8)
+    np.testing.assert_allclose(mesh.losses[:20], one.losses[:20], rtol=0, atol=1e-4)
+
+
+def test_fit_max_lr_find_uses_the_mesh_sweep(capsys):
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(128), batch_size=8,
+                         epochs=1, compile_cache=None, strategy="spmd", lr_find_on_mesh=True)
+    h = tr.fit(simulate=DEVICES, max_lr="find")
+    res = tr.lr_finder_result
+    assert "lr_find: on the 8-device mesh as strategy='spmd' runs (asked: on_mesh=True)" \
+        in capsys.readouterr().out
+    assert res.devices == DEVICES and res.shardings["parameter"] == "{replicated}"
+    assert res.batch_size == h.global_batch == 64 and math.isfinite(res.suggestion)
+    # measured at the fit's own global batch: used as is, no scaling on top
+    assert h.base_lr == res.suggestion and h.max_lr == pytest.approx(res.suggestion)
+    assert math.isfinite(h.epochs[0]["train_loss"])
+    with pytest.raises(ValueError, match="on_mesh=True sweeps as a mesh run, but "
+                                         "strategy='spawn'"):
+        OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64)).find_lr(on_mesh=True)
+    with pytest.raises(ValueError, match="lr_find_on_mesh=True sweeps as a mesh run"):
+        OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), lr_find_on_mesh=True)
+
+
 # ------------------------------------------------------------- bad input, no device time
 def test_bad_strategy_settings_are_refused_in_the_config():
     data = _digits(64)

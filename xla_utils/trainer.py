@@ -127,6 +127,9 @@ class TrainerConfig:
             the whole model as one unit).
         activation_checkpointing: Recompute each FSDP unit's activations in the
             backward pass (``"fsdp"`` only). Default False.
+        lr_find_on_mesh: Where ``find_lr`` / ``fit(max_lr="find")`` sweep under
+            ``"spmd"``/``"fsdp"``: None (default) on the mesh only when one core cannot
+            hold the model, True always on the mesh, False on one core.
     """
 
     batch_size: int = 32
@@ -161,6 +164,7 @@ class TrainerConfig:
     strategy: str = "spawn"
     fsdp_wrap: Sequence[type | str] | type | str | int | None = None
     activation_checkpointing: bool = False
+    lr_find_on_mesh: bool | None = None
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -253,21 +257,33 @@ class OneCycleTrainer:
         runtime._prestart_if_simulation_likely()
 
     # ------------------------------------------------------------------ API
-    def find_lr(self, simulate: int | None = None, **kwargs: Any):
-        """Run :func:`xla_utils.lr_find` on one core with this trainer's model,
-        loss, data, per-core batch size, optimizer and image normalisation; the
-        result is also kept in ``self.lr_finder_result``. Extra keywords go to
-        ``lr_find`` (e.g. ``accum_steps=8`` to answer for an 8-core run)."""
-        from .lr_finder import lr_find
+    def find_lr(self, simulate: int | None = None, *, on_mesh: bool | None = None,
+                tpu: Any = None, **kwargs: Any):
+        """Run :func:`xla_utils.lr_find` with this trainer's model, loss, data, batch size,
+        optimizer and image normalisation; the result is also kept in
+        ``self.lr_finder_result``. Extra keywords go to ``lr_find``.
 
-        cfg = self.config
-        require_labels(self.train_data, "train_data")
-        spec = self._inspect(self.train_data, "train_data", "lr_find")
-        kwargs.setdefault("batch_tfm", self._prepare(spec, train=False))
-        kwargs.setdefault("compile_cache", cfg.compile_cache)
-        self.lr_finder_result = lr_find(self.model, self.loss, self.train_data, cfg.batch_size,
-                                        optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
-                                        seed=cfg.seed, simulate=simulate, **kwargs)
+        ``strategy="spawn"``: on one core at the per-core batch (``accum_steps=8`` answers
+        for an 8-core run). ``"spmd"``/``"fsdp"``: the answer is for the fit's global batch
+        (``batch_size`` x devices x ``accum_steps``), measured either on one core
+        (devices x ``accum_steps`` accumulated micro-batches of ``batch_size``) or, when one
+        core of the target TPU cannot hold the model (:func:`xla_utils.strategy.sweep_placement`)
+        or when asked, as a mesh run like the fit's: micro-batches of ``batch_size`` x
+        devices split over the mesh, ``accum_steps`` of them per step, the model replicated
+        (``"spmd"``) or sharded (``"fsdp"``). A line says which and why (also
+        ``result.placement``). Either way the sweep runs in another process: this
+        trainer's model, optimizer and RNGs are untouched.
+
+        Args:
+            simulate: N simulated XLA:CPU devices (the one-core sweep uses one of them, a
+                mesh run all N); default None (this TPU).
+            on_mesh: True: sweep on the mesh; False: on one core; None (default): the
+                config's ``lr_find_on_mesh`` (None there: automatic).
+            tpu: The target TPU of the automatic choice, as in :meth:`check` (a name such
+                as ``"v5e"`` or a :class:`~xla_utils.readiness.TPUChip`); default this
+                machine's TPU, else v5e.
+        """
+        self.lr_finder_result = _strategy.find_lr(self, simulate, on_mesh, tpu, kwargs)
         return self.lr_finder_result
 
     def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
@@ -439,18 +455,20 @@ class OneCycleTrainer:
         if base_lr != "find":
             return base_lr, 1
         # Measure at the run's own global batch: k accumulated micro-batches
-        # of the per-core batch are exactly one k-core step's gradient, so
-        # the answer needs no scaling rule on top of the finder's rule.
-        res = self.find_lr(simulate=1 if simulate is not None else None,
-                           accum_steps=world * cfg.accum_steps, epochs=cfg.epochs)
+        # of the per-core batch are exactly one k-core step's gradient (a mesh
+        # strategy's find_lr does this itself, or sweeps on the mesh), so the
+        # answer needs no scaling rule on top of the finder's rule.
+        extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
+        res = self.find_lr(simulate=simulate, epochs=cfg.epochs, **extra)
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
             raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
                                "pass max_lr=<number> or look at "
                                "trainer.lr_finder_result.plot()")
+        on = "one core" if res.strategy is None else f"a mesh of {res.devices} devices"
         print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
-              f"{res.batch_size} ({cfg.batch_size} x {res.accum_steps} micro-batches on one "
-              f"core, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
+              f"{res.batch_size} ({res.micro_batch_size} x {res.accum_steps} micro-batches on "
+              f"{on}, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
         if not res.confident:
             warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
                           f"{base_lr:.3g} anyway; check trainer.lr_finder_result.plot() "
