@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 from xla_utils import OneCycleTrainer, runtime
 from xla_utils.checkpoint import ResumeError
+from xla_utils.memory import llama_shapes
 from xla_utils.strategy import (StrategyPlan, check_global_batch, consolidated_state_dict,
                                 resolve_wrap)
 
@@ -403,6 +404,66 @@ def test_fit_max_lr_find_uses_the_mesh_sweep(capsys):
         OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64)).find_lr(on_mesh=True)
     with pytest.raises(ValueError, match="lr_find_on_mesh=True sweeps as a mesh run"):
         OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), lr_find_on_mesh=True)
+
+
+# ------------------------------------------------------------- check() and debug() on the mesh
+def test_check_and_debug_run_the_sharded_step_on_the_mesh():
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(128), batch_size=8,
+                         compile_cache=None, strategy="fsdp", fsdp_wrap=["Block"])
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    r = tr.check(steps=4, tpu="v5e-8", measure_loader=False)
+    mesh = r.measurements["mesh"]
+    assert mesh["devices"] == DEVICES and "recompile" not in r.codes and "cpu_fallback" not in r.codes
+    assert [d["compiles"] for d in mesh["per_step"]][2:] == [0, 0]  # steps 3.. reuse the graph
+    assert [d["executions"] for d in mesh["per_step"]] == [1] * 4  # one SPMD graph per step
+    note = next(f for f in r.findings if f.code == "strategy")
+    assert note.message.startswith("strategy='fsdp': the sharded step on 8 XLA:CPU devices (one "
+                                   "process, batch 8 per device, 64 global)"), note.message
+    memory = next(f for f in r.findings if f.code == "memory")
+    assert "Under strategy='fsdp' on 8 v5e devices" in memory.message and "it fits" in memory.message
+    d = tr.debug(steps=4, simulate=DEVICES)  # the debug steps as the mesh run, barrier each
+    assert (d.devices, d.strategy) == (DEVICES, "fsdp")
+    assert "strategy 'fsdp': one process, a mesh of 8 devices, batch 64 split over it" in d.report
+    assert [s["compiles"] for s in d.per_step][2:] == [0, 0] and all(map(math.isfinite, d.losses))
+    assert "reused the compiled graph" in d.report
+    for k, v in tr.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_check_on_the_mesh_finds_a_step_that_recompiles():
+    calls = [0]
+
+    def ragged(model, batch, loss):  # every other step sees half the batch: a new graph
+        calls[0] += 1
+        x, y = batch
+        n = len(x) // (1 + calls[0] % 2)
+        return loss(model(x[:n]), y[:n])
+
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(128), batch_size=8,
+                         compile_cache=None, strategy="spmd", train_step=ragged)
+    r = tr.check(steps=4, measure_loader=False, devices=4)
+    bad = [f for f in r.findings if f.code == "recompile" and "sharded step on 4" in f.message]
+    assert bad and bad[0].severity == "error" and "compiled again at steps [3]" in bad[0].message
+
+
+def test_fsdp_memory_verdict_of_check_is_per_device():
+    """A 1B model: one v5e core cannot hold its fp32 AdamW states (an error on one core),
+    8 FSDPv2 shards can (check under strategy='fsdp' says so)."""
+    from xla_utils.readiness import TPU_CHIPS, ReadinessReport, _memory_finding
+    from xla_utils.strategy import _sharded_memory
+
+    shapes = llama_shapes("1b")
+    n = sum(math.prod(s) for s in shapes)
+    meas = {"batch_rows": 1, "param_bytes": 4 * n, "grad_bytes": 4 * n,
+            "optimizer_state_bytes": 8 * n, "activation_bytes": 2**28,
+            "activation_bytes_tiled": 2**28, "param_shapes": shapes, "tpu_devices": None}
+    report = ReadinessReport(findings=[_memory_finding(meas, TPU_CHIPS["v5e"])], measurements=meas)
+    assert report.findings[0].severity == "error"
+    _sharded_memory(report, 8, "v5e")
+    f = report.findings[0]
+    assert f.severity == "info" and "about 2.55 GiB per device (2.30 GiB of sharded states" in f.message, f.message
+    _sharded_memory(report, 1, "v5e")  # a mesh of one device shards nothing
+    assert report.findings[0].severity == "error" and "does not fit either" in report.findings[0].message
 
 
 # ------------------------------------------------------------- bad input, no device time

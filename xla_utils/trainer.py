@@ -265,14 +265,13 @@ class OneCycleTrainer:
 
         ``strategy="spawn"``: on one core at the per-core batch (``accum_steps=8`` answers
         for an 8-core run). ``"spmd"``/``"fsdp"``: the answer is for the fit's global batch
-        (``batch_size`` x devices x ``accum_steps``), measured either on one core
-        (devices x ``accum_steps`` accumulated micro-batches of ``batch_size``) or, when one
-        core of the target TPU cannot hold the model (:func:`xla_utils.strategy.sweep_placement`)
-        or when asked, as a mesh run like the fit's: micro-batches of ``batch_size`` x
-        devices split over the mesh, ``accum_steps`` of them per step, the model replicated
-        (``"spmd"``) or sharded (``"fsdp"``). A line says which and why (also
-        ``result.placement``). Either way the sweep runs in another process: this
-        trainer's model, optimizer and RNGs are untouched.
+        (``batch_size`` x devices x ``accum_steps``), measured on one core (devices x
+        ``accum_steps`` micro-batches of ``batch_size`` accumulated) or, when one core of
+        the target TPU cannot hold the model (:func:`xla_utils.strategy.sweep_placement`) or
+        when asked, as a mesh run like the fit's (micro-batches of ``batch_size`` x devices
+        split over the mesh, the model replicated or sharded). A line says which and why
+        (also ``result.placement``). The sweep runs in another process: this trainer's
+        model, optimizer and RNGs are untouched.
 
         Args:
             simulate: N simulated XLA:CPU devices (the one-core sweep uses one of them, a
@@ -304,29 +303,39 @@ class OneCycleTrainer:
         from .finetune import unfreeze_trainer
         unfreeze_trainer(self)
 
-    def debug(self, steps: int = 5) -> DebugReport:
+    def debug(self, steps: int = 5, simulate: int | None = None) -> DebugReport:
         """Run a few plain training steps on ONE core and explain what XLA did.
 
         :func:`xla_utils.debug.debug_run` with this trainer's model, loss,
         training data, per-core batch size, optimizer, ``train_step``,
         ``eval_step`` and image normalisation; labels are checked first, as in
         :meth:`fit`. It runs in a forked child, so :meth:`fit` can launch all
-        cores afterwards.
+        cores afterwards. Under ``strategy="spmd"``/``"fsdp"`` the same debug steps
+        (``barrier=True`` step boundary, counters per step) run as the mesh run
+        instead: one process, the model replicated or sharded, each batch of
+        ``batch_size`` x devices split over the mesh (``report.devices``,
+        ``report.strategy``).
 
         Args:
             steps: Steps to run (default 5: 2 to warm up, the rest must not compile).
+            simulate: Mesh strategies only: N simulated XLA:CPU devices; default None:
+                this TPU's devices, else 8 simulated ones.
 
         Returns:
             The :class:`~xla_utils.debug.DebugReport` (also printed).
         """
-        return self._debug(self._check_inputs()["train"][1], steps)
+        return self._debug(self._check_inputs()["train"][1], steps, simulate)
 
-    def _debug(self, spec: InputSpec, steps: int = 5) -> DebugReport:
+    def _debug(self, spec: InputSpec, steps: int = 5, simulate: int | None = None) -> DebugReport:
         cfg = self.config
+        plan = None
+        if cfg.strategy != "spawn":
+            sim = 8 if simulate is None and not runtime._tpu_present() else simulate
+            plan = _strategy.plan_strategy(cfg, self.model, _planned_world_size("all", sim), sim)
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False),
-                         eval_step=self.eval_step, inputs=spec)
+                         eval_step=self.eval_step, inputs=spec, mesh=plan)
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
@@ -612,14 +621,16 @@ class OneCycleTrainer:
         return loop.gather_predictions(acc, plan, world_size=ws, rank=rk, dev=dev)
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
-              timeout: float | None = None) -> "ReadinessReport":
+              timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
         """:func:`xla_utils.check` with this trainer's model, loss, optimizer,
         ``train_step``, bf16 setting, image normalisation (and flips) and the
         first ``batch_size`` batch of ``train_data``; with ``measure_loader``
         (default True) the training loader's samples/s is compared with the TPU's
         step rate. ``tpu`` as in :func:`xla_utils.check` (default: this TPU, else v5e).
         The report's ``inputs`` line says which input layout was seen and what the
-        trainer does with it."""
+        trainer does with it. Under ``strategy="spmd"``/``"fsdp"`` the sharded step also runs
+        as the mesh run on ``devices`` XLA:CPU devices (default: the slice ``tpu`` names, else
+        this TPU's, else 8), with findings of its own (:func:`xla_utils.strategy.check_on_mesh`)."""
         from .readiness import check as readiness_check
 
         cfg = self.config
@@ -631,11 +642,15 @@ class OneCycleTrainer:
                                             num_workers=0)))
         loader = (iterate_batches(data, cfg.batch_size, seed=cfg.seed,
                                   num_workers=cfg.num_workers) if measure_loader else None)
-        return readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
-                               optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
-                               prepare=self._prepare(spec, train=True),
-                               train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
-                               inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache)
+        report = readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
+                                 optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
+                                 prepare=self._prepare(spec, train=True),
+                                 train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
+                                 inputs=spec.describe(flip=cfg.flip),
+                                 compile_cache=cfg.compile_cache)
+        if cfg.strategy != "spawn":
+            _strategy.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices)
+        return report
 
     def _check_before_fit(self) -> None:
         from .readiness import ReadinessError
