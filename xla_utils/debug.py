@@ -163,11 +163,10 @@ def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callabl
     dev = runtime.device()
     net = copy.deepcopy(module).to(dev) if mesh is None else mesh.wrap(copy.deepcopy(module))
     opt = make_optimizer(optimizer, net.parameters(), lr=lr)
-    loader = _passes(torch.utils.data.DataLoader(
-        data, batch_size=batch_size * (mesh.devices if mesh else 1), shuffle=False,
-        drop_last=True))
-    if mesh is not None:  # the batch split over the mesh on its way to the devices
-        loader = mesh.feed(loader)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size * (mesh.devices if mesh else 1),
+                                         shuffle=False, drop_last=True)
+    if mesh is not None:  # split over the mesh on its way; global batches: pass after pass
+        loader = mesh.feed(_passes(loader))
     losses, per_step = [], []
     first = prev = runtime.xla_counters()
     n = 0
