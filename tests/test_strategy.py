@@ -503,3 +503,13 @@ def test_fsdp_on_torch_xla_without_spmd_names_the_fix():
     assert spmd_support() is None  # both CI stacks have FSDPv2
     why = spmd_support(("torch_xla.experimental.no_such_fsdpv2",))
     assert "cannot run SPMD/FSDPv2" in why and "strategy='spawn'" in why
+
+
+@pytest.mark.skipif(runtime._tpu_present(), reason="a TPU host has the devices")
+def test_mesh_strategy_without_tpu_or_simulate_names_the_fix():
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), batch_size=8,
+                         strategy="fsdp", compile_cache=None)
+    for run in (tr.fit, lambda: tr.find_lr(on_mesh=True)):
+        with pytest.raises(ValueError, match="strategy='fsdp' needs the devices of a TPU.*"
+                                             "simulate=8"):
+            run()
