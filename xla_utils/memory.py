@@ -349,7 +349,10 @@ def activation_bytes(model: Any, x: Any, y: Any, *, step: Callable, loss: Callab
             saved[key] = t.untyped_storage().nbytes()
         return t
 
-    rows = max(int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() else 1, 1)
+    first = next((t for t in (x.values() if isinstance(x, dict) else
+                              x if isinstance(x, (tuple, list)) else [x])
+                  if isinstance(t, torch.Tensor) and t.dim()), None)
+    rows = max(int(first.shape[0]) if first is not None else 1, 1)  # dict/tuple inputs too
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     flags = {n: m.training for n, m in model.named_modules()}
     try:
