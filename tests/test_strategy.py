@@ -363,7 +363,7 @@ def test_find_lr_sweeps_on_the_mesh_when_one_core_cannot_hold_the_model(capsys):
                          compile_cache=None, strategy="fsdp", fsdp_wrap=["Block"])
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     rng = torch.get_rng_state()
-    kw = dict(num_it=30, show_progress=False)
+    kw = dict(num_it=20, show_progress=False)
     mesh = tr.find_lr(simulate=DEVICES, tpu=_tiny_chip(), **kw)
     said = capsys.readouterr().out
     assert "lr_find: on the 8-device mesh as strategy='fsdp' runs: one tiny core cannot hold" in said
@@ -374,7 +374,7 @@ def test_find_lr_sweeps_on_the_mesh_when_one_core_cannot_hold_the_model(capsys):
     assert mesh.shardings["batch"] == "{devices=[8,1]0,1,2,3,4,5,6,7}"
     # the fit's global batch: 8 per device x 8 devices, one micro-batch per step
     assert (mesh.batch_size, mesh.micro_batch_size, mesh.accum_steps) == (64, 64, 1)
-    assert math.isfinite(mesh.suggestion) and len(mesh.lrs) == 30
+    assert math.isfinite(mesh.suggestion) and len(mesh.lrs) == 20
     for k, v in tr.model.state_dict().items():  # the trainer's model is untouched
         assert torch.equal(v, before[k]), k
     assert torch.equal(torch.get_rng_state(), rng)
@@ -384,7 +384,7 @@ def test_find_lr_sweeps_on_the_mesh_when_one_core_cannot_hold_the_model(capsys):
     assert "lr_find: on one core: the model fits one v5e core" in capsys.readouterr().out
     assert (one.devices, one.strategy, one.shardings) == (1, None, {})
     assert (one.batch_size, one.micro_batch_size, one.accum_steps) == (64, 8, 8)
-    np.testing.assert_allclose(mesh.losses[:20], one.losses[:20], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(mesh.losses, one.losses, rtol=0, atol=1e-4)
 
 
 def test_fit_max_lr_find_uses_the_mesh_sweep(capsys):
@@ -441,8 +441,8 @@ def test_check_on_the_mesh_finds_a_step_that_recompiles():
 
     tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(128), batch_size=8,
                          compile_cache=None, strategy="spmd", train_step=ragged)
-    r = tr.check(steps=4, measure_loader=False, devices=4)
-    bad = [f for f in r.findings if f.code == "recompile" and "sharded step on 4" in f.message]
+    r = tr.check(steps=4, measure_loader=False, devices=2)
+    bad = [f for f in r.findings if f.code == "recompile" and "sharded step on 2" in f.message]
     assert bad and bad[0].severity == "error" and "compiled again at steps [3]" in bad[0].message
 
 
