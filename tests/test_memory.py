@@ -111,3 +111,29 @@ def test_check_names_fsdp_when_one_core_is_too_small():
     assert g.fix.startswith('train with strategy="fsdp"') and "per device" in g.fix, g.fix
     one = _memory_finding(dict(r.measurements, tpu_devices=None), tiny)
     assert "strategy" not in one.fix and "bfloat16" in one.fix
+
+
+def test_state_and_activation_bytes_of_one_core_leave_the_model_as_it_was():
+    from xla_utils.memory import activation_bytes, state_bytes
+
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                              torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+    net[0].weight.requires_grad_(False)  # frozen: no gradient, no optimizer state
+    n, frozen = sum(p.numel() for p in net.parameters()), 16 * 32
+    assert state_bytes(net, "adamw") == 4 * n + 3 * 4 * (n - frozen)
+    assert state_bytes(net, "sgd") == 4 * n + 2 * 4 * (n - frozen)
+    net.eval()
+    x, y = torch.randn(2, 16), torch.tensor([0, 3])
+    stats, rng = [b.clone() for b in net.buffers()], torch.get_rng_state()
+
+    def step(m, batch, loss):
+        return loss(m(batch[0]), batch[1])
+
+    act = activation_bytes(net, x, y, step=step, loss=torch.nn.functional.cross_entropy,
+                           batch_size=64)
+    # saved for backward at 2 rows, scaled to 64: at least the [64, 32] activations kept
+    # by BatchNorm, ReLU and Dropout (mask) and the [64, 16] input of nothing trainable
+    assert 3 * 64 * 32 * 4 <= act <= 10 * 64 * 32 * 4
+    assert all(torch.equal(a, b) for a, b in zip(stats, net.buffers()))  # BN stats restored
+    assert not net.training and torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in net.parameters())

@@ -65,7 +65,7 @@ def test_every_block_is_covered():
     assert langs == ["", "bash", "python"], langs  # "" = sample output, not code
     bash = [code for lang, code in BLOCKS if lang == "bash"]
     python = [code for lang, code in BLOCKS if lang == "python"]
-    assert len(bash) == 4 and len(python) == 9, "a README block was added: run it in this file"
+    assert len(bash) == 4 and len(python) == 10, "a README block was added: run it in this file"
 
 
 def test_setup_commands_are_what_ci_and_the_demo_test_run():
@@ -263,6 +263,12 @@ def test_bigger_than_one_core_blocks(capsys):
     exec(compile(strat, "README:strategy", "exec"), ns)
     h = ns["history"]
     assert h.world_size == 8 and h.global_batch == 64 and "accuracy" in h[-1], h
+    capsys.readouterr()
+    sweep = _substitute(_block("python", "trainer.find_lr(simulate=8)"),
+                        {"find_lr(simulate=8)": "find_lr(simulate=8, num_it=12)"})
+    exec(compile(sweep, "README:find_lr", "exec"), ns)
+    out = capsys.readouterr().out
+    assert "lr_find: on one core: the model fits one v5e core" in out and out.splitlines()[-1] == "64", out
 
     mem = _block("python", "measure_memory(")
     x, y = _digits(8)[:]

@@ -370,7 +370,8 @@ def test_tiny_dataset_error_names_trainer_fix_not_drop_last():
 def test_fit_debug_is_deprecated_in_favour_of_trainer_debug(monkeypatch):
     train, _ = _digits(n_train=64)
     t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16)
-    monkeypatch.setattr(OneCycleTrainer, "_debug", lambda self, spec, steps=5: ("report", steps))
+    monkeypatch.setattr(OneCycleTrainer, "_debug",
+                        lambda self, spec, steps=5, simulate=None: ("report", steps))
     with pytest.warns(DeprecationWarning, match=r"trainer\.debug\(\)"):
         assert t.fit(debug=True) == ("report", 5)
     with warnings.catch_warnings():

@@ -37,6 +37,8 @@ class DebugReport:
         inputs: The input layout seen and what was done with it, in words
             (``"inputs: uint8 [B,3,32,32] channels-first images (torch.Tensor),
             normalised on the device"``); also a line of ``report``.
+        devices, strategy: 1 and None on one core; the mesh size and ``"spmd"`` /
+            ``"fsdp"`` when the steps ran as a mesh run (``debug_run(mesh=)``).
     """
 
     backend: str
@@ -46,6 +48,8 @@ class DebugReport:
     fallback_ops: dict[str, int]
     report: str
     inputs: str = ""
+    devices: int = 1
+    strategy: str | None = None
 
     def __str__(self) -> str:
         return self.report
@@ -55,7 +59,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
               train_step: Callable | None = None, prepare: Callable | None = None,
               print_report: bool = True, eval_step: Callable | None = None,
-              inputs: InputSpec | None = None) -> DebugReport:
+              inputs: InputSpec | None = None, mesh: Any = None) -> DebugReport:
     """Run a few plain training steps on ONE core and explain what XLA did.
 
     A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
@@ -87,6 +91,11 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             default ``model(x)``.
         inputs: ``data``'s :class:`~xla_utils.inputs.InputSpec` when already decided
             (the trainer's); default: decided here from the first sample.
+        mesh: A :class:`~xla_utils.strategy.StrategyPlan`: run the same debug steps as
+            that ``"spmd"``/``"fsdp"`` mesh run instead (one process owning the plan's
+            devices, :func:`xla_utils.strategy.launch`): the model replicated or sharded,
+            each batch of ``batch_size`` x devices split over the mesh, the same
+            ``barrier=True`` step boundary and counters. Default None (one core).
     """
     optimizer = resolve_optimizer(optimizer)
     spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")
@@ -108,7 +117,14 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
                             batch_size=batch_size, steps=steps)
 
-    rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None, sim_threads=True)
+    if mesh is not None:
+        from .strategy import launch
+
+        rep = launch(_mesh_debug_steps, (module, loss, data, step_fn, to_input, optimizer, lr,
+                                         batch_size, steps), mesh, None)
+    else:
+        rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None,
+                              sim_threads=True)
     rep.inputs = spec.describe(flip=False)
     head, _, rest = rep.report.partition("\n")
     rep.report = "\n".join([head, rep.inputs] + ([rest] if rest else []))
@@ -117,22 +133,48 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
     return rep
 
 
+def _passes(loader: Any) -> Any:
+    """``loader``'s batches, pass after pass (a small data set still gives every step)."""
+    while True:
+        seen = False
+        for batch in loader:
+            seen = True
+            yield batch
+        if not seen:
+            return
+
+
+def _mesh_debug_steps(plan: Any, module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
+                      to_input: Callable, optimizer: Any, lr: float, batch_size: int,
+                      steps: int) -> DebugReport:
+    """:func:`debug_run`'s steps in the SPMD process, on ``plan``'s mesh."""
+    from .strategy import _enter
+
+    _, run = _enter(plan, None)
+    return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
+                        batch_size=batch_size, steps=steps, mesh=run)
+
+
 def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                  to_input: Callable, *, optimizer: Any, lr: float, batch_size: int,
-                 steps: int) -> DebugReport:
-    """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each."""
+                 steps: int, mesh: Any = None) -> DebugReport:
+    """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each
+    (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices)."""
     dev = runtime.device()
-    net = copy.deepcopy(module).to(dev)
+    net = copy.deepcopy(module).to(dev) if mesh is None else mesh.wrap(copy.deepcopy(module))
     opt = make_optimizer(optimizer, net.parameters(), lr=lr)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False,
-                                         drop_last=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size * (mesh.devices if mesh else 1),
+                                         shuffle=False, drop_last=True)
+    if mesh is not None:  # split over the mesh on its way; global batches: pass after pass
+        loader = mesh.feed(_passes(loader))
     losses, per_step = [], []
     first = prev = runtime.xla_counters()
     n = 0
     for x, y in loader:
         if n == steps:
             break
-        x, y = runtime.to_device((x, y), dev)
+        if mesh is None:
+            x, y = runtime.to_device((x, y), dev)
         x = to_input(x)
         opt.zero_grad(set_to_none=True)
         loss_t = step_fn(net, (x, y), loss)
@@ -148,7 +190,9 @@ def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callabl
         raise ValueError(f"data gave no full batch of {batch_size}; lower batch_size")
     fb = {k: v - first["fallback_ops"].get(k, 0) for k, v in prev["fallback_ops"].items()
           if v - first["fallback_ops"].get(k, 0) > 0}
-    text = [f"debug_run on {runtime.backend()} device {dev}: {n} steps, "
+    where = "" if mesh is None else (f" (strategy {mesh.plan.strategy!r}: one process, a mesh of "
+                                     f"{mesh.devices} devices, batch {len(y)} split over it)")
+    text = [f"debug_run on {runtime.backend()} device {dev}{where}: {n} steps, "
             f"losses {', '.join(f'{v:.4g}' for v in losses)}",
             runtime.xla_counters_report(first, prev, steps=n)]
     if n > 2 and any(s["compiles"] for s in per_step[2:]):
@@ -160,4 +204,6 @@ def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callabl
     elif n > 2:
         text.append("Steps 3.. reused the compiled graph: no recompilation.")
     return DebugReport(backend=runtime.backend(), steps=n, losses=losses, per_step=per_step,
-                       fallback_ops=fb, report="\n".join(text))
+                       fallback_ops=fb, report="\n".join(text),
+                       devices=1 if mesh is None else mesh.devices,
+                       strategy=None if mesh is None else mesh.plan.strategy)

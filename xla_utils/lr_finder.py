@@ -276,6 +276,15 @@ class LRFinderResult:
         backend, device: Where it ran (``"xla"``/``"torch"``, e.g. ``"xla:0"``, ``"cpu"``).
         compiles: XLA graph compilations during each step, int[n] (zeros on plain torch);
             after the first two steps they should be 0.
+        devices: Devices the sweep's step ran on: 1 (one core), or the mesh size when
+            it ran as a ``"spmd"``/``"fsdp"`` mesh run (``micro_batch_size`` is then the
+            global micro-batch, split over the devices).
+        strategy: ``"spmd"``/``"fsdp"`` for a mesh run, else None.
+        placement: Which way it ran and why, in words (set by
+            :meth:`OneCycleTrainer.find_lr <xla_utils.trainer.OneCycleTrainer.find_lr>`
+            under a mesh strategy; ``""`` for a plain ``lr_find``).
+        shardings: Seen inside a mesh run: the XLA sharding of the largest parameter and
+            of the first input batch (``{"parameter": ..., "batch": ...}``); empty on one core.
     """
 
     lrs: np.ndarray
@@ -295,6 +304,10 @@ class LRFinderResult:
     planned_steps: int | None = None
     confident: bool = True
     warning: str | None = None
+    devices: int = 1
+    strategy: str | None = None
+    placement: str = ""
+    shardings: dict[str, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         others = ", ".join(f"{r}={v:.3g}" for r, v in self.suggestions.items())
@@ -303,6 +316,7 @@ class LRFinderResult:
         return (f"LRFinderResult(suggestion={self.suggestion:.3g} ({self.rule}, planned run "
                 f"{budget}) for batch {self.batch_size} with {self.optimizer}; {others}; "
                 f"{len(self.lrs)} sweep steps, stopped: {self.stop_reason}; on {self.device}"
+                f"{'' if self.strategy is None else f' (mesh of {self.devices}, {self.strategy})'}"
                 f"{doubt})")
 
     def plot(self, path: str | os.PathLike | None = None, skip_start: int = 0,
@@ -390,6 +404,7 @@ class _Config:
     show_progress: bool
     parent_pid: int
     compile_cache: Any = "auto"
+    mesh: Any = None  # a strategy.StrategyPlan: sweep on that mesh
 
 
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
@@ -402,7 +417,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             shuffle: bool = True, num_workers: int | None = None,
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
-            timeout: float | None = None, compile_cache: Any = "auto") -> LRFinderResult:
+            timeout: float | None = None, compile_cache: Any = "auto",
+            mesh: Any = None) -> LRFinderResult:
     """LR range test on one core; returns an :class:`LRFinderResult`.
 
     Args:
@@ -456,6 +472,12 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         timeout: Seconds before a forked run is killed (``TimeoutError``); default none.
         compile_cache: torch_xla's persistent compilation cache, as
             ``TrainerConfig.compile_cache`` (default ``"auto"``: on TPUs only).
+        mesh: A :class:`~xla_utils.strategy.StrategyPlan`: run the sweep as that
+            ``"spmd"``/``"fsdp"`` mesh run instead, in a fresh process owning the plan's
+            devices (:func:`xla_utils.strategy.launch`, as ``fit`` does): each micro-batch of
+            ``batch_size`` samples is split over the mesh, the model replicated or sharded
+            by the plan. Default None (one core). ``OneCycleTrainer.find_lr`` passes one
+            when one core cannot hold the model.
 
     Loss reads: the step's loss stays on the device; after each step boundary
     the host reads the *previous* step's loss (already computed, so reading it
@@ -483,8 +505,13 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   seed=int(seed), shuffle=shuffle,
                   num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
                   parent_pid=os.getpid(), compile_cache=compile_cache)
-    res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
-                          sim_threads=True)
+    if mesh is not None:
+        from . import strategy
+
+        res = strategy.launch(_mesh_replica, (cfg,), mesh, timeout)
+    else:
+        res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
+                              sim_threads=True)
     if not math.isfinite(res.suggestion):
         res.warning = (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too "
                        f"early for a suggestion; lower start_lr ({start_lr:g}) or check the data")
@@ -530,6 +557,9 @@ def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num
         raise ValueError(f"diverge_factor must be > 1, got {diverge_factor!r}")
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if len(data) < batch_size:
+        raise ValueError(f"data has {len(data)} samples, fewer than one batch of {batch_size}: "
+                         "lower batch_size or give more data")
     if epochs is not None:
         if planned_steps is not None:
             raise ValueError("give planned_steps or epochs, not both")
@@ -554,6 +584,14 @@ def _replica(cfg: _Config) -> LRFinderResult:
     finally:
         if saved is not None:
             saved.restore()
+
+
+def _mesh_replica(plan: Any, cfg: _Config) -> LRFinderResult:
+    """The sweep in the SPMD process, on ``plan``'s mesh (the caller's model is a copy)."""
+    from .strategy import _enter
+
+    _, run = _enter(plan, cfg.compile_cache)
+    return _sweep(cfg, run)
 
 
 @dataclass
@@ -663,22 +701,38 @@ class _Curve:
         return False
 
 
-def _sweep(cfg: _Config) -> LRFinderResult:
-    dev = runtime.device()
-    runtime.set_seed(cfg.seed)
+def _placed(cfg: _Config, run: Any, dev: torch.device) -> tuple[torch.nn.Module, Iterator]:
+    """The sweep's model on the device(s) and its device micro-batches: on one core,
+    or (``run``: a :class:`~xla_utils.strategy.MeshRun`) placed and split as the mesh run."""
     model = cfg.model if isinstance(cfg.model, torch.nn.Module) else cfg.model()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module or a factory returning one, got {type(model).__name__}")
-    model.to(dev)
-    model.train()
+    if run is not None:
+        return run.wrap(model).train(), run.feed(_micro_batches(cfg))
+    # Prefetching to the CPU would only alias host buffers that the data
+    # iterator may recycle; on a real device it overlaps transfers with compute.
+    depth = 0 if dev.type == "cpu" else 2
+    return model.to(dev).train(), runtime.device_prefetch(_micro_batches(cfg), depth=depth)
+
+
+def _mesh_shardings(model: torch.nn.Module, x: torch.Tensor) -> dict[str, str]:
+    """The shardings a mesh sweep runs with: its largest parameter's and the batch's."""
+    from .runtime.spmd import sharding_spec
+
+    big = max(model.parameters(), key=lambda p: p.numel())
+    return {"parameter": sharding_spec(big) or "{replicated}",
+            "batch": sharding_spec(x) or "{replicated}"}
+
+
+def _sweep(cfg: _Config, run: Any = None) -> LRFinderResult:
+    dev = runtime.device()
+    runtime.set_seed(cfg.seed)
+    model, batches = _placed(cfg, run, dev)
     opt = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.start_lr,
                          weight_decay=cfg.weight_decay)
     tfm = cfg.batch_tfm
     k = cfg.accum_steps
-    # Prefetching to the CPU would only alias host buffers that the data
-    # iterator may recycle; on a real device it overlaps transfers with compute.
-    depth = 0 if dev.type == "cpu" else 2
-    batches = runtime.device_prefetch(_micro_batches(cfg), depth=depth)
+    shardings: dict[str, str] = {}
     ratio = cfg.end_lr / cfg.start_lr
 
     lrs: list[float] = []
@@ -698,6 +752,8 @@ def _sweep(cfg: _Config) -> LRFinderResult:
             total = None
             for j in range(k):
                 x, y = next(batches)
+                if run is not None and not shardings:
+                    shardings = _mesh_shardings(model, x)
                 out = model(tfm(x))
                 step_loss = cfg.loss(out, y)
                 (step_loss / k if k > 1 else step_loss).backward()
@@ -730,4 +786,5 @@ def _sweep(cfg: _Config) -> LRFinderResult:
         batch_size=cfg.batch_size * k, micro_batch_size=cfg.batch_size, accum_steps=k,
         optimizer=type(opt).__name__, stop_reason=curve.stop_reason, backend=runtime.backend(),
         device=str(dev), compiles=np.asarray(compiles, dtype=np.int64),
-        planned_steps=cfg.planned_steps)
+        planned_steps=cfg.planned_steps, devices=1 if run is None else run.devices,
+        strategy=None if run is None else run.plan.strategy, shardings=shardings)

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["DeviceMemory", "MemoryReport", "measure_memory", "paper_memory", "llama_shapes",
-           "tpu_devices", "strategy_advice", "STRATEGIES"]
+           "tpu_devices", "strategy_advice", "optimizer_state_count", "state_bytes",
+           "activation_bytes",
+           "STRATEGIES"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
 _GIB = 2**30
@@ -303,3 +305,66 @@ def strategy_advice(param_shapes: Iterable[Sequence[int]], param_bytes: int, act
                       f"state sharded over the {devices} devices): about {_gib(fsdp.total)} per "
                       f"device ({_gib(fsdp.states)} of states + {_gib(activations)} of activations)")
     return text, None
+
+
+def optimizer_state_count(optimizer: Any) -> int:
+    """State tensors per parameter of an optimizer spec: ``"sgd"`` 1 (momentum), ``"adam"`` /
+    ``"adamw"`` 2 (moments); a callable is counted as 2 (Adam-like, the safe side)."""
+    return 1 if isinstance(optimizer, str) and optimizer.lower() == "sgd" else 2
+
+
+def state_bytes(model: Any, optimizer: Any) -> int:
+    """Bytes of parameters + gradients (trainable ones) + optimizer state
+    (:func:`optimizer_state_count` tensors per trainable parameter) of ``model`` whole,
+    from its parameters' sizes and dtypes: what one core holds when nothing is sharded."""
+    pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    tbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return pbytes + tbytes * (1 + optimizer_state_count(optimizer))
+
+
+def activation_bytes(model: Any, x: Any, y: Any, *, step: Callable, loss: Callable,
+                     batch_size: int, bf16: bool = False) -> int:
+    """Bytes of the tensors autograd saves for backward in one training forward of
+    ``model`` at ``batch_size`` rows: measured in one forward pass on the host CPU of
+    the small sample batch ``(x, y)`` (a few rows) and scaled linearly; no backward
+    runs. The model's buffers (BatchNorm statistics), train/eval flags and the torch
+    RNG are restored afterwards; its parameters and gradients are not touched.
+
+    Args:
+        model: An ``nn.Module`` on the CPU.
+        x, y: A small host batch (model input as ``step`` expects it, targets).
+        step: ``step(model, (x, y), loss) -> loss tensor`` (the trainer's ``train_step``).
+        loss: The loss.
+        batch_size: Rows of one core's batch.
+        bf16: Run the forward under CPU ``autocast(bfloat16)`` (the trainer's ``bf16``).
+    """
+    import torch
+
+    keys = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        key = t.untyped_storage().data_ptr()
+        if key not in keys:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    first = next((t for t in (x.values() if isinstance(x, dict) else
+                              x if isinstance(x, (tuple, list)) else [x])
+                  if isinstance(t, torch.Tensor) and t.dim()), None)
+    rows = max(int(first.shape[0]) if first is not None else 1, 1)  # dict/tuple inputs too
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    flags = {n: m.training for n, m in model.named_modules()}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.train()
+            step(model, (x, y), loss)
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        for n, m in model.named_modules():
+            m.training = flags[n]
+    return round(sum(saved.values()) * batch_size / rows)

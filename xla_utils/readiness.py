@@ -52,7 +52,7 @@ __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS",
            "CODES", "UTILIZATION"]
 
 CODES = ("recompile", "host_sync", "cpu_fallback", "dynamic_shape", "f64", "f16", "padding",
-         "memory", "input_bound")
+         "memory", "input_bound", "strategy")
 SEVERITIES = ("error", "warning", "info")
 
 # Fraction of the chip's bf16 peak a well-fed training step reaches; the TPU step

@@ -133,6 +133,9 @@ class TrainerConfig:
             the whole model as one unit).
         activation_checkpointing: Recompute each FSDP unit's activations in the
             backward pass (``"fsdp"`` only). Default False.
+        lr_find_on_mesh: Where ``find_lr`` / ``fit(max_lr="find")`` sweep under
+            ``"spmd"``/``"fsdp"``: None (default) on the mesh only when one core cannot
+            hold the model, True always on the mesh, False on one core.
     """
 
     batch_size: int = 32
@@ -168,6 +171,7 @@ class TrainerConfig:
     strategy: str = "spawn"
     fsdp_wrap: Sequence[type | str] | type | str | int | None = None
     activation_checkpointing: bool = False
+    lr_find_on_mesh: bool | None = None
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -271,21 +275,32 @@ class OneCycleTrainer:
         runtime._prestart_if_simulation_likely()
 
     # ------------------------------------------------------------------ API
-    def find_lr(self, simulate: int | None = None, **kwargs: Any):
-        """Run :func:`xla_utils.lr_find` on one core with this trainer's model,
-        loss, data, per-core batch size, optimizer and image normalisation; the
-        result is also kept in ``self.lr_finder_result``. Extra keywords go to
-        ``lr_find`` (e.g. ``accum_steps=8`` to answer for an 8-core run)."""
-        from .lr_finder import lr_find
+    def find_lr(self, simulate: int | None = None, *, on_mesh: bool | None = None,
+                tpu: Any = None, **kwargs: Any):
+        """Run :func:`xla_utils.lr_find` with this trainer's model, loss, data, batch size,
+        optimizer and image normalisation; the result is also kept in
+        ``self.lr_finder_result``. Extra keywords go to ``lr_find``.
 
-        cfg = self.config
-        require_labels(self.train_data, "train_data")
-        spec = self._inspect(self.train_data, "train_data", "lr_find")
-        kwargs.setdefault("batch_tfm", self._prepare(spec, train=False))
-        kwargs.setdefault("compile_cache", cfg.compile_cache)
-        self.lr_finder_result = lr_find(self.model, self.loss, self.train_data, cfg.batch_size,
-                                        optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
-                                        seed=cfg.seed, simulate=simulate, **kwargs)
+        ``strategy="spawn"``: on one core at the per-core batch (``accum_steps=8`` answers
+        for an 8-core run). ``"spmd"``/``"fsdp"``: the answer is for the fit's global batch
+        (``batch_size`` x devices x ``accum_steps``), measured on one core (devices x
+        ``accum_steps`` micro-batches of ``batch_size`` accumulated) or, when one core of
+        the target TPU cannot hold the model (:func:`xla_utils.strategy.sweep_placement`) or
+        when asked, as a mesh run like the fit's (micro-batches of ``batch_size`` x devices
+        split over the mesh, the model replicated or sharded). A line says which and why
+        (also ``result.placement``). The sweep runs in another process: this trainer's
+        model, optimizer and RNGs are untouched.
+
+        Args:
+            simulate: N simulated XLA:CPU devices (the one-core sweep uses one of them, a
+                mesh run all N); default None (this TPU).
+            on_mesh: True: sweep on the mesh; False: on one core; None (default): the
+                config's ``lr_find_on_mesh`` (None there: automatic).
+            tpu: The target TPU of the automatic choice, as in :meth:`check` (a name such
+                as ``"v5e"`` or a :class:`~xla_utils.readiness.TPUChip`); default this
+                machine's TPU, else v5e.
+        """
+        self.lr_finder_result = _strategy.find_lr(self, simulate, on_mesh, tpu, kwargs)
         return self.lr_finder_result
 
     def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
@@ -306,29 +321,39 @@ class OneCycleTrainer:
         from .finetune import unfreeze_trainer
         unfreeze_trainer(self)
 
-    def debug(self, steps: int = 5) -> DebugReport:
+    def debug(self, steps: int = 5, simulate: int | None = None) -> DebugReport:
         """Run a few plain training steps on ONE core and explain what XLA did.
 
         :func:`xla_utils.debug.debug_run` with this trainer's model, loss,
         training data, per-core batch size, optimizer, ``train_step``,
         ``eval_step`` and image normalisation; labels are checked first, as in
         :meth:`fit`. It runs in a forked child, so :meth:`fit` can launch all
-        cores afterwards.
+        cores afterwards. Under ``strategy="spmd"``/``"fsdp"`` the same debug steps
+        (``barrier=True`` step boundary, counters per step) run as the mesh run
+        instead: one process, the model replicated or sharded, each batch of
+        ``batch_size`` x devices split over the mesh (``report.devices``,
+        ``report.strategy``).
 
         Args:
             steps: Steps to run (default 5: 2 to warm up, the rest must not compile).
+            simulate: Mesh strategies only: N simulated XLA:CPU devices; default None:
+                this TPU's devices, else 8 simulated ones.
 
         Returns:
             The :class:`~xla_utils.debug.DebugReport` (also printed).
         """
-        return self._debug(self._check_inputs()["train"][1], steps)
+        return self._debug(self._check_inputs()["train"][1], steps, simulate)
 
-    def _debug(self, spec: InputSpec, steps: int = 5) -> DebugReport:
+    def _debug(self, spec: InputSpec, steps: int = 5, simulate: int | None = None) -> DebugReport:
         cfg = self.config
+        plan = None
+        if cfg.strategy != "spawn":
+            sim = 8 if simulate is None and not runtime._tpu_present() else simulate
+            plan = _strategy.plan_strategy(cfg, self.model, _planned_world_size("all", sim), sim)
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False),
-                         eval_step=self.eval_step, inputs=spec)
+                         eval_step=self.eval_step, inputs=spec, mesh=plan)
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
@@ -457,18 +482,20 @@ class OneCycleTrainer:
         if base_lr != "find":
             return base_lr, 1
         # Measure at the run's own global batch: k accumulated micro-batches
-        # of the per-core batch are exactly one k-core step's gradient, so
-        # the answer needs no scaling rule on top of the finder's rule.
-        res = self.find_lr(simulate=1 if simulate is not None else None,
-                           accum_steps=world * cfg.accum_steps, epochs=cfg.epochs)
+        # of the per-core batch are exactly one k-core step's gradient (a mesh
+        # strategy's find_lr does this itself, or sweeps on the mesh), so the
+        # answer needs no scaling rule on top of the finder's rule.
+        extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
+        res = self.find_lr(simulate=simulate, epochs=cfg.epochs, **extra)
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
             raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
                                "pass max_lr=<number> or look at "
                                "trainer.lr_finder_result.plot()")
+        on = "one core" if res.strategy is None else f"a mesh of {res.devices} devices"
         print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
-              f"{res.batch_size} ({cfg.batch_size} x {res.accum_steps} micro-batches on one "
-              f"core, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
+              f"{res.batch_size} ({res.micro_batch_size} x {res.accum_steps} micro-batches on "
+              f"{on}, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
         if not res.confident:
             warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
                           f"{base_lr:.3g} anyway; check trainer.lr_finder_result.plot() "
@@ -612,14 +639,16 @@ class OneCycleTrainer:
         return loop.gather_predictions(acc, plan, world_size=ws, rank=rk, dev=dev)
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
-              timeout: float | None = None) -> "ReadinessReport":
+              timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
         """:func:`xla_utils.check` with this trainer's model, loss, optimizer,
         ``train_step``, bf16 setting, image normalisation (and flips) and the
         first ``batch_size`` batch of ``train_data``; with ``measure_loader``
         (default True) the training loader's samples/s is compared with the TPU's
         step rate. ``tpu`` as in :func:`xla_utils.check` (default: this TPU, else v5e).
         The report's ``inputs`` line says which input layout was seen and what the
-        trainer does with it."""
+        trainer does with it. Under ``strategy="spmd"``/``"fsdp"`` the sharded step also runs
+        as the mesh run on ``devices`` XLA:CPU devices (default: the slice ``tpu`` names, else
+        this TPU's, else 8), with findings of its own (:func:`xla_utils.strategy.check_on_mesh`)."""
         from .readiness import check as readiness_check
 
         cfg = self.config
@@ -631,11 +660,15 @@ class OneCycleTrainer:
                                             num_workers=0)))
         loader = (iterate_batches(data, cfg.batch_size, seed=cfg.seed,
                                   num_workers=cfg.num_workers) if measure_loader else None)
-        return readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
-                               optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
-                               prepare=self._prepare(spec, train=True),
-                               train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
-                               inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache)
+        report = readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
+                                 optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
+                                 prepare=self._prepare(spec, train=True),
+                                 train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
+                                 inputs=spec.describe(flip=cfg.flip),
+                                 compile_cache=cfg.compile_cache)
+        if cfg.strategy != "spawn":
+            _strategy.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices)
+        return report
 
     def _check_before_fit(self) -> None:
         from .readiness import ReadinessError

@@ -45,7 +45,9 @@ def xla_counters() -> dict[str, Any]:
     snap["cache_misses"] = count("PersistentCacheMiss")
     snap["cache_load_failures"] = count("PersistentCacheDeserializeFailure")
     snap["compile_s"] = metric_count_sum("CompileTime")[1] / 1e9
-    snap["executions"] = metric_count_sum("ExecuteTime")[0]
+    # one process owning every device (SPMD) runs its graphs as ExecuteReplicated
+    snap["executions"] = (metric_count_sum("ExecuteTime")[0]
+                          + metric_count_sum("ExecuteReplicatedTime")[0])
     snap["to_device"] = metric_count_sum("TransferToDeviceTime")[0]
     snap["to_host"] = metric_count_sum("TransferFromDeviceTime")[0]
     snap["fallback_ops"] = {
