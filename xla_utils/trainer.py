@@ -57,14 +57,9 @@ class TrainerConfig:
     """Hyper-parameters of :class:`OneCycleTrainer` (all keyword arguments of it).
 
     Attributes:
-        batch_size: Samples per core per step (global batch = batch_size x cores).
-            Default 32.
-        eval_batch_size: Samples per core per batch of the per-epoch validation in
-            ``fit`` (no gradients, so it can be larger; one fixed shape, padded and
-            masked, so nothing recompiles after epoch 1). Default None:
-            ``max(batch_size, 64)``, but no more than one batch per core needs to
-            cover the validation set (never below ``batch_size``); set ``batch_size``
-            here if validation runs out of memory.
+        batch_size: Samples per core per step (global batch = batch_size x cores); default 32.
+        eval_batch_size: Samples per core per batch of ``fit``'s per-epoch validation
+            (one padded, masked shape). Default None: :meth:`val_batch_size`'s choice.
         epochs: Passes over the training data. Default 1.
         max_lr: Peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``),
             or ``"find"`` to run the LR finder first. Default 1e-3.
@@ -201,7 +196,9 @@ class TrainerConfig:
 
     def val_batch_size(self, samples: int, cores: int) -> int:
         """The per-epoch validation's batch per core for ``samples`` items over ``cores``:
-        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))``."""
+        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))`` (no
+        gradients, so larger than a tiny training batch; pass ``eval_batch_size=batch_size``
+        if validation runs out of memory)."""
         if self.eval_batch_size:
             return self.eval_batch_size
         return max(self.batch_size, min(64, -(-samples // cores)))
@@ -281,15 +278,12 @@ class OneCycleTrainer:
         optimizer and image normalisation; the result is also kept in
         ``self.lr_finder_result``. Extra keywords go to ``lr_find``.
 
-        ``strategy="spawn"``: on one core at the per-core batch (``accum_steps=8`` answers
-        for an 8-core run). ``"spmd"``/``"fsdp"``: the answer is for the fit's global batch
-        (``batch_size`` x devices x ``accum_steps``), measured on one core (devices x
-        ``accum_steps`` micro-batches of ``batch_size`` accumulated) or, when one core of
-        the target TPU cannot hold the model (:func:`xla_utils.strategy.sweep_placement`) or
-        when asked, as a mesh run like the fit's (micro-batches of ``batch_size`` x devices
-        split over the mesh, the model replicated or sharded). A line says which and why
-        (also ``result.placement``). The sweep runs in another process: this trainer's
-        model, optimizer and RNGs are untouched.
+        ``"spawn"``: one core, per-core batch (``accum_steps=8`` answers for 8 cores).
+        ``"spmd"``/``"fsdp"``: for the fit's global batch, on one core (micro-batches
+        accumulated) or, when one core of the target TPU cannot hold the model
+        (:func:`xla_utils.strategy.sweep_placement`) or when asked, on the mesh; a line
+        and ``result.placement`` say which and why. Runs in another process: this
+        trainer's model, optimizer and RNGs are untouched.
 
         Args:
             simulate: N simulated XLA:CPU devices (the one-core sweep uses one of them, a
@@ -328,11 +322,8 @@ class OneCycleTrainer:
         training data, per-core batch size, optimizer, ``train_step``,
         ``eval_step`` and image normalisation; labels are checked first, as in
         :meth:`fit`. It runs in a forked child, so :meth:`fit` can launch all
-        cores afterwards. Under ``strategy="spmd"``/``"fsdp"`` the same debug steps
-        (``barrier=True`` step boundary, counters per step) run as the mesh run
-        instead: one process, the model replicated or sharded, each batch of
-        ``batch_size`` x devices split over the mesh (``report.devices``,
-        ``report.strategy``).
+        cores afterwards. Under ``strategy="spmd"``/``"fsdp"`` the same steps run as
+        the mesh run (``report.devices``, ``report.strategy``).
 
         Args:
             steps: Steps to run (default 5: 2 to warm up, the rest must not compile).
@@ -346,10 +337,9 @@ class OneCycleTrainer:
 
     def _debug(self, spec: InputSpec, steps: int = 5, simulate: int | None = None) -> DebugReport:
         cfg = self.config
-        plan = None
-        if cfg.strategy != "spawn":
-            sim = 8 if simulate is None and not runtime._tpu_present() else simulate
-            plan = _strategy.plan_strategy(cfg, self.model, _planned_world_size("all", sim), sim)
+        sim = 8 if simulate is None and not runtime._tpu_present() else simulate
+        plan = (None if cfg.strategy == "spawn" else
+                _strategy.plan_strategy(cfg, self.model, _planned_world_size("all", sim), sim))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False),
@@ -481,17 +471,15 @@ class OneCycleTrainer:
                 "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=3)
         if base_lr != "find":
             return base_lr, 1
-        # Measure at the run's own global batch: k accumulated micro-batches
-        # of the per-core batch are exactly one k-core step's gradient (a mesh
-        # strategy's find_lr does this itself, or sweeps on the mesh), so the
-        # answer needs no scaling rule on top of the finder's rule.
+        # Measure at the run's own global batch: k accumulated micro-batches of the per-core
+        # batch are exactly one k-core step's gradient (a mesh strategy's find_lr does this
+        # itself, or sweeps on the mesh): no scaling rule on top of the finder's rule.
         extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
         res = self.find_lr(simulate=simulate, epochs=cfg.epochs, **extra)
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
-            raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); "
-                               "pass max_lr=<number> or look at "
-                               "trainer.lr_finder_result.plot()")
+            raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); pass "
+                               "max_lr=<number> or look at trainer.lr_finder_result.plot()")
         on = "one core" if res.strategy is None else f"a mesh of {res.devices} devices"
         print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
               f"{res.batch_size} ({res.micro_batch_size} x {res.accum_steps} micro-batches on "
@@ -640,15 +628,12 @@ class OneCycleTrainer:
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
               timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
-        """:func:`xla_utils.check` with this trainer's model, loss, optimizer,
-        ``train_step``, bf16 setting, image normalisation (and flips) and the
-        first ``batch_size`` batch of ``train_data``; with ``measure_loader``
-        (default True) the training loader's samples/s is compared with the TPU's
-        step rate. ``tpu`` as in :func:`xla_utils.check` (default: this TPU, else v5e).
-        The report's ``inputs`` line says which input layout was seen and what the
-        trainer does with it. Under ``strategy="spmd"``/``"fsdp"`` the sharded step also runs
-        as the mesh run on ``devices`` XLA:CPU devices (default: the slice ``tpu`` names, else
-        this TPU's, else 8), with findings of its own (:func:`xla_utils.strategy.check_on_mesh`)."""
+        """:func:`xla_utils.check` with this trainer's model, loss, optimizer, ``train_step``,
+        bf16, normalisation (and flips) on the first ``batch_size`` batch of ``train_data``;
+        ``measure_loader`` (default True) compares the loader's samples/s with the TPU's step
+        rate; ``tpu`` as in :func:`xla_utils.check` (default this TPU, else v5e). Under
+        ``"spmd"``/``"fsdp"`` the sharded step also runs on ``devices`` devices (default: the
+        slice ``tpu`` names, else 8): :func:`xla_utils.strategy.check_on_mesh`."""
         from .readiness import check as readiness_check
 
         cfg = self.config
@@ -664,8 +649,7 @@ class OneCycleTrainer:
                                  optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
                                  prepare=self._prepare(spec, train=True),
                                  train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
-                                 inputs=spec.describe(flip=cfg.flip),
-                                 compile_cache=cfg.compile_cache)
+                                 inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache)
         if cfg.strategy != "spawn":
             _strategy.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices)
         return report
@@ -799,8 +783,7 @@ class OneCycleTrainer:
 
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
-        cfg = self.config
-        return lambda x: loop.prepare_input(x, cfg, train, spec)
+        return lambda x, cfg=self.config: loop.prepare_input(x, cfg, train, spec)
 
 
 def _planned_world_size(cores: int | str, simulate: int | None) -> int:
@@ -811,7 +794,6 @@ def _planned_world_size(cores: int | str, simulate: int | None) -> int:
         return simulate
     if runtime.backend() == "xla":
         from . import env
-
         return max(env.detect().num_devices or 1, 1)
     return 1
 
