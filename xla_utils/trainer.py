@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import loop, runtime
+from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
                          resolve_resume, save_checkpoint, sharded_meta)
@@ -281,7 +282,7 @@ class OneCycleTrainer:
         ``"spawn"``: one core, per-core batch (``accum_steps=8`` answers for 8 cores).
         ``"spmd"``/``"fsdp"``: for the fit's global batch, on one core (micro-batches
         accumulated) or, when one core of the target TPU cannot hold the model
-        (:func:`xla_utils.strategy.sweep_placement`) or when asked, on the mesh; a line
+        (:func:`xla_utils.mesh_tasks.sweep_placement`) or when asked, on the mesh; a line
         and ``result.placement`` say which and why. Runs in another process: this
         trainer's model, optimizer and RNGs are untouched.
 
@@ -294,7 +295,7 @@ class OneCycleTrainer:
                 as ``"v5e"`` or a :class:`~xla_utils.readiness.TPUChip`); default this
                 machine's TPU, else v5e.
         """
-        self.lr_finder_result = _strategy.find_lr(self, simulate, on_mesh, tpu, kwargs)
+        self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs)
         return self.lr_finder_result
 
     def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
@@ -339,7 +340,7 @@ class OneCycleTrainer:
         cfg = self.config
         sim = 8 if simulate is None and not runtime._tpu_present() else simulate
         plan = (None if cfg.strategy == "spawn" else
-                _strategy.plan_strategy(cfg, self.model, _planned_world_size("all", sim), sim))
+                _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False),
@@ -397,7 +398,7 @@ class OneCycleTrainer:
         check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
                            bool(getattr(self.train_data, "multilabel", False)),
                            getattr(self.train_data, "num_classes", None))
-        world = _planned_world_size(cores, simulate)
+        world = _strategy.planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
         self._mix = mix_config_for(cfg, self.loss, self.model, *inputs["train"],
                                    self._prepare(inputs["train"][1], train=False), self.eval_step)
@@ -559,7 +560,7 @@ class OneCycleTrainer:
         """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
         if self.config.strategy == "spawn":
             return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
-        world = _planned_world_size(cores, simulate)
+        world = _strategy.planned_world_size(cores, simulate)
         splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
         return _strategy.launch(_strategy.inference_replica, (self, plan), splan, None)
 
@@ -633,7 +634,7 @@ class OneCycleTrainer:
         ``measure_loader`` (default True) compares the loader's samples/s with the TPU's step
         rate; ``tpu`` as in :func:`xla_utils.check` (default this TPU, else v5e). Under
         ``"spmd"``/``"fsdp"`` the sharded step also runs on ``devices`` devices (default: the
-        slice ``tpu`` names, else 8): :func:`xla_utils.strategy.check_on_mesh`."""
+        slice ``tpu`` names, else 8): :func:`xla_utils.mesh_tasks.check_on_mesh`."""
         from .readiness import check as readiness_check
 
         cfg = self.config
@@ -651,7 +652,7 @@ class OneCycleTrainer:
                                  train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
                                  inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache)
         if cfg.strategy != "spawn":
-            _strategy.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices)
+            _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices)
         return report
 
     def _check_before_fit(self) -> None:
@@ -784,17 +785,3 @@ class OneCycleTrainer:
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
         return lambda x, cfg=self.config: loop.prepare_input(x, cfg, train, spec)
-
-
-def _planned_world_size(cores: int | str, simulate: int | None) -> int:
-    """The world size a launch will have, found without touching the XLA runtime."""
-    if cores == 1:
-        return 1
-    if simulate is not None:
-        return simulate
-    if runtime.backend() == "xla":
-        from . import env
-        return max(env.detect().num_devices or 1, 1)
-    return 1
-
-
