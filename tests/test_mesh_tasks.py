@@ -51,6 +51,9 @@ def test_find_lr_sweeps_on_the_mesh_when_one_core_cannot_hold_the_model(capsys):
     assert (one.devices, one.strategy, one.shardings) == (1, None, {})
     assert (one.batch_size, one.micro_batch_size, one.accum_steps) == (64, 8, 8)
     np.testing.assert_allclose(mesh.losses, one.losses, rtol=0, atol=1e-4)
+    # for fit(cores=1): the global batch of one device, not of the 8 simulated ones
+    single = tr.find_lr(simulate=DEVICES, cores=1, **kw)
+    assert (single.batch_size, single.micro_batch_size, single.accum_steps) == (8, 8, 1)
 
 
 def test_fit_max_lr_find_uses_the_mesh_sweep(capsys):

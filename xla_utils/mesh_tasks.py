@@ -70,10 +70,11 @@ def _sample(trainer: Any, spec: Any, n: int) -> tuple[torch.Tensor, Any]:
 
 
 def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
-            kwargs: dict) -> Any:
+            kwargs: dict, devices: int) -> Any:
     """:meth:`OneCycleTrainer.find_lr <xla_utils.trainer.OneCycleTrainer.find_lr>`: place
-    the sweep (:func:`sweep_placement`), size its batch for the fit's global batch under a
-    mesh strategy, run :func:`xla_utils.lr_find` there; returns its result."""
+    the sweep (:func:`sweep_placement`), size its batch for the global batch of a fit on
+    ``devices`` devices under a mesh strategy, run :func:`xla_utils.lr_find` there;
+    returns its result."""
     from .inputs import require_labels
     from .lr_finder import lr_find
 
@@ -82,7 +83,6 @@ def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
     spec = trainer._inspect(trainer.train_data, "train_data", "lr_find")
     kwargs.setdefault("batch_tfm", trainer._prepare(spec, train=False))
     kwargs.setdefault("compile_cache", cfg.compile_cache)
-    devices = planned_world_size("all", simulate)
     mesh, placement = sweep_placement(
         cfg, trainer.model, lambda: _sample(trainer, spec, min(2, cfg.batch_size)),
         step=trainer.train_step, loss=trainer.loss, devices=devices, tpu=tpu,

@@ -274,7 +274,7 @@ class OneCycleTrainer:
 
     # ------------------------------------------------------------------ API
     def find_lr(self, simulate: int | None = None, *, on_mesh: bool | None = None,
-                tpu: Any = None, **kwargs: Any):
+                tpu: Any = None, cores: int | str = "all", **kwargs: Any):
         """Run :func:`xla_utils.lr_find` with this trainer's model, loss, data, batch size,
         optimizer and image normalisation; the result is also kept in
         ``self.lr_finder_result``. Extra keywords go to ``lr_find``.
@@ -294,8 +294,11 @@ class OneCycleTrainer:
             tpu: The target TPU of the automatic choice, as in :meth:`check` (a name such
                 as ``"v5e"`` or a :class:`~xla_utils.readiness.TPUChip`); default this
                 machine's TPU, else v5e.
+            cores: The fit's ``cores`` the answer is for (mesh strategies): ``"all"``
+                (default) or 1.
         """
-        self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs)
+        devices = _strategy.planned_world_size(cores, simulate)
+        self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs, devices)
         return self.lr_finder_result
 
     def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
@@ -476,7 +479,8 @@ class OneCycleTrainer:
         # batch are exactly one k-core step's gradient (a mesh strategy's find_lr does this
         # itself, or sweeps on the mesh): no scaling rule on top of the finder's rule.
         extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
-        res = self.find_lr(simulate=simulate, epochs=cfg.epochs, **extra)
+        res = self.find_lr(simulate=simulate, epochs=cfg.epochs, cores=1 if world == 1 else "all",
+                           **extra)
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
             raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); pass "
