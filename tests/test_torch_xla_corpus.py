@@ -47,11 +47,11 @@ PROGRAMS = [
 ]
 
 
-# Two suites may run side by side (two stacks or two checkouts on one host); two 8-replica
-# ResNet programs at once can exhaust a small host's memory, so the memory-heavy programs
-# (the examples and SyncBatchNorm's 3-D batches) of concurrent suites take turns. The
-# other programs (small tensors) do not wait: waiting there left a second suite idle for
-# minutes (test_mp_all_to_all: 134 s in the test, 9 s of its own).
+# CI runs the two stacks' suites side by side; two 8-replica ResNet programs at once can
+# exhaust a small host's memory, so the memory-heavy programs (the examples and
+# SyncBatchNorm's 3-D batches) of all concurrent suites take turns. The other programs
+# (small tensors) do not wait: waiting there left the second suite idle for minutes per
+# CI run (test_mp_all_to_all: 134 s in the test, 9 s of its own).
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "xla_utils-corpus.lock"
 HEAVY = ("examples/", "test_mp_sync_batch_norm.py")
 
