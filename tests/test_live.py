@@ -190,6 +190,14 @@ def _sum_of_ranks(scale: float):
     return float(x.cpu())
 
 
+def _total_over_ranks(t: torch.Tensor):
+    from xla_utils import runtime as rt
+
+    x = rt.all_reduce(t.to(rt.device()).sum().reshape(1))
+    rt.sync()
+    return float(x.cpu())
+
+
 def _fail_on_rank_1():
     from xla_utils import runtime as rt
 
@@ -209,6 +217,13 @@ def test_live_job_on_2_threads_reuses_graphs_and_a_failing_call_ends_it():
         assert job.call(_sum_of_ranks, (1.5,)) == 1.5 * 3
         assert job.call(_sum_of_ranks, (2.5,)) == 2.5 * 3  # a new scale is device data
         assert job.last_counters["compiles"] == 0, job.last_counters
+        big = torch.arange(2048, dtype=torch.float32)  # kept by both replicas between calls
+        assert job.call(_total_over_ranks, (big,)) == 2 * float(big.sum())
+        assert job.call(_total_over_ranks, (big,)) == 2 * float(big.sum())
+        assert job.last_sent["resident_reused"] == 1 and job.last_sent["new_bytes"] == 0
+        big.data.add_(1)
+        assert job.call(_total_over_ranks, (big,)) == 2 * float(big.sum())
+        assert job.last_sent["resident_sent"] == 1
         pid = job.pid
         with pytest.raises(ReplicaError, match="deliberate failure"):
             job.call(_fail_on_rank_1, ())
