@@ -41,6 +41,7 @@ from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_i
 from .loop import scale_lr
 from .mixup import check_step_options, mix_config_for
 from .optim import resolve_optimizer
+from .simulate import resident as _resident
 from .simulate.live import live_or_launch
 
 if TYPE_CHECKING:
@@ -623,7 +624,7 @@ class OneCycleTrainer:
         """One replica of :meth:`predict` / :meth:`evaluate` (see :func:`loop.inference_pass`)."""
         runtime._enable_compile_cache(self.config.compile_cache)  # before anything compiles
         ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
-        model = loop.replica_model(plan.model, dev).eval()
+        model = _resident.replica_model(plan.model, dev, rk).eval()  # device copies kept by a live job
         acc, targets = loop.inference_pass(model, plan, cfg=self.config, eval_step=self.eval_step,
                                            world_size=ws, rank=rk, dev=dev)
         if plan.labelled:

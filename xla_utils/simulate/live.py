@@ -7,7 +7,8 @@ thread-simulated job (``run_replicas(threads=True)``) whose replicas run
 :func:`_serve`: a loop that takes ``(fn, args)`` requests from the caller over a
 socket, runs ``fn(*args)`` on every replica thread and sends rank 0's result
 back. Graphs built by a later call with the same shapes hit torch_xla's
-in-memory computation cache: no compilation.
+in-memory computation cache: no compilation. Unchanged weights and image caches
+stay in the job between calls and are not sent again (:mod:`.resident`).
 
 Lifetime: the job belongs to the object that owns the :class:`LiveJob` (the
 trainer); :meth:`LiveJob.close` ends it (called by a ``weakref.finalize`` of the
@@ -32,6 +33,7 @@ import weakref
 from typing import Any, Callable
 
 from .protocol import recv_msg, send_msg
+from .resident import CallPickler, load_call
 
 __all__ = ["LiveJob", "close_all", "live_job_for", "live_or_launch"]
 
@@ -47,6 +49,9 @@ class LiveJob:
         last_counters: ``{"compiles": int, "executions": int}`` of the last call,
             counted in the job's rank-0 replica (``runtime.xla_counters`` deltas).
         pid: The live job's process id (its process group), or None.
+        last_sent: Of the last call: ``payload_bytes`` (the pickled call, resident
+            objects as keys), ``new_bytes`` (resident objects the job did not hold),
+            ``resident_sent`` and ``resident_reused`` (how many of each).
     """
 
     def __init__(self, n: int) -> None:
@@ -54,6 +59,8 @@ class LiveJob:
         self.starts = 0
         self.last_counters: dict[str, int] | None = None
         self.pid: int | None = None
+        self.last_sent: dict[str, int] | None = None
+        self._held: set[tuple] = set()  # keys of the resident objects the job holds
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -69,16 +76,21 @@ class LiveJob:
             runtime.ReplicaError: ``fn`` raised in a replica (the job is ended).
             RuntimeError: the job died twice in a row during this call.
         """
-        import cloudpickle
-
-        payload = cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        payload, used = CallPickler.dumps((fn, args))
         with self._lock:
             for attempt in (0, 1):
                 if not self.alive():
                     self._close_locked()
                     self._start()
+                new = {k: o for k, o in used.items() if k not in self._held}
+                new_blob = _dumps(new) if new else None
+                self._held = set()  # unknown until the job answers
+                self.last_sent = {"payload_bytes": len(payload),
+                                  "new_bytes": len(new_blob) if new_blob else 0,
+                                  "resident_sent": len(new),
+                                  "resident_reused": len(used) - len(new)}
                 try:
-                    send_msg(self._sock, ("run", payload))
+                    send_msg(self._sock, ("run", (payload, new_blob, tuple(used))))
                     kind, value, counters = recv_msg(self._sock)
                 except (EOFError, OSError) as exc:
                     self._close_locked()
@@ -87,6 +99,8 @@ class LiveJob:
                                            f"({type(exc).__name__}: {exc})") from None
                     continue
                 self.last_counters = counters
+                if kind == "ok":
+                    self._held = set(used)
                 if kind == "error":
                     self._close_locked()
                     from ..runtime.replica import ReplicaError
@@ -137,6 +151,7 @@ class LiveJob:
     def _close_locked(self) -> None:
         sock, thread, pid = self._sock, self._thread, self.pid
         self._sock = self._thread = self.pid = None
+        self._held = set()
         if sock is not None:
             with contextlib.suppress(OSError):
                 send_msg(sock, ("close", None))
@@ -148,6 +163,12 @@ class LiveJob:
                 with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)
                 thread.join(timeout=10)
+
+
+def _dumps(obj: Any) -> bytes:
+    import cloudpickle
+
+    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 _JOBS: "weakref.WeakKeyDictionary[Any, LiveJob]" = weakref.WeakKeyDictionary()
@@ -199,6 +220,7 @@ class _Mailbox:
 
     cond = threading.Condition()
     msgs: list = []
+    stores: dict[int, dict] = {}  # per rank: the resident objects of the last call (.resident)
     errors: list = []  # (traceback, type name, secondary) of failed calls, in order
 
 
@@ -240,16 +262,16 @@ def _serve(port: int) -> None:
             raise
 
 
-def _run_one(sock: socket.socket | None, payload: bytes) -> None:
-    """One request on this replica thread; rank 0 (``sock`` set) sends the reply."""
-    import cloudpickle
-
+def _run_one(sock: socket.socket | None, request: tuple) -> None:
+    """One request ``(payload, new resident objects, their keys)`` on this replica
+    thread; rank 0 (``sock`` set) sends the reply."""
     from .. import runtime
     from ..runtime.replica import dumps_cpu
 
     before = runtime.xla_counters()
     try:
-        fn, args = cloudpickle.loads(payload)
+        store = _Mailbox.stores.setdefault(runtime.rank(), {})
+        fn, args = load_call(store, *request)
         reply = ("ok", dumps_cpu(fn(*args)))
     except BaseException as exc:
         tb = traceback.format_exc()
