@@ -219,14 +219,19 @@ class _Mailbox:
     """Rank 0 posts each request here; the other replica threads of the process read them in order."""
 
     cond = threading.Condition()
-    msgs: list = []
+    # [message, replicas yet to read it]; the payload is dropped once all have it, so a
+    # long-lived job does not keep every call's weights
+    msgs: list[list] = []
     stores: dict[int, dict] = {}  # per rank: the resident objects of the last call (.resident)
     errors: list = []  # (traceback, type name, secondary) of failed calls, in order
 
 
 def _post(msg: tuple) -> None:
+    from .. import runtime
+
+    readers = runtime.world_size() - 1  # rank 0 posts it and has it already
     with _Mailbox.cond:
-        _Mailbox.msgs.append(msg)
+        _Mailbox.msgs.append([msg if readers > 0 else None, readers])
         _Mailbox.cond.notify_all()
 
 
@@ -249,7 +254,11 @@ def _serve(port: int) -> None:
         else:
             with _Mailbox.cond:
                 _Mailbox.cond.wait_for(lambda: len(_Mailbox.msgs) > seen)
-                msg = _Mailbox.msgs[seen]
+                entry = _Mailbox.msgs[seen]
+                msg = entry[0]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    entry[0] = None
         seen += 1
         kind, payload = msg
         if kind != "run":
