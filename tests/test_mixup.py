@@ -168,13 +168,22 @@ def _chunked_job(chunk, steps):
                         to_device=after["to_device"] - before["to_device"],
                         to_host=after["to_host"] - before["to_host"],
                         mixed=[(a.cpu(), b.cpu()) for a, b in got]))
-    return x.cpu(), out
+    # multi-label, mixup alone, on flat inputs (no image size): chunks of 2
+    ml = DeviceMix(MixConfig(0.8, 0.0, 0.1, C, multilabel=True), dev, chunk=2)
+    xf, yh = x.view(B, -1), (y.view(-1, 1) == runtime.to_device(torch.tensor([[0, 2, 3]]), dev))
+    multi = []
+    for _ in range(3):
+        ml.prepare()
+        a, b = ml(xf, yh.float())
+        runtime.sync()
+        multi.append((a.cpu(), b.cpu()))
+    return x.cpu(), out, yh.float().cpu(), multi
 
 
 @pytest.mark.timeout(600)
 def test_draws_come_in_chunks_new_per_step_and_epoch_same_graph_exact_on_resume():
     steps, chunk = 11, 4  # three chunks per epoch, the last one partly used
-    x, epochs = runtime.launch(_chunked_job, chunk, steps, simulate=1, timeout=600)
+    x, epochs, yh, multi = runtime.launch(_chunked_job, chunk, steps, simulate=1, timeout=600)
     first, second, replay = epochs
     assert first["compiles"] > 0 and second["compiles"] == 0 and replay["compiles"] == 0
     for e in epochs[1:]:  # no per-step copies: the device RNG's seed once per chunk, no reads
@@ -191,6 +200,13 @@ def test_draws_come_in_chunks_new_per_step_and_epoch_same_graph_exact_on_resume(
     for e in epochs:
         for xm, ym in e["mixed"]:
             assert torch.allclose(ym.sum(1), torch.ones(B)) and torch.isfinite(xm).all()
+    xf, ys, lams = x.view(B, -1), soft_targets(yh, C, 0.1, True), []
+    for xm, ym in multi:  # one lam per step blends inputs and multi-hot targets alike
+        lam = float((xm[0, 1] - xf[-1, 1]) / (xf[0, 1] - xf[-1, 1]))
+        torch.testing.assert_close(xm, lam * xf + (1 - lam) * xf.flip(0), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(ym, lam * ys + (1 - lam) * ys.flip(0), rtol=0, atol=1e-4)
+        lams.append(lam)
+    assert len(set(lams)) == 3, lams
 
 
 @pytest.mark.timeout(600)
