@@ -392,7 +392,7 @@ class DeviceMix:
                                  for v in (1.0 - cfg.label_smoothing + off, off))
         self._sizes: dict[tuple[int, int], torch.Tensor] = {}
         self._rows: list[tuple] = []  # the chunk's unused steps, next last
-        self._hw: tuple[int, int] | None = cfg.image_hw
+        self._hw = cfg.image_hw if cfg.cutmix > 0 else None  # the box's image size
 
     def start_epoch(self) -> None:
         """Forget the unused draws: the next step draws a new chunk (call it after
