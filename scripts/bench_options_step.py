@@ -7,10 +7,15 @@ time per step of this process (steadier than wall time on a shared machine), ste
 overhead against the plain step, and the host time spent tracing the option alone.
 
     PJRT_DEVICE=CPU python scripts/bench_options_step.py [--model small|mlp|resnet] \\
-        [--variants plain,ema,mix,mixup,cutmix,ls] [--rounds 7] [--steps 60]
+        [--variants plain,ema,mix,mixup,cutmix,ls] [--rounds 7] [--steps 60] \\
+        [--old-mixup FILE]
 
 Variants: ``ema`` (ema=0.999), ``mix`` (mixup=0.2, cutmix=1.0, label_smoothing=0.1),
 ``mixup`` / ``cutmix`` (one of them, smoothing 0.1), ``ls`` (label_smoothing=0.1 only).
+``--old-mixup FILE`` (another version of xla_utils/mixup.py, e.g. from ``git show
+REV:xla_utils/mixup.py > FILE``) adds ``old-<v>`` variants with that file's ``DeviceMix``
+beside each mixing variant, before and after in one process. Each option's IR nodes per
+step (what torch_xla traces and hashes on the host every step) are printed too.
 Like scripts/bench_trainer.py this script calls torch_xla itself: it times the
 library's device-side pieces (xla_utils.ema.DeviceEMA, xla_utils.mixup.DeviceMix) inside
 a hand-written step.
@@ -32,7 +37,7 @@ MIX = {"mix": (0.2, 1.0), "mixup": (0.2, 0.0), "cutmix": (0.0, 1.0), "ls": (0.0,
 class Variant:
     """One model, optimizer and option, stepping on ``dev`` over a few fixed device batches."""
 
-    def __init__(self, name: str, dev, batches):
+    def __init__(self, name: str, dev, batches, old_mix=None):
         import torch
 
         from xla_utils.ema import DeviceEMA
@@ -43,10 +48,13 @@ class Variant:
         self.model = bench_trainer.make_model().to(dev)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.ema = DeviceEMA(bench_trainer.make_model(), 0.999, 0, dev) if name == "ema" else None
-        self.mix = DeviceMix(MixConfig(*MIX[name], 0.1, bench_trainer.CLASSES), dev) \
-            if name in MIX else None
+        base = name[4:] if name.startswith("old-") else name
+        make = old_mix if name.startswith("old-") else DeviceMix
+        self.mix = make(MixConfig(*MIX[base], 0.1, bench_trainer.CLASSES), dev) \
+            if base in MIX else None
         self.loss = torch.nn.CrossEntropyLoss()
         self.cpu_ms: list[float] = []
+        self.nodes = 0
 
     def step(self) -> None:
         import torch_xla
@@ -55,6 +63,8 @@ class Variant:
         x, y = self.batches[self.i % len(self.batches)]
         self.i += 1
         if self.mix is not None:
+            if hasattr(self.mix, "prepare"):  # as the trainer's loop: before the step's ops
+                self.mix.prepare()
             x, y = self.mix(x, y)
         for g in self.opt.param_groups:  # a changing LR, as the one-cycle schedule
             g["lr"] = 0.01 + 1e-5 * (self.i % 100 + 1)
@@ -84,6 +94,8 @@ class Variant:
         x, y = self.batches[0]
         ts = []
         for _ in range(n):
+            if self.mix is not None and hasattr(self.mix, "prepare"):
+                self.mix.prepare()  # its own graph, once per chunk: not the step's tracing
             t0 = time.perf_counter()
             if self.mix is not None:
                 keep = self.mix(x, y)
@@ -93,9 +105,30 @@ class Variant:
             else:
                 keep = None
             ts.append(time.perf_counter() - t0)
+            if keep is not None:
+                self.nodes = graph_nodes(keep)
             torch_xla.sync()
             del keep
         return 1000 * statistics.median(ts)
+
+
+def graph_nodes(tensors) -> int:
+    """IR nodes of the pending graph of ``tensors`` (device data and constants included)."""
+    import torch_xla
+
+    text = torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+    return sum(1 for line in text.splitlines() if line.lstrip().startswith("%"))
+
+
+def load_old_mix(path: str):
+    """``DeviceMix`` of another version of xla_utils/mixup.py (imported inside the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("xla_utils._mixup_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.DeviceMix
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,10 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--old-mixup", default=None,
+                    help="another mixup.py: adds old-<variant> beside each mixing variant")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     if names[0] != "plain" or set(names) - {"plain", "ema", *MIX}:
         ap.error(f"--variants: 'plain' first, then any of ema, {', '.join(MIX)}")
+    old_mix = None
+    if args.old_mixup:
+        old_mix = load_old_mix(args.old_mixup)
+        names = [m for n in names for m in ((f"old-{n}", n) if n in MIX else (n,))]
     bench_trainer.MODEL = args.model
     import torch
     import torch_xla
@@ -122,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 xm.send_cpu_data_to_device(
                     torch.randint(0, bench_trainer.CLASSES, (args.batch,), generator=g), dev)[0])
                for _ in range(4)]
-    runs = {n: Variant(n, dev, batches) for n in names}
+    runs = {n: Variant(n, dev, batches, old_mix) for n in names}
     for r in runs.values():  # compile
         for _ in range(3):
             r.step()
@@ -137,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     base_rate = statistics.median(rates["plain"])
     for n in names:
         cpu, rate = statistics.median(runs[n].cpu_ms), statistics.median(rates[n])
-        trace = "" if n == "plain" else f"; tracing the option alone {runs[n].trace_ms():.3f} ms"
-        print(f"{n:7s} CPU {cpu:7.2f} ms/step ({cpu / base_cpu - 1:+6.1%}), {rate:7.1f} steps/s "
+        trace = ""
+        if n != "plain":
+            trace = f"; tracing the option alone {runs[n].trace_ms():.3f} ms"
+            if runs[n].mix is not None:
+                trace += f", {runs[n].nodes} IR nodes"
+        print(f"{n:10s} CPU {cpu:7.2f} ms/step ({cpu / base_cpu - 1:+6.1%}), {rate:7.1f} steps/s "
               f"({base_rate / rate - 1:+6.1%} by wall time){trace}")
     return 0
 

@@ -141,3 +141,93 @@ def test_bad_values_refused_before_any_device_time():
     with pytest.raises(ValueError, match="cutmix=0"):
         OneCycleTrainer(nn.Linear(64, 10), nn.CrossEntropyLoss(), flat, batch_size=8,
                         cutmix=1.0).fit()
+
+
+def _chunked_job(chunk, steps):
+    """DeviceMix as the trainer's loop drives it, over three 'epochs' of ``steps`` steps
+    with ``chunk`` draws per chunk; the third replays the second's seed (a resume)."""
+    from xla_utils.mixup import DeviceMix, MixConfig
+
+    dev = runtime.device()
+    mix = DeviceMix(MixConfig(0.2, 1.0, 0.1, C, image_hw=(H, W)), dev, chunk=chunk)
+    x = runtime.to_device(torch.arange(B * 3 * H * W, dtype=torch.float32).view(B, 3, H, W), dev)
+    y = runtime.to_device(torch.arange(B) % C, dev)
+    out = []
+    for seed in (11, 12, 12):
+        runtime.set_seed(seed)
+        mix.start_epoch()
+        before = runtime.xla_counters()
+        got = []
+        for _ in range(steps):
+            mix.prepare()
+            xm, ym = mix(x, y)
+            runtime.sync()
+            got.append((xm, ym))
+        after = runtime.xla_counters()
+        out.append(dict(compiles=after["compiles"] - before["compiles"],
+                        to_device=after["to_device"] - before["to_device"],
+                        to_host=after["to_host"] - before["to_host"],
+                        mixed=[(a.cpu(), b.cpu()) for a, b in got]))
+    # multi-label, mixup alone, on flat inputs (no image size): chunks of 2
+    ml = DeviceMix(MixConfig(0.8, 0.0, 0.1, C, multilabel=True), dev, chunk=2)
+    xf, yh = x.view(B, -1), (y.view(-1, 1) == runtime.to_device(torch.tensor([[0, 2, 3]]), dev))
+    multi = []
+    for _ in range(3):
+        ml.prepare()
+        a, b = ml(xf, yh.float())
+        runtime.sync()
+        multi.append((a.cpu(), b.cpu()))
+    return x.cpu(), out, yh.float().cpu(), multi
+
+
+@pytest.mark.timeout(600)
+def test_draws_come_in_chunks_new_per_step_and_epoch_same_graph_exact_on_resume():
+    steps, chunk = 11, 4  # three chunks per epoch, the last one partly used
+    x, epochs, yh, multi = runtime.launch(_chunked_job, chunk, steps, simulate=1, timeout=600)
+    first, second, replay = epochs
+    assert first["compiles"] > 0 and second["compiles"] == 0 and replay["compiles"] == 0
+    for e in epochs[1:]:  # no per-step copies: the device RNG's seed once per chunk, no reads
+        assert e["to_host"] == 0 and e["to_device"] == -(-steps // chunk), e["to_device"]
+    flat = [xm for e in epochs[:2] for xm, _ in e["mixed"]]
+    for i in range(len(flat)):  # a new draw every step, chunk and epoch
+        for j in range(i):
+            assert not torch.equal(flat[i], flat[j]), (i, j)
+    for (a, b), (c, d) in zip(second["mixed"], replay["mixed"]):  # same seed, same draws
+        assert torch.equal(a, c) and torch.equal(b, d)
+    # cutmix steps copy pixels (each one of x or x.flip(0)); mixup steps blend them all
+    cut = [bool(((xm == x) | (xm == x.flip(0))).all()) for e in epochs[:2] for xm, _ in e["mixed"]]
+    assert any(cut) and not all(cut), cut
+    for e in epochs:
+        for xm, ym in e["mixed"]:
+            assert torch.allclose(ym.sum(1), torch.ones(B)) and torch.isfinite(xm).all()
+    xf, ys, lams = x.view(B, -1), soft_targets(yh, C, 0.1, True), []
+    for xm, ym in multi:  # one lam per step blends inputs and multi-hot targets alike
+        lam = float((xm[0, 1] - xf[-1, 1]) / (xf[0, 1] - xf[-1, 1]))
+        torch.testing.assert_close(xm, lam * xf + (1 - lam) * xf.flip(0), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(ym, lam * ys + (1 - lam) * ys.flip(0), rtol=0, atol=1e-4)
+        lams.append(lam)
+    assert len(set(lams)) == 3, lams
+
+
+@pytest.mark.timeout(600)
+def test_trainer_mix_over_chunks_compiles_once_and_resumes_exactly(tmp_path):
+    """80 steps an epoch, more than one chunk of draws (64): no compile after epoch 1, and
+    a run resumed from epoch 1's checkpoint ends with the same weights."""
+    import copy
+
+    data = _images(320)
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 64, 10))
+    kw = dict(batch_size=4, epochs=2, max_lr=5e-3, seed=6, mixup=0.2, cutmix=1.0,
+              label_smoothing=0.1, checkpoint_dir=str(tmp_path / "full"), keep_checkpoints=3)
+    full = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), data, **kw).fit(simulate=1)
+    compiles = [e["compiles"] for e in full.epochs]
+    assert compiles[0] > 0 and compiles[1] == compiles[0], compiles
+    assert all(e["host_reads_per_step"] < 1 for e in full.epochs), full.epochs
+    kw["checkpoint_dir"] = str(tmp_path / "resumed")
+    resumed = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), data, **kw).fit(
+        simulate=1, resume=tmp_path / "full" / f"epoch_001-{full.run_id}.pt")
+    assert [e["epoch"] for e in resumed.epochs] == [1, 2]
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=0, atol=0)

@@ -309,6 +309,8 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     """
     spe, model, opt, k = s.steps_per_epoch, s.model, s.opt, s.accum_steps
     runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
+    if s.mix is not None:
+        s.mix.start_epoch()  # this epoch's draws come from this epoch's seed (exact resume)
     model.train()
     t0 = time.perf_counter()
     to_host0 = runtime.xla_counters()["to_host"]
@@ -319,6 +321,8 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     train_loss = math.nan
     it = s.feed(batches)
     for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
+        if s.mix is not None:
+            s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
         x = prepare_input(x, cfg, True, inputs)
         if s.mix is not None:
             x, y = s.mix(x, y)
