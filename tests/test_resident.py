@@ -87,3 +87,12 @@ def test_a_cache_is_kept_until_its_files_or_state_change(tmp_path):
     assert len(pickle.loads(pickle.dumps(ds))) == 10
     os.remove(tmp_path / "c" / "labels.npy")
     assert resident_key(ds) is None  # unreadable: pickled with the call, the job names the problem
+
+
+def test_loading_a_call_does_not_make_this_process_a_live_job():
+    # Device copies are reused by host identity only in a live job, whose host tensors are
+    # snapshots; here (in-process predict) the user's tensors change in place.
+    from xla_utils.simulate.resident import in_live_job
+
+    _roundtrip(nn.Linear(64, 32), {})
+    assert not in_live_job()

@@ -624,7 +624,8 @@ class OneCycleTrainer:
         """One replica of :meth:`predict` / :meth:`evaluate` (see :func:`loop.inference_pass`)."""
         runtime._enable_compile_cache(self.config.compile_cache)  # before anything compiles
         ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
-        model = _resident.replica_model(plan.model, dev, rk).eval()  # device copies kept by a live job
+        model = (_resident.replica_model(plan.model, dev, rk) if _resident.in_live_job()
+                 else loop.replica_model(plan.model, dev)).eval()  # a live job keeps device copies
         acc, targets = loop.inference_pass(model, plan, cfg=self.config, eval_step=self.eval_step,
                                            world_size=ws, rank=rk, dev=dev)
         if plan.labelled:

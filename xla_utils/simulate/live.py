@@ -33,7 +33,7 @@ import weakref
 from typing import Any, Callable
 
 from .protocol import recv_msg, send_msg
-from .resident import CallPickler, load_call
+from .resident import CallPickler, load_call, mark_live_job
 
 __all__ = ["LiveJob", "close_all", "live_job_for", "live_or_launch"]
 
@@ -239,6 +239,7 @@ def _serve(port: int) -> None:
     from .. import runtime
 
     r = runtime.rank()
+    mark_live_job()
     sock = None
     if r == 0:
         sock = socket.create_connection(("127.0.0.1", port))

@@ -39,7 +39,8 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["MIN_BYTES", "CallPickler", "resident_key", "load_call", "replica_model"]
+__all__ = ["MIN_BYTES", "CallPickler", "resident_key", "load_call", "mark_live_job",
+           "in_live_job", "replica_model"]
 
 MIN_BYTES = 4096  # smaller tensors are pickled with the call (hashing costs about as much)
 
@@ -143,8 +144,6 @@ def load_call(store: dict[tuple, Any], payload: bytes, new: bytes | None,
     """In the job: the call's ``(fn, args)``, after adding the new resident objects
     (``new``: a pickled ``{key: object}``) to this replica's ``store`` and dropping
     those this call does not use (``keep``: its keys)."""
-    global _IN_JOB
-    _IN_JOB = True
     if new:
         store.update(cloudpickle.loads(new))
     obj = _CallUnpickler(payload, store).load()
@@ -154,21 +153,34 @@ def load_call(store: dict[tuple, Any], payload: bytes, new: bytes | None,
     return obj
 
 
-_IN_JOB = False  # set by load_call: this process is a live job
+# Set by a live job's replicas (:func:`mark_live_job`). Only there are the host tensors
+# of a call snapshots that nobody changes in place (a changed one arrives as a new
+# object), so only there may replica_model reuse device copies by host identity.
+_IN_JOB = False
+
+
+def mark_live_job() -> None:
+    """Mark this process as a live job (called by its replicas before serving)."""
+    global _IN_JOB
+    _IN_JOB = True
+
+
+def in_live_job() -> bool:
+    """Whether this process is a live job, where :func:`replica_model` can reuse device
+    copies."""
+    return _IN_JOB
+
+
 # In the job, per rank: id(host tensor) -> (host tensor, its device copy, the copy's version)
 _DEVICE: dict[int, dict[int, tuple[Any, Any, int]]] = {}
 
 
 def replica_model(model: Any, dev: Any, rank: int) -> Any:
-    """This replica's model on ``dev``: :func:`xla_utils.loop.replica_model` outside a
-    live job; in one, a copy of ``model`` on ``dev`` (``model`` itself is left on the host),
-    whose tensors of at least :data:`MIN_BYTES` reuse this rank's device copies from
-    the last call when they are the same host tensor objects (resident: unchanged)
-    and their device copy was not changed in place. Only the last call's copies are kept."""
-    if not _IN_JOB:
-        from .. import loop
-
-        return loop.replica_model(model, dev)
+    """This replica's model on ``dev`` in a live job (:func:`in_live_job`): a copy of
+    ``model`` on ``dev`` (``model`` itself is left on the host), whose tensors of at least
+    :data:`MIN_BYTES` reuse this rank's device copies from the last call when they are the
+    same host tensor objects (resident: unchanged) and their device copy was not changed
+    in place. Only the last call's copies are kept."""
     cache = _DEVICE.get(rank, {})
     host = {**dict(model.named_parameters(remove_duplicate=False)),
             **{f"buffer:{n}": b for n, b in model.named_buffers(remove_duplicate=False)}}
