@@ -20,7 +20,8 @@ against the hand-written first pass (ratio of medians and median of per-rep
 ratios), with the load average, and the largest difference between the two
 prediction arrays.
 
-    PJRT_DEVICE=CPU python scripts/bench_predict.py [--reps 5] [--batch 64] [--repeat 3] [--calls 3] [--json out.json]
+    PJRT_DEVICE=CPU python scripts/bench_predict.py [--reps 5] [--batch 64] [--repeat 3] [--calls 3] \\
+        [--num-workers N] [--json out.json]
 
 The hand-written loop is what a careful user writes from the torch_xla docs:
 a ``DataLoader`` over the cache, ``MpDeviceLoader``, outputs kept on the device
@@ -93,7 +94,7 @@ def run_hand(cache: str, batch: int, calls: int) -> dict:
     return {"seconds": seconds, "images": len(ds), "preds": preds.tolist()}
 
 
-def run_predict(cache: str, batch: int, calls: int) -> dict:
+def run_predict(cache: str, batch: int, calls: int, num_workers: int | None = None) -> dict:
     import torch
 
     from xla_utils import CachedImageDataset, OneCycleTrainer, runtime
@@ -102,7 +103,8 @@ def run_predict(cache: str, batch: int, calls: int) -> dict:
     runtime.xla_available()  # imports torch_xla (untimed, as in run_hand); the runtime stays untouched
     ds = CachedImageDataset(cache)
     t0 = time.perf_counter()
-    t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), ds, batch_size=batch, mean=MEAN, std=STD)
+    t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), ds, batch_size=batch, mean=MEAN, std=STD,
+                        num_workers=num_workers)
     simulate._zygote()  # started by OneCycleTrainer(...); wait until it is ready
     zygote_s = time.perf_counter() - t0
     from xla_utils.simulate.live import live_job_for
@@ -123,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="passes of the 1,797 digits in the cache")
     ap.add_argument("--calls", type=int, default=3, help="predict calls per process (>= 2)")
+    ap.add_argument("--num-workers", type=int, default=None,
+                    help="predict's loader threads (default: automatic, as users get; 0 = batches "
+                         "assembled in the transfer thread, as the hand-written loop's DataLoader "
+                         "assembles them in its own thread)")
     ap.add_argument("--json", help="also write the medians and per-run rates here")
     ap.add_argument("--child", choices=["hand", "predict"], help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
@@ -130,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls < 2:
         ap.error("--calls must be >= 2 (the first call and later ones are reported apart)")
     if args.child:
-        fn = run_hand if args.child == "hand" else run_predict
-        print("\n" + json.dumps(fn(args.cache, args.batch, args.calls)))  # after any progress bar
+        out = (run_hand(args.cache, args.batch, args.calls) if args.child == "hand" else
+               run_predict(args.cache, args.batch, args.calls, args.num_workers))
+        print("\n" + json.dumps(out))  # after any progress bar
         return 0
 
     import numpy as np
@@ -147,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             preds = {}
             for variant in (("hand", "predict") if rep % 2 == 0 else ("predict", "hand")):
                 r = _bench.child(__file__, variant, "--cache", str(cache), "--batch",
-                                 str(args.batch), "--calls", str(args.calls))
+                                 str(args.batch), "--calls", str(args.calls),
+                                 *([] if args.num_workers is None else
+                                   ["--num-workers", str(args.num_workers)]))
                 n, sec = r["images"], r["seconds"]
                 preds[variant] = np.asarray(r["preds"])
                 if variant == "hand":
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rep {rep} {variant:8s} {n} images: {what}  ({_bench.load()})", flush=True)
             diff = max(diff, float(np.abs(preds["hand"] - preds["predict"]).max()))
     print(f"\nend: {_bench.load()}; batch {args.batch}, {args.reps} reps, {args.calls} predict "
-          f"calls per process; images/s below")
+          f"calls per process, predict num_workers="
+          f"{'automatic' if args.num_workers is None else args.num_workers}; images/s below")
     summary = {
         "first_call": _bench.compare("predict first call vs hand-written first pass",
                                      rates["hand"], rates["first"], "images/s"),

@@ -17,7 +17,9 @@ which goes first), all pairs in every repetition:
 * ``accum``, ``ema``, ``mixup``, ``all`` (issue 18): ``fit(simulate=1)`` with
   ``accum_steps=2`` / ``ema=0.999`` / ``mixup=0.2, cutmix=1.0, label_smoothing=0.1`` /
   all of them vs the plain ``fit(simulate=1)``; micro-batches/s (= images/s over the
-  batch) over epochs 2.. (target: <= 3% overhead each).
+  batch) over epochs 2.. (target: <= 3% overhead each). With ``--same-process`` each
+  process runs both variants ``--rounds`` times (alternating), so each pair of the
+  comparison ran in the same process.
 
 Prints every run with the load average, then medians and the overhead by ratio of
 medians and by median of per-pair ratios, and graph executions / device->host
@@ -25,6 +27,7 @@ transfers per step of the ``fit1`` pair.
 
     PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--pairs fit1,fit8,lr_find] [--json out.json]
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs accum,ema,mixup,all  # issue 18 options
+    PJRT_DEVICE=CPU python scripts/bench_trainer.py --same-process --reps 3 --rounds 4 --pairs mixup
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --reps 3 --pairs ema,mixup,all --model resnet \\
         --samples 512
 
@@ -182,6 +185,20 @@ def _option_runner(name: str):
     return run
 
 
+def _same_process_runner(name: str):
+    """Both variants of an option pair in this one process, ``ROUNDS`` times, alternating
+    which goes first (plain, option, option, plain, ...): each ``fit`` forks its job from
+    this process's zygote, so the pair shares one process's speed (see ``--same-process``)."""
+    def run(batch: int, epochs: int) -> dict:
+        rates: dict[str, list[float]] = {"plain": [], name: []}
+        for k in range(ROUNDS):
+            for variant in (("plain", name) if k % 2 == 0 else (name, "plain")):
+                r = run_fit(batch, epochs, 1, **({} if variant == "plain" else OPTIONS[name]))
+                rates[variant].append(_rate(r))
+        return rates
+    return run
+
+
 def run_hand_lr(batch: int, epochs: int) -> dict:
     """A hand-written LR range test: lr_find's schedule, smoothing and stop."""
     import torch
@@ -259,7 +276,9 @@ def _rate(r: dict) -> float:
 
 RUNNERS = {"hand1": run_hand1, "fit1": run_fit1, "hand8": run_hand8, "fit8": run_fit8,
            "hand_lr": run_hand_lr, "lr_find": run_lr_find,
-           **{f"fit1_{name}": _option_runner(name) for name in OPTIONS}}
+           **{f"fit1_{name}": _option_runner(name) for name in OPTIONS},
+           **{f"same_{name}": _same_process_runner(name) for name in OPTIONS}}
+ROUNDS = 4  # set by --rounds (pairs per process with --same-process)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,11 +292,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="small (default: 2 convs + MLP head), mlp or resnet; see make_model")
     ap.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                     help=f"training samples (default {DEFAULT_SAMPLES}; fewer for --model resnet)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="option pairs (accum, ema, mixup, all): run both variants in one process, "
+                         "--rounds pairs per process, --reps processes (the pair then shares one "
+                         "process's speed, which varies by +-10%% from process to process here)")
+    ap.add_argument("--rounds", type=int, default=4, help="pairs per process with --same-process")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    global MODEL, N_SAMPLES
-    MODEL, N_SAMPLES = args.model, args.samples
+    global MODEL, N_SAMPLES, ROUNDS
+    MODEL, N_SAMPLES, ROUNDS = args.model, args.samples, args.rounds
     if args.child:
         print(json.dumps(RUNNERS[args.child](args.batch, args.epochs)))
         return 0
@@ -290,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     # baseline of several pairs)
     rates: dict[str, dict[str, list[float]]] = {p: {v: [] for v in PAIRS[p]} for p in pairs}
     raw: dict[str, list[dict]] = {v: [] for p in pairs for v in PAIRS[p]}
+    if args.same_process:
+        return _main_same_process(args, pairs)
     for rep in range(args.reps):
         for pair in pairs:
             order = PAIRS[pair] if rep % 2 == 0 else PAIRS[pair][::-1]
@@ -321,6 +347,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "summary": summary, "raw": raw}, f, indent=1)
+    return 0
+
+
+def _main_same_process(args: argparse.Namespace, pairs: list[str]) -> int:
+    """``--same-process``: each option pair's variants side by side inside each process."""
+    if set(pairs) - set(OPTIONS):
+        raise SystemExit(f"--same-process times option pairs only ({sorted(OPTIONS)}), got {pairs}")
+    rates = {p: {"plain": [], p: []} for p in pairs}
+    for rep in range(args.reps):
+        for pair in pairs:
+            r = _bench.child(__file__, f"same_{pair}", "--batch", str(args.batch), "--epochs",
+                             str(args.epochs), "--model", args.model, "--samples",
+                             str(args.samples), "--rounds", str(args.rounds))
+            for v in ("plain", pair):
+                rates[pair][v] += r[v]
+            print(f"rep {rep} {pair}: plain {', '.join(f'{x:.2f}' for x in r['plain'])}; {pair} "
+                  f"{', '.join(f'{x:.2f}' for x in r[pair])} steps/s  ({_bench.load()})", flush=True)
+    print(f"\nend: {_bench.load()}; model {args.model}, {args.samples} samples, batch "
+          f"{args.batch} per core, {args.reps} processes x {args.rounds} pairs (same process)")
+    summary = {p: _bench.compare(p, rates[p]["plain"], rates[p][p], "steps/s", base_name="plain fit")
+               for p in pairs}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "same_process": True, "summary": summary}, f, indent=1)
     return 0
 
 
