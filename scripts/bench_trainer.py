@@ -51,6 +51,7 @@ import _bench
 
 DEFAULT_SAMPLES = 2048
 N_SAMPLES = DEFAULT_SAMPLES  # set by --samples
+ROUNDS = 4  # set by --rounds (pairs per process with --same-process)
 IMAGE = 32
 CLASSES = 10
 SWEEP = (1e-7, 10.0, 100)  # lr_find's defaults: start, end, steps
@@ -278,7 +279,6 @@ RUNNERS = {"hand1": run_hand1, "fit1": run_fit1, "hand8": run_hand8, "fit8": run
            "hand_lr": run_hand_lr, "lr_find": run_lr_find,
            **{f"fit1_{name}": _option_runner(name) for name in OPTIONS},
            **{f"same_{name}": _same_process_runner(name) for name in OPTIONS}}
-ROUNDS = 4  # set by --rounds (pairs per process with --same-process)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,12 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown pairs {sorted(unknown)}; choose from {list(PAIRS)}")
     print(f"start: {_bench.load()}; model {args.model}", flush=True)
+    if args.same_process:
+        return _main_same_process(args, pairs)
     # per pair, so that per-pair ratios pair the runs made back to back (fit1 is the
     # baseline of several pairs)
     rates: dict[str, dict[str, list[float]]] = {p: {v: [] for v in PAIRS[p]} for p in pairs}
     raw: dict[str, list[dict]] = {v: [] for p in pairs for v in PAIRS[p]}
-    if args.same_process:
-        return _main_same_process(args, pairs)
     for rep in range(args.reps):
         for pair in pairs:
             order = PAIRS[pair] if rep % 2 == 0 else PAIRS[pair][::-1]
