@@ -21,8 +21,9 @@ import pytest
 # 63 s -> 36 s). Results change only by float rounding (a ResNet's first loss 2.5307639
 # vs 2.5307641), and both sides of every comparison in a session use the same flag.
 # Set before anything imports torch_xla; an optimisation level the caller set wins.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+from xla_utils.runtime.xla import fast_cpu_compile_flags  # noqa: E402  (imports no torch_xla)
+
+os.environ["XLA_FLAGS"] = fast_cpu_compile_flags(os.environ.get("XLA_FLAGS"))
 
 from local_servers import free_port, start_emulator, stop, wait_port
 

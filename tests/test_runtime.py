@@ -387,3 +387,15 @@ def test_state_is_one_object_with_a_per_thread_backend_and_a_reset():
     # launch() records the in-process replica's backend in the shared STATE
     assert rt.launch(lambda: (rt.STATE.local.backend, rt.STATE.local.in_replica)) == ("torch", True)
     assert rt.STATE.local.backend is None
+
+
+def test_fast_cpu_compile_flags_adds_level_0_once_and_keeps_the_callers_level():
+    flag = "--xla_backend_optimization_level=0"
+    assert rt.fast_cpu_compile_flags(None) == flag
+    assert rt.fast_cpu_compile_flags("") == flag
+    assert rt.fast_cpu_compile_flags("--xla_dump_to=/tmp/d") == f"--xla_dump_to=/tmp/d {flag}"
+    assert rt.fast_cpu_compile_flags(flag) == flag
+    mine = "--xla_backend_optimization_level=2 --xla_dump_to=/tmp/d"
+    assert rt.fast_cpu_compile_flags(mine) == mine
+    # the test session runs under it (tests/conftest.py), so every process a test starts does
+    assert "xla_backend_optimization_level" in os.environ["XLA_FLAGS"]

@@ -64,9 +64,6 @@ HBM_USABLE = 0.9
 # warning, and the smaller share that makes an info note.
 PADDING_WARN = 0.25
 PADDING_INFO = 0.10
-# LLVM optimisation of XLA:CPU code: compile counts, transfers and fallbacks do
-# not depend on it, and -O0 compiles a ResNet-18 step ~5x faster.
-_XLA_CPU_FLAG = "--xla_backend_optimization_level=0"
 
 
 @dataclass(frozen=True)
@@ -455,10 +452,7 @@ def _fast_xla_cpu_compile():
     """XLA_FLAGS for the forked child only: the caller's value is restored at once
     (the caller never starts the XLA runtime, so the flag has no effect there)."""
     old = os.environ.get("XLA_FLAGS")
-    if old is not None and "xla_backend_optimization_level" in old:
-        yield
-        return
-    os.environ["XLA_FLAGS"] = f"{old} {_XLA_CPU_FLAG}" if old else _XLA_CPU_FLAG
+    os.environ["XLA_FLAGS"] = runtime.fast_cpu_compile_flags(old)
     try:
         yield
     finally:

@@ -76,7 +76,8 @@ from .transfer import device_prefetch, to_device
 from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
                     master_print, optimizer_step, rank, rendezvous, save, set_seed, sync,
                     world_size)
-from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, load_xla as _load_xla,
+from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_compile_flags,
+                  load_xla as _load_xla,
                   tpu_present as _tpu_present, xla_available,
                   xla_installed as _xla_installed,
                   xla_runtime_initialized as _xla_runtime_initialized)
@@ -86,6 +87,7 @@ __all__ = [
     "RuntimeAlreadyInitializedError",
     "ReplicaError",
     "xla_available",
+    "fast_cpu_compile_flags",
     "backend",
     "device",
     "world_size",

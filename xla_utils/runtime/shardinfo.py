@@ -27,11 +27,11 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+from .xla import fast_cpu_compile_flags
+
 __all__ = ["run_measurement", "measure", "shard_bytes", "MeasurementError"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
-# LLVM -O0 for XLA:CPU code: the partitioner and its shardings do not depend on it.
-_FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 class MeasurementError(RuntimeError):
@@ -156,9 +156,7 @@ def run_measurement(job: dict[str, Any], devices: int, timeout: float | None = N
                    XLA_THREAD_POOL_SIZE=str(max(16, devices)),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         env.pop("XLA_USE_SPMD", None)
-        flags = env.get("XLA_FLAGS", "")
-        if "xla_backend_optimization_level" not in flags:  # compiles several times faster on
-            env["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE}".strip()  # CPU; shardings unchanged
+        env["XLA_FLAGS"] = fast_cpu_compile_flags(env.get("XLA_FLAGS"))
         try:
             proc = subprocess.run([sys.executable, "-m", "xla_utils.runtime.shardinfo", src, dst],
                                   env=env, capture_output=True, text=True, timeout=timeout)

@@ -14,7 +14,21 @@ from .state import STATE
 
 __all__ = ["XLAUnavailableError", "RuntimeAlreadyInitializedError", "xla_available",
            "xla_installed",
-           "load_xla", "tpu_present", "xla_runtime_initialized"]
+           "load_xla", "tpu_present", "xla_runtime_initialized", "fast_cpu_compile_flags"]
+
+# XLA:CPU without LLVM's optimisation passes: compiles a ResNet-18 step ~5x faster;
+# compile counts, transfers, fallbacks and shardings do not depend on it, and results
+# change by float rounding only.
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def fast_cpu_compile_flags(flags: str | None) -> str:
+    """An ``XLA_FLAGS`` value: ``flags`` plus :data:`FAST_CPU_COMPILE`, unless ``flags``
+    already sets an optimisation level (the caller's choice wins)."""
+    flags = (flags or "").strip()
+    if "xla_backend_optimization_level" in flags:
+        return flags
+    return f"{flags} {FAST_CPU_COMPILE}".strip()
 
 
 class XLAUnavailableError(ImportError):
