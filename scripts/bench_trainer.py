@@ -52,7 +52,7 @@ import _bench
 DEFAULT_SAMPLES = 2048
 N_SAMPLES = DEFAULT_SAMPLES  # set by --samples
 ROUNDS = 4  # set by --rounds (pairs per process with --same-process)
-IMAGE = 32
+IMAGE = 32  # set by --image
 CLASSES = 10
 SWEEP = (1e-7, 10.0, 100)  # lr_find's defaults: start, end, steps
 PAIRS = {"fit1": ("hand1", "fit1"), "fit8": ("hand8", "fit8"), "lr_find": ("hand_lr", "lr_find"),
@@ -69,7 +69,8 @@ MODEL = "small"  # set by --model (the children get it on their command line)
 
 
 def make_model():
-    """The benchmark's model on 3x32x32 inputs, 10 classes (``--model``):
+    """The benchmark's model on 3 x IMAGE x IMAGE inputs (32 unless ``--image``), 10 classes
+    (``--model``):
 
     * ``small`` (default; every figure in docs/BENCHMARKS.md before ``--model`` existed):
       two 3x3 convolutions (16, 32 channels) with max-pooling, then a 2048-64-10 MLP head;
@@ -292,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="small (default: 2 convs + MLP head), mlp or resnet; see make_model")
     ap.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                     help=f"training samples (default {DEFAULT_SAMPLES}; fewer for --model resnet)")
+    ap.add_argument("--image", type=int, default=32,
+                    help="image side in pixels (default 32; other sizes for --model resnet or mlp)")
     ap.add_argument("--same-process", action="store_true",
                     help="option pairs (accum, ema, mixup, all): run both variants in one process, "
                          "--rounds pairs per process, --reps processes (the pair then shares one "
@@ -300,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    global MODEL, N_SAMPLES, ROUNDS
-    MODEL, N_SAMPLES, ROUNDS = args.model, args.samples, args.rounds
+    global MODEL, N_SAMPLES, ROUNDS, IMAGE
+    MODEL, N_SAMPLES, ROUNDS, IMAGE = args.model, args.samples, args.rounds, args.image
+    if args.model == "small" and args.image != 32:
+        ap.error("--image: the small model's head takes 32x32 images; use --model resnet or mlp")
     if args.child:
         print(json.dumps(RUNNERS[args.child](args.batch, args.epochs)))
         return 0
@@ -309,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(pairs) - set(PAIRS)
     if unknown:
         ap.error(f"unknown pairs {sorted(unknown)}; choose from {list(PAIRS)}")
-    print(f"start: {_bench.load()}; model {args.model}", flush=True)
+    print(f"start: {_bench.load()}; model {args.model}, images {args.image}x{args.image}",
+          flush=True)
     if args.same_process:
         return _main_same_process(args, pairs)
     # per pair, so that per-pair ratios pair the runs made back to back (fit1 is the
@@ -322,13 +328,13 @@ def main(argv: list[str] | None = None) -> int:
             for variant in order:
                 r = _bench.child(__file__, variant, "--batch", str(args.batch),
                                  "--epochs", str(args.epochs), "--model", args.model,
-                                 "--samples", str(args.samples))
+                                 "--samples", str(args.samples), "--image", str(args.image))
                 rates[pair][variant].append(_rate(r))
                 raw[variant].append(r)
                 print(f"rep {rep} {variant:8s} {rates[pair][variant][-1]:8.2f} steps/s  "
                       f"({_bench.load()})", flush=True)
-    print(f"\nend: {_bench.load()}; model {args.model}, {args.samples} samples, batch "
-          f"{args.batch} per core, {args.reps} reps")
+    print(f"\nend: {_bench.load()}; model {args.model} at {args.image}x{args.image}, "
+          f"{args.samples} samples, batch {args.batch} per core, {args.reps} reps")
     summary = {p: _bench.compare(p, rates[p][PAIRS[p][0]], rates[p][PAIRS[p][1]], "steps/s",
                                  **({"base_name": "plain fit"} if p in OPTIONS else {}))
                for p in pairs}
@@ -359,13 +365,15 @@ def _main_same_process(args: argparse.Namespace, pairs: list[str]) -> int:
         for pair in pairs:
             r = _bench.child(__file__, f"same_{pair}", "--batch", str(args.batch), "--epochs",
                              str(args.epochs), "--model", args.model, "--samples",
-                             str(args.samples), "--rounds", str(args.rounds))
+                             str(args.samples), "--rounds", str(args.rounds), "--image",
+                             str(args.image))
             for v in ("plain", pair):
                 rates[pair][v] += r[v]
             print(f"rep {rep} {pair}: plain {', '.join(f'{x:.2f}' for x in r['plain'])}; {pair} "
                   f"{', '.join(f'{x:.2f}' for x in r[pair])} steps/s  ({_bench.load()})", flush=True)
-    print(f"\nend: {_bench.load()}; model {args.model}, {args.samples} samples, batch "
-          f"{args.batch} per core, {args.reps} processes x {args.rounds} pairs (same process)")
+    print(f"\nend: {_bench.load()}; model {args.model} at {args.image}x{args.image}, "
+          f"{args.samples} samples, batch {args.batch} per core, {args.reps} processes x "
+          f"{args.rounds} pairs (same process)")
     summary = {p: _bench.compare(p, rates[p]["plain"], rates[p][p], "steps/s", base_name="plain fit")
                for p in pairs}
     if args.json:
