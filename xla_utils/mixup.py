@@ -14,16 +14,21 @@ accept such targets as they are (timm's ``SoftTargetCrossEntropy``).
 
 Every random number comes from the device RNG and every branch is computed
 with ``torch.where``, so each step runs the same graph (no recompiles, no host
-reads). The draws of :data:`CHUNK_STEPS` steps (16) come from one ``torch.rand``
-call in a small graph of their own, run at an epoch's start and when a chunk is used
-up (:meth:`DeviceMix.prepare`); a step then only blends with its own parameters
-(device data), about 30 IR nodes for torch_xla to trace per step instead of about 140.
+reads). The draws of a chunk of steps (:data:`CHUNK_STEPS`, 64; fewer for images over
+256x256, :func:`chunk_steps`) come from one ``torch.rand`` call in a small graph of their
+own, run at an epoch's start and when a chunk is used up (:meth:`DeviceMix.prepare`), and
+stay stacked on the device; a step then picks its row by an index that is device data and
+blends: 12 IR nodes for torch_xla to trace and hash per step (soft targets by one lookup
+in a class table, two row lookups, two ``torch.lerp``), against about 140 when each step
+drew its own numbers. The whole step graph's host cost grows with its node count, and the
+chunk's own graph costs two syncs and a launch, so both are kept small: together they
+keep mixing within a few per cent of a plain step even on small networks.
 The Beta draws use Johnk's method (:func:`beta_logit_johnk`) when both alphas are <= 1
 (timm's usual 0.2-1.0) and :func:`sample_gamma` (Marsaglia-Tsang) otherwise, each with a
 fixed number of vectorised candidates. Mixup and cutmix are one blend of the batch
-with its reverse under a per-pixel weight ``a - r c`` (``lam`` everywhere, or 0 inside
-the box and 1 outside; :func:`mix_params`, :func:`blend`), so a step computes one blend
-whichever was drawn.
+with its reverse under a per-pixel weight drawn with the chunk (``lam`` everywhere, or 0
+inside the box and 1 outside; :func:`mix_params`, :func:`blend`), so a step computes one
+blend whichever was drawn.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ import torch
 __all__ = ["MixConfig", "check_mix_options", "check_mix_loss", "sample_gamma", "sample_beta",
            "beta_logit_johnk",
            "soft_targets", "cutmix_box", "mix_params", "blend", "mix_batch", "DeviceMix",
-           "CHUNK_STEPS", "SOFT_TARGET_LOSSES",
+           "CHUNK_STEPS", "CHUNK_BYTES", "chunk_steps", "SOFT_TARGET_LOSSES",
            "mix_config_for", "check_step_options"]
 
 # Candidates per Gamma draw: Marsaglia-Tsang accepts >= 95% of them, so all
@@ -262,12 +267,13 @@ def cutmix_box(lam: torch.Tensor, centre: torch.Tensor, size: torch.Tensor
 
 
 def mix_params(lam: torch.Tensor, use_cutmix: torch.Tensor | bool, centre: torch.Tensor | None,
-               size: torch.Tensor | None, hw: tuple[int, int] | None) -> tuple:
+               size: torch.Tensor | None, hw: tuple[int, int] | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blend parameters of ``K`` steps from their draws (vectorised over the leading axis).
 
-    Each step's pixel weight is ``a - r c`` (``r`` the rows, ``c`` the columns inside the
-    cutmix box, 0/1): ``lam`` everywhere for mixup (``a = lam``, ``r = 0``), 0 inside the
-    box and 1 outside it for cutmix (``a = 1``), timm's ``rand_bbox`` (:func:`cutmix_box`).
+    Each step's pixel weight ``w`` (the share of the batch itself; ``1 - w`` of its reverse)
+    is ``lam`` everywhere for mixup, and 0 inside the cutmix box and 1 outside it for
+    cutmix (timm's ``rand_bbox``, :func:`cutmix_box`).
 
     Args:
         lam: float ``[K]``, the drawn mixing weights.
@@ -278,46 +284,44 @@ def mix_params(lam: torch.Tensor, use_cutmix: torch.Tensor | bool, centre: torch
         hw: ``(H, W)`` as ints (None when ``use_cutmix is False``).
 
     Returns:
-        ``(lam_y, 1 - lam_y, a, r, c)``: ``[K]`` each, ``r`` ``[K, H]`` and ``c`` ``[K, W]``
-        (None without cutmix); ``lam_y`` is the targets' weight, with cutmix corrected to
-        ``1 - box area / (H W)`` (timm's ``correct_lam``).
+        ``(lam_y, w)``: ``lam_y`` ``[K]`` is the targets' weight, with cutmix corrected to
+        ``1 - box area / (H W)`` (timm's ``correct_lam``); ``w`` is ``[K, H, W]``, or
+        ``[K]`` (``lam``) without cutmix.
     """
     if use_cutmix is False:
-        return lam, 1 - lam, lam, None, None
+        return lam, lam
     h, w = hw
     lo, hi = cutmix_box(lam.unsqueeze(-1), centre, size)  # [K, 2] each
     rows = torch.arange(h, device=lam.device, dtype=torch.float32).view(1, h)
     cols = torch.arange(w, device=lam.device, dtype=torch.float32).view(1, w)
     r = ((rows >= lo[:, :1]) & (rows < hi[:, :1])).float()
     c = ((cols >= lo[:, 1:]) & (cols < hi[:, 1:])).float()
+    box = r.unsqueeze(2) * c.unsqueeze(1)  # [K, H, W]: 1 inside the box
     lam_cut = 1.0 - (hi - lo).prod(-1) / float(h * w)
     if use_cutmix is True:
-        lam_y, a = lam_cut, torch.ones_like(lam)
-    else:
-        r = r * use_cutmix.unsqueeze(-1).float()  # no box for the mixup steps
-        lam_y = torch.where(use_cutmix, lam_cut, lam)
-        a = torch.where(use_cutmix, torch.ones_like(lam), lam)
-    return lam_y, 1 - lam_y, a, r, c
+        return lam_cut, 1.0 - box
+    pick = use_cutmix.view(-1, 1, 1)
+    return (torch.where(use_cutmix, lam_cut, lam),
+            torch.where(pick, 1.0 - box, lam.view(-1, 1, 1).expand(-1, h, w)))
 
 
 def blend(x: torch.Tensor, y_soft: torch.Tensor, params: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's mix: ``x w + x.flip(0) (1 - w)`` with ``w = a - r c`` and the targets
-    mixed with ``lam_y``, as timm's ``Mixup._mix_batch`` + ``mixup_target``.
+    """One step's mix, as timm's ``Mixup._mix_batch`` + ``mixup_target``:
+    ``lerp(x.flip(0), x, w)`` and ``lerp(y.flip(0), y, lam_y)`` (``x w + x.flip(0) (1 - w)``;
+    exact copies where ``w`` is 0 or 1, as ``torch.lerp`` computes them). Four traced ops.
 
     Args:
         x: float inputs ``[B, ...]`` (``[B, C, H, W]`` with cutmix).
         y_soft: float targets ``[B, C]`` (see :func:`soft_targets`).
-        params: One step's ``(lam_y, 1 - lam_y, a, r, c)``: 0-d, 0-d, 0-d, ``[H, 1]``,
-            ``[1, W]`` (``r``, ``c`` None without cutmix); see :func:`mix_params`.
+        params: One step's ``(lam_y, w)``: 0-d (or ``[1]``), and 0-d or ``[H, W]`` (or
+            ``[1]``, ``[1, H, W]``: a row picked from a chunk); see :func:`mix_params`.
 
     Returns:
         ``(x_mixed, y_mixed)``.
     """
-    lam_y, oml, a, r, c = params
-    weight = a if r is None else a - r * c
-    weight = weight.to(x.dtype)
-    x_out = x * weight + x.flip(0) * (1 - weight)
-    return x_out, y_soft * lam_y.to(y_soft.dtype) + y_soft.flip(0) * oml.to(y_soft.dtype)
+    lam_y, w = params
+    return (torch.lerp(x.flip(0), x, w.to(x.dtype)),
+            torch.lerp(y_soft.flip(0), y_soft, lam_y.to(y_soft.dtype)))
 
 
 def mix_batch(x: torch.Tensor, y_soft: torch.Tensor, lam: torch.Tensor,
@@ -347,30 +351,42 @@ def mix_batch(x: torch.Tensor, y_soft: torch.Tensor, lam: torch.Tensor,
         centre = centre.view(1, 2)
         if not isinstance(use_cutmix, bool):
             use_cutmix = use_cutmix.view(1)
-    p = mix_params(lam.view(1), use_cutmix, centre, size, hw)
-    one = tuple(None if t is None else t[0] for t in p)
-    if one[3] is not None:
-        one = one[:3] + (one[3].view(-1, 1), one[4].view(1, -1))
-    return blend(x, y_soft, one)
+    lam_y, w = mix_params(lam.view(1), use_cutmix, centre, size, hw)
+    return blend(x, y_soft, (lam_y[0], w[0]))
 
 
-# Steps drawn at once by DeviceMix (one small graph of their own per chunk). The chunk's
-# graph compiles in ~1 s on XLA:CPU at 16 and ~2.8 s at 64 (one output per step and
-# parameter); at 16 its run still costs well under 1% of a step.
-CHUNK_STEPS = 16
+# Steps drawn at once by DeviceMix (one small graph of their own per chunk, two outputs
+# whatever the chunk's length). At 16 the chunk's fixed cost (two syncs and a launch every
+# 16 steps) was about 3% of a small network's 7 ms step on XLA:CPU; at 64 it is under 1%.
+CHUNK_STEPS = 64
+# The chunk's pixel weights are [K, H, W] float32: K shrinks for large images so that
+# they stay under this many bytes per device (16 MiB: 64 steps up to 256x256 pixels).
+CHUNK_BYTES = 16 << 20
+
+
+def chunk_steps(hw: tuple[int, int] | None, chunk: int | None = None) -> int:
+    """Steps per chunk of draws: ``chunk`` when given, else :data:`CHUNK_STEPS` (64), fewer
+    (at least 8) when the ``[K, H, W]`` float32 pixel weights would exceed
+    :data:`CHUNK_BYTES`."""
+    if chunk:
+        return int(chunk)
+    if hw is None:
+        return CHUNK_STEPS
+    return max(8, min(CHUNK_STEPS, CHUNK_BYTES // (4 * hw[0] * hw[1])))
 
 
 class DeviceMix:
     """``(x, y) -> (x mixed, soft targets)`` for one training batch, all on the device.
 
-    The random numbers of :attr:`chunk` steps are drawn at once, in a small graph of
-    their own (:meth:`prepare`): per step the Beta draw (:func:`beta_logit_johnk` when
-    both alphas are <= 1, timm's usual values; :func:`sample_beta` with
-    Marsaglia-Tsang otherwise), the mixup/cutmix switch and the box centre, all from
-    one ``torch.rand`` call, turned into that step's blend parameters
-    (:func:`mix_params`). A training step then only blends (:func:`blend`) with its
-    own parameters, device data that differ per step in a graph that does not: about
-    30 IR nodes per step instead of about 140 when each step drew its own numbers.
+    The random numbers of a chunk of steps (:func:`chunk_steps`: 64, fewer for large
+    images) are drawn at once, in a small graph of their own (:meth:`prepare`): per step
+    the Beta draw (:func:`beta_logit_johnk` when both alphas are <= 1, timm's usual
+    values; :func:`sample_beta` with Marsaglia-Tsang otherwise), the mixup/cutmix switch
+    and the box centre, all from one ``torch.rand`` call, turned into the blend
+    parameters of every step (:func:`mix_params`), kept stacked on the device. A training
+    step then picks its own row with an index that is device data (made once per chunk
+    length) and blends (:func:`blend`): 12 IR nodes per step, the same graph every step,
+    against about 140 when each step drew its own numbers.
 
     Use: :meth:`start_epoch` after seeding the device RNG at an epoch's start (draws
     then depend only on that seed, so a resumed epoch draws the same), :meth:`prepare`
@@ -380,47 +396,61 @@ class DeviceMix:
     Args:
         cfg: The :class:`MixConfig`.
         dev: The replica's device (the alphas live there as device data).
-        chunk: Steps drawn at once (default: :data:`CHUNK_STEPS`, 16).
+        chunk: Steps drawn at once (default: :func:`chunk_steps` of the image size).
     """
 
     def __init__(self, cfg: MixConfig, dev: torch.device, chunk: int | None = None):
         from . import runtime
 
-        self.cfg, self.dev, self.chunk = cfg, dev, int(chunk or CHUNK_STEPS)
+        self.cfg, self.dev, self._chunk = cfg, dev, chunk
         self._mixing = cfg.mixup > 0 or cfg.cutmix > 0
         self._johnk = all(a <= 1 for a in (cfg.mixup, cfg.cutmix) if a > 0)
         # Device data, not constants: the graph is the same whatever the values.
         self._alphas = runtime.to_device(torch.tensor([cfg.mixup or 1.0, cfg.cutmix or 1.0]), dev)
-        self._classes = self._on_off = None
-        if not cfg.multilabel:  # soft targets' class numbers and values, as device data
-            self._classes = runtime.to_device(torch.arange(cfg.num_classes).view(1, -1), dev)
-            self._on_off = tuple(runtime.to_device(torch.tensor(v, dtype=torch.float32), dev)
-                                 for v in _on_off(cfg.label_smoothing, cfg.num_classes))
+        self._table = None
+        if not cfg.multilabel:  # row i: the soft target of class i (device data: one lookup a step)
+            self._table = runtime.to_device(
+                soft_targets(torch.arange(cfg.num_classes), cfg.num_classes, cfg.label_smoothing,
+                             False), dev)
         self._sizes: dict[tuple[int, int], torch.Tensor] = {}
-        self._rows: list[tuple] = []  # the chunk's unused steps, next last
+        self._index: list[torch.Tensor] = []  # [1] int64 device data: 0 .. chunk - 1
+        self._params: tuple[torch.Tensor, torch.Tensor] | None = None  # the chunk's (lam_y, w)
+        self._next = 0  # the chunk's next unused step
         self._hw = cfg.image_hw if cfg.cutmix > 0 else None  # the box's image size
+
+    @property
+    def chunk(self) -> int:
+        """Steps per chunk of draws at the current image size."""
+        return chunk_steps(self._hw, self._chunk)
 
     def start_epoch(self) -> None:
         """Forget the unused draws: the next step draws a new chunk (call it after
         seeding the device RNG, so an epoch's draws depend only on its seed)."""
-        self._rows = []
+        self._params = None
+
+    def _used_up(self) -> bool:
+        return self._params is None or self._next >= len(self._index)
 
     def prepare(self) -> None:
         """Draw the next chunk when this one is used up, as a graph of its own (it
         syncs: call it where nothing else is pending, before a step's first op)."""
         from . import runtime
 
-        if self._rows or not self._mixing:
+        if not self._mixing or not self._used_up():
             return
         if self.cfg.cutmix > 0 and self._hw is None:
             return  # image size unknown until the first call: drawn in that step
         runtime.sync()  # what is pending (a run's first step) stays out of the chunk's graph
-        self._rows = self._draw_chunk(self._hw)
+        self._draw_chunk(self._hw)
         runtime.sync()
 
-    def _draw_chunk(self, hw: tuple[int, int] | None) -> list[tuple]:
-        """The blend parameters of :attr:`chunk` steps (pending ops), next step last."""
+    def _draw_chunk(self, hw: tuple[int, int] | None) -> None:
+        """Draw the blend parameters of :attr:`chunk` steps (pending ops) and start using them."""
+        from . import runtime
+
         cfg, k, dev = self.cfg, self.chunk, self.dev
+        if len(self._index) != k:  # one transfer, once per chunk length
+            self._index = list(runtime.to_device([torch.tensor([i]) for i in range(k)], dev))
         if self._johnk:
             j = JOHNK_CANDIDATES
             u = torch.rand(k, 4 * j + 3, device=dev)
@@ -439,13 +469,7 @@ class DeviceMix:
         if use_cutmix is not False:
             size = self._size(hw)
             centre = torch.minimum(torch.floor(u[:, 1:] * size), size - 1)  # randint(0, H), (0, W)
-        lam_y, oml, a, r, c = mix_params(lam, use_cutmix, centre, size, hw)
-        cols = [lam_y.unbind(0), oml.unbind(0), a.unbind(0)]
-        if r is None:
-            cols += [[None] * k, [None] * k]
-        else:
-            cols += [r.unsqueeze(-1).unbind(0), c.unsqueeze(1).unbind(0)]
-        return list(zip(*cols))[::-1]
+        self._params, self._next = mix_params(lam, use_cutmix, centre, size, hw), 0
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -453,17 +477,20 @@ class DeviceMix:
         if not self._mixing:
             return x, y_soft
         hw = (x.shape[-2], x.shape[-1]) if cfg.cutmix > 0 else None
-        if hw != self._hw or not self._rows:  # unprepared (or another image size)
-            self._hw, self._rows = hw, self._draw_chunk(hw)
-        return blend(x, y_soft, self._rows.pop())
+        if hw != self._hw or self._used_up():  # unprepared (or another image size)
+            self._hw = hw
+            self._draw_chunk(hw)
+        idx = self._index[self._next]
+        self._next += 1
+        lam_y, w = self._params
+        return blend(x, y_soft, (lam_y.index_select(0, idx), w.index_select(0, idx)))
 
     def _soft(self, y: torch.Tensor) -> torch.Tensor:
         """:func:`soft_targets` of ``y`` with the class numbers kept as device data."""
         cfg = self.cfg
         if cfg.multilabel:
             return soft_targets(y, cfg.num_classes, cfg.label_smoothing, True)
-        on, off = self._on_off
-        return torch.where(y.view(-1, 1) == self._classes, on, off)
+        return self._table.index_select(0, y if y.dim() == 1 else y.view(-1))
 
     def _size(self, hw: tuple[int, int]) -> torch.Tensor:
         """``(H, W)`` as device data, made once per image size (a tensor made from
