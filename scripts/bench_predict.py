@@ -15,13 +15,20 @@ each in a fresh process, alternating the order. Timed spans start after the impo
   which reuses its compiled graphs: their compile counts are printed too;
   ``xla_utils.simulate.live``).
 
+With ``--interleaved`` each repetition is one process that holds both: the trainer
+(its zygote started first) and, after it, the hand-written loop on this process's own
+XLA:CPU device; after each variant's first (compiling) pass, ``--calls - 1`` hand
+passes and later ``predict`` calls alternate (which goes first alternates too), so each
+pair ran within a second of each other. This machine's speed drifts between fast and
+slow phases of tens of seconds, which separate processes per variant catch unequally.
+
 Reports median images/s and the overhead of predict's first and later calls
 against the hand-written first pass (ratio of medians and median of per-rep
 ratios), with the load average, and the largest difference between the two
 prediction arrays.
 
     PJRT_DEVICE=CPU python scripts/bench_predict.py [--reps 5] [--batch 64] [--repeat 3] [--calls 3] \\
-        [--num-workers N] [--json out.json]
+        [--num-workers N] [--interleaved] [--json out.json]
 
 The hand-written loop is what a careful user writes from the torch_xla docs:
 a ``DataLoader`` over the cache, ``MpDeviceLoader``, outputs kept on the device
@@ -37,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import _bench
 
@@ -119,6 +127,82 @@ def run_predict(cache: str, batch: int, calls: int, num_workers: int | None = No
             "compiles": compiles}
 
 
+def run_both(cache: str, batch: int, calls: int, num_workers: int | None = None) -> dict:
+    """``--interleaved``: predict's later calls and the hand loop's compiled passes
+    alternating in this one process (see the module docstring)."""
+    import torch
+    import torch_xla
+    import torch_xla.distributed.parallel_loader as pl
+
+    from xla_utils import CachedImageDataset, OneCycleTrainer, runtime
+    from xla_utils.data import images_to_float
+    from xla_utils.simulate import caller as simulate
+
+    runtime.xla_available()
+    ds = CachedImageDataset(cache)
+    t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), ds, batch_size=batch, mean=MEAN,
+                        std=STD, num_workers=num_workers)
+    simulate._zygote()  # the zygote forks clean jobs: started before this process's own device
+    dev = torch_xla.device()
+    model = make_model().to(dev).eval()
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, drop_last=False)
+
+    def hand() -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        outs = []
+        with torch.no_grad():
+            for x, _ in pl.MpDeviceLoader(loader, dev):
+                outs.append(torch.softmax(model(images_to_float(x, MEAN, STD)), 1))
+        preds = torch.cat(outs).cpu().numpy()
+        return time.perf_counter() - t0, preds
+
+    def ours() -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        preds = t.predict(ds, simulate=1)
+        return time.perf_counter() - t0, preds
+
+    first = {"hand": hand()[0], "predict": ours()[0]}
+    later: dict[str, list[float]] = {"hand": [], "predict": []}
+    for k in range(calls - 1):
+        for name, fn in ((("hand", hand), ("predict", ours)) if k % 2 == 0 else
+                         (("predict", ours), ("hand", hand))):
+            sec, out = fn()
+            later[name].append(sec)
+            if name == "hand":
+                hand_preds = out
+            else:
+                our_preds = out
+    return {"first": first, "later": later, "images": len(ds),
+            "max_abs_diff": float(abs(hand_preds - our_preds).max())}
+
+
+def _main_interleaved(args: argparse.Namespace, cache: Path) -> dict:
+    """``--interleaved``: ``--reps`` processes, each alternating the two variants."""
+    hand, ours, diff = [], [], 0.0
+    for rep in range(args.reps):
+        r = _bench.child(__file__, "both", "--cache", str(cache), "--batch", str(args.batch),
+                         "--calls", str(args.calls),
+                         *([] if args.num_workers is None else ["--num-workers", str(args.num_workers)]))
+        n = r["images"]
+        hand += [n / s for s in r["later"]["hand"]]
+        ours += [n / s for s in r["later"]["predict"]]
+        diff = max(diff, r["max_abs_diff"])
+        print(f"rep {rep}: first pass {r['first']['hand']:.2f} s, first call "
+              f"{r['first']['predict']:.2f} s; hand compiled passes "
+              f"{', '.join(f'{x:.2f}' for x in r['later']['hand'])} s; predict later calls "
+              f"{', '.join(f'{x:.2f}' for x in r['later']['predict'])} s  ({_bench.load()})",
+              flush=True)
+    print(f"\nend: {_bench.load()}; batch {args.batch}, {args.reps} processes x "
+          f"{args.calls - 1} interleaved pairs, predict num_workers="
+          f"{'automatic' if args.num_workers is None else args.num_workers}; images/s below")
+    summary = {"later_vs_compiled": _bench.compare(
+        "predict later calls vs hand-written compiled passes (interleaved)", hand, ours,
+        "images/s")}
+    print(f"max |difference| of the predictions {diff:.2e}")
+    return {"rates": {"hand_later": hand, "later": ours}, "summary": summary,
+            "max_abs_diff": diff}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -129,15 +213,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="predict's loader threads (default: automatic, as users get; 0 = batches "
                          "assembled in the transfer thread, as the hand-written loop's DataLoader "
                          "assembles them in its own thread)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="each process holds both variants and alternates hand passes and later "
+                         "predict calls (pairs a second apart); see the module docstring")
     ap.add_argument("--json", help="also write the medians and per-run rates here")
-    ap.add_argument("--child", choices=["hand", "predict"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["hand", "predict", "both"], help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.calls < 2:
         ap.error("--calls must be >= 2 (the first call and later ones are reported apart)")
     if args.child:
-        out = (run_hand(args.cache, args.batch, args.calls) if args.child == "hand" else
-               run_predict(args.cache, args.batch, args.calls, args.num_workers))
+        run = {"hand": lambda: run_hand(args.cache, args.batch, args.calls),
+               "predict": lambda: run_predict(args.cache, args.batch, args.calls, args.num_workers),
+               "both": lambda: run_both(args.cache, args.batch, args.calls, args.num_workers)}
+        out = run[args.child]()
         print("\n" + json.dumps(out))  # after any progress bar
         return 0
 
@@ -150,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         build(cache, args.repeat)
+        if args.interleaved:
+            result = _main_interleaved(args, cache)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=1)
+            return 0
         for rep in range(args.reps):
             preds = {}
             for variant in (("hand", "predict") if rep % 2 == 0 else ("predict", "hand")):

@@ -19,7 +19,12 @@ which goes first), all pairs in every repetition:
   all of them vs the plain ``fit(simulate=1)``; micro-batches/s (= images/s over the
   batch) over epochs 2.. (target: <= 3% overhead each). With ``--same-process`` each
   process runs both variants ``--rounds`` times (alternating), so each pair of the
-  comparison ran in the same process.
+  comparison ran in the same process. With ``--same-job`` each process starts one
+  simulated job (``runtime.launch(simulate=1)``) that sets up both variants with the
+  trainer's own loop functions (``loop.set_up``, ``loop.train_one_epoch``, as ``fit``
+  runs them) and alternates their epochs, ``--epochs`` each: each pair is two epochs
+  run back to back in the same job, so the job-to-job speed differences of this
+  machine (about +-10%) cancel out of every pair ratio.
 
 Prints every run with the load average, then medians and the overhead by ratio of
 medians and by median of per-pair ratios, and graph executions / device->host
@@ -28,6 +33,8 @@ transfers per step of the ``fit1`` pair.
     PJRT_DEVICE=CPU python scripts/bench_trainer.py [--reps 5] [--epochs 4] [--pairs fit1,fit8,lr_find] [--json out.json]
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --pairs accum,ema,mixup,all  # issue 18 options
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --same-process --reps 3 --rounds 4 --pairs mixup
+    PJRT_DEVICE=CPU python scripts/bench_trainer.py --same-job --reps 3 --epochs 12 \
+        --pairs accum,ema,mixup,all
     PJRT_DEVICE=CPU python scripts/bench_trainer.py --reps 3 --pairs ema,mixup,all --model resnet \\
         --samples 512
 
@@ -201,6 +208,49 @@ def _same_process_runner(name: str):
     return run
 
 
+def _same_job_runner(name: str):
+    """Both variants of an option pair set up in one simulated job, their epochs
+    alternating (plain first in even epochs): micro-batches/s of every epoch after
+    each variant's first (see ``--same-job``)."""
+    def run(batch: int, epochs: int) -> dict:
+        import torch
+
+        from xla_utils import OneCycleTrainer, runtime
+        from xla_utils.mixup import mix_config_for
+
+        trainers = []
+        for variant in ("plain", name):
+            torch.manual_seed(0)
+            t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), make_data(),
+                                batch_size=batch, epochs=epochs, optimizer="sgd", max_lr=0.01,
+                                seed=0, **({} if variant == "plain" else OPTIONS[name]))
+            inputs = t._check_inputs()  # as fit() does on the host before its job
+            t._mix = mix_config_for(t.config, t.loss, t.model, *inputs["train"],
+                                    t._prepare(inputs["train"][1], train=False), t.eval_step)
+            trainers.append((variant, t, inputs["train"]))
+        return runtime.launch(_alternate_epochs, trainers, epochs, batch, simulate=1)
+    return run
+
+
+def _alternate_epochs(trainers: list, epochs: int, batch: int) -> dict:
+    """In the job: ``loop.set_up`` each trainer, then alternate ``loop.train_one_epoch``."""
+    from xla_utils import loop
+
+    runs = []
+    for variant, t, (data, spec) in trainers:
+        s = loop.set_up(t.model, t.config, data, base_lr=0.01, lr_world=1, ckpt=None, mix=t._mix)
+        runs.append((variant, t, data, spec, s, loop.TrainState(step=0, initial_loss=None)))
+    rates: dict[str, list[float]] = {variant: [] for variant, *_ in runs}
+    for epoch in range(epochs):
+        for variant, t, data, spec, s, state in (runs if epoch % 2 == 0 else runs[::-1]):
+            res = loop.train_one_epoch(epoch, s, state, s.batches(data, t.config, epoch, train=True),
+                                       cfg=t.config, train_step=t.train_step, loss_fn=t.loss,
+                                       inputs=spec)
+            if epoch:  # the first epoch compiles
+                rates[variant].append(N_SAMPLES // batch / res.seconds)
+    return rates
+
+
 def run_hand_lr(batch: int, epochs: int) -> dict:
     """A hand-written LR range test: lr_find's schedule, smoothing and stop."""
     import torch
@@ -279,7 +329,8 @@ def _rate(r: dict) -> float:
 RUNNERS = {"hand1": run_hand1, "fit1": run_fit1, "hand8": run_hand8, "fit8": run_fit8,
            "hand_lr": run_hand_lr, "lr_find": run_lr_find,
            **{f"fit1_{name}": _option_runner(name) for name in OPTIONS},
-           **{f"same_{name}": _same_process_runner(name) for name in OPTIONS}}
+           **{f"same_{name}": _same_process_runner(name) for name in OPTIONS},
+           **{f"samejob_{name}": _same_job_runner(name) for name in OPTIONS}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                          "--rounds pairs per process, --reps processes (the pair then shares one "
                          "process's speed, which varies by +-10%% from process to process here)")
     ap.add_argument("--rounds", type=int, default=4, help="pairs per process with --same-process")
+    ap.add_argument("--same-job", action="store_true",
+                    help="option pairs: both variants set up in one simulated job per process, "
+                         "their --epochs epochs alternating (pairs of epochs back to back)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -316,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown pairs {sorted(unknown)}; choose from {list(PAIRS)}")
     print(f"start: {_bench.load()}; model {args.model}, images {args.image}x{args.image}",
           flush=True)
-    if args.same_process:
+    if args.same_process or args.same_job:
         return _main_same_process(args, pairs)
     # per pair, so that per-pair ratios pair the runs made back to back (fit1 is the
     # baseline of several pairs)
@@ -357,13 +411,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_same_process(args: argparse.Namespace, pairs: list[str]) -> int:
-    """``--same-process``: each option pair's variants side by side inside each process."""
+    """``--same-process`` / ``--same-job``: each option pair's variants side by side inside
+    each process (or each job)."""
+    how = "same-job" if args.same_job else "same-process"
     if set(pairs) - set(OPTIONS):
-        raise SystemExit(f"--same-process times option pairs only ({sorted(OPTIONS)}), got {pairs}")
+        raise SystemExit(f"--{how} times option pairs only ({sorted(OPTIONS)}), got {pairs}")
     rates = {p: {"plain": [], p: []} for p in pairs}
     for rep in range(args.reps):
         for pair in pairs:
-            r = _bench.child(__file__, f"same_{pair}", "--batch", str(args.batch), "--epochs",
+            runner = f"{'samejob' if args.same_job else 'same'}_{pair}"
+            r = _bench.child(__file__, runner, "--batch", str(args.batch), "--epochs",
                              str(args.epochs), "--model", args.model, "--samples",
                              str(args.samples), "--rounds", str(args.rounds), "--image",
                              str(args.image))
@@ -373,12 +430,14 @@ def _main_same_process(args: argparse.Namespace, pairs: list[str]) -> int:
                   f"{', '.join(f'{x:.2f}' for x in r[pair])} steps/s  ({_bench.load()})", flush=True)
     print(f"\nend: {_bench.load()}; model {args.model} at {args.image}x{args.image}, "
           f"{args.samples} samples, batch {args.batch} per core, {args.reps} processes x "
-          f"{args.rounds} pairs (same process)")
+          + (f"{args.epochs - 1} epoch pairs (same job)" if args.same_job else
+             f"{args.rounds} pairs (same process)"))
     summary = {p: _bench.compare(p, rates[p]["plain"], rates[p][p], "steps/s", base_name="plain fit")
                for p in pairs}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "same_process": True, "summary": summary}, f, indent=1)
+            json.dump({"model": args.model, how.replace("-", "_"): True, "summary": summary}, f,
+                      indent=1)
     return 0
 
 

@@ -18,7 +18,7 @@ reads). The draws of a chunk of steps (:data:`CHUNK_STEPS`, 64; fewer for images
 256x256, :func:`chunk_steps`) come from one ``torch.rand`` call in a small graph of their
 own, run at an epoch's start and when a chunk is used up (:meth:`DeviceMix.prepare`), and
 stay stacked on the device; a step then picks its row by an index that is device data and
-blends: 12 IR nodes for torch_xla to trace and hash per step (soft targets by one lookup
+blends: 12-13 IR nodes for torch_xla to trace and hash per step (soft targets by one lookup
 in a class table, two row lookups, two ``torch.lerp``), against about 140 when each step
 drew its own numbers. The whole step graph's host cost grows with its node count, and the
 chunk's own graph costs two syncs and a launch, so both are kept small: together they
@@ -385,7 +385,7 @@ class DeviceMix:
     and the box centre, all from one ``torch.rand`` call, turned into the blend
     parameters of every step (:func:`mix_params`), kept stacked on the device. A training
     step then picks its own row with an index that is device data (made once per chunk
-    length) and blends (:func:`blend`): 12 IR nodes per step, the same graph every step,
+    length) and blends (:func:`blend`): 12-13 IR nodes per step, the same graph every step,
     against about 140 when each step drew its own numbers.
 
     Use: :meth:`start_epoch` after seeding the device RNG at an epoch's start (draws
