@@ -124,3 +124,52 @@ def test_trainer_ema_used_by_evaluate_saved_and_exact_on_resume(tmp_path):
     for k, v in full.ema_state_dict.items():
         torch.testing.assert_close(resumed.ema_state_dict[k], v, rtol=1e-5, atol=1e-6)
     assert resumed[-1]["val_loss"] == pytest.approx(full[-1]["val_loss"], rel=1e-5)
+
+
+_ALIAS_SCRIPT = """
+import torch
+from torch import nn
+from xla_utils import runtime
+from xla_utils.ema import DeviceEMA
+
+def job():
+    torch.manual_seed(0)
+    net = nn.Linear(6, 3)  # two float tensors, no buffers
+    dev = runtime.device()
+    ema = DeviceEMA(net, 0.9, 0, dev)
+    model = net.to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: the parameters are its only state
+    x = runtime.to_device(torch.ones(4, 6), dev)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).sum().backward()
+        runtime.optimizer_step(opt)
+        ema.update(model)
+        runtime.sync()
+    return runtime.backend()
+
+print(runtime.launch(job, simulate=1, timeout=200))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_ema_update_reuses_its_buffers_in_the_step_graph(tmp_path):
+    """The out-of-place update donates the EMA's old buffers: the compiled step aliases
+    the two parameters (updated in place by SGD) and the two EMA tensors to its outputs,
+    so the step holds one copy of the EMA (without the donation: two aliases)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from xla_utils.runtime.xla import fast_cpu_compile_flags
+
+    flags = fast_cpu_compile_flags(os.environ.get("XLA_FLAGS")) + f" --xla_dump_to={tmp_path}"
+    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=flags)
+    p = subprocess.run([sys.executable, "-c", _ALIAS_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0 and p.stdout.split()[-1] == "xla", p.stderr[-3000:]
+    aliases = [len(re.findall(r"may-alias|must-alias", m.group(1)))
+               for f in tmp_path.glob("*cpu_after_optimizations.txt")
+               for m in [re.search(r"input_output_alias=\{(.*?)\}, entry", f.read_text())] if m]
+    assert max(aliases, default=0) == 4, aliases

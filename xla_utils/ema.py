@@ -85,6 +85,7 @@ class DeviceEMA:
         self.module = copy.deepcopy(model).eval()
         if state is not None:
             self.module.load_state_dict(state)
+        self._sharded = place is not None
         if place is None:
             self.module.to(dev)
         else:
@@ -120,12 +121,19 @@ class DeviceEMA:
     def update(self, model: torch.nn.Module) -> None:
         """One EMA step after an optimizer step of ``model`` (no sync: it joins the step's graph).
 
-        ``ema += (1 - decay) * (weights - ema)`` for all floating-point tensors of a
-        dtype at once (three ``torch._foreach_*`` calls, not a Python loop over the
-        tensors; ``_foreach_lerp_`` with a device weight takes 4x longer to trace on
-        XLA), then the integer buffers are copied. After optimizer step ``n``,
-        ``1 - decay(n)`` is ``max(n ** (-2/3), 1 - ema)``: :func:`ema_decay`'s complement
-        (``warmup_gamma=1``), three small ops on the device step count."""
+        ``ema + (1 - decay) * (weights - ema)`` for all floating-point tensors of a
+        dtype at once (three out-of-place ``torch._foreach_*`` calls, not a Python loop
+        over the tensors), handed to the EMA's tensors by :func:`runtime.replace_data`:
+        their old buffers are donated to the step's graph, so it updates them in place
+        while torch_xla traces 2.3-3.2x less host work than for in-place ``_foreach``
+        ops (``_foreach_lerp_`` with a device weight is slower still). Under a mesh
+        strategy the EMA's shards are updated in place instead (their sharding
+        annotations stay on the same tensors). The integer buffers are then copied.
+        After optimizer step ``n``, ``1 - decay(n)`` is ``max(n ** (-2/3), 1 - ema)``:
+        :func:`ema_decay`'s complement (``warmup_gamma=1``), three small ops on the
+        device step count."""
+        from . import runtime
+
         self._step = self._step + 1
         weight = torch.maximum(self._step ** -WARMUP_POWER, self._floor)
         floats, ints = self._lists(model)
@@ -133,9 +141,11 @@ class DeviceEMA:
             w = weight if es[0].dtype == weight.dtype else weight.to(es[0].dtype)
             if ms[0].dtype != es[0].dtype:  # a bf16 model, say: its EMA keeps its own dtype
                 ms = [m.to(es[0].dtype) for m in ms]
-            diff = torch._foreach_sub(ms, es)
-            torch._foreach_mul_(diff, w)
-            torch._foreach_add_(es, diff)
+            diff = torch._foreach_mul(torch._foreach_sub(ms, es), w)
+            if self._sharded:
+                torch._foreach_add_(es, diff)
+            else:
+                runtime.replace_data(es, torch._foreach_add(es, diff))
         for e, m in ints:
             e.copy_(m)
 
