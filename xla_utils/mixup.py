@@ -356,8 +356,9 @@ def mix_batch(x: torch.Tensor, y_soft: torch.Tensor, lam: torch.Tensor,
 
 
 # Steps drawn at once by DeviceMix (one small graph of their own per chunk, two outputs
-# whatever the chunk's length). At 16 the chunk's fixed cost (two syncs and a launch every
-# 16 steps) was about 3% of a small network's 7 ms step on XLA:CPU; at 64 it is under 1%.
+# whatever the chunk's length, so its compile no longer grows with it). Each chunk costs
+# two syncs and a launch, spread over more steps at 64 than at 16; the in-process probes
+# comparing the two sat inside this machine's noise (docs/BENCHMARKS.md).
 CHUNK_STEPS = 64
 # The chunk's pixel weights are [K, H, W] float32: K shrinks for large images so that
 # they stay under this many bytes per device (16 MiB: 64 steps up to 256x256 pixels).
@@ -448,7 +449,7 @@ class DeviceMix:
         """Draw the blend parameters of :attr:`chunk` steps (pending ops) and start using them."""
         from . import runtime
 
-        cfg, k, dev = self.cfg, self.chunk, self.dev
+        cfg, k, dev = self.cfg, chunk_steps(hw, self._chunk), self.dev
         if len(self._index) != k:  # one transfer, once per chunk length
             self._index = list(runtime.to_device([torch.tensor([i]) for i in range(k)], dev))
         if self._johnk:
