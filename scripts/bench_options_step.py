@@ -9,11 +9,14 @@ metric: the device's work; the rest of the wall time is the host's), and the hos
 spent tracing the option alone.
 
     PJRT_DEVICE=CPU python scripts/bench_options_step.py [--model small|mlp|resnet] \\
-        [--variants plain,ema,mix,mixup,cutmix,ls] [--rounds 7] [--steps 60] \\
+        [--variants plain,ema,mix,mixup,cutmix,ls,timm-ema,timm-mixup] [--rounds 7] [--steps 60] \\
         [--old-mixup FILE]
 
 Variants: ``ema`` (ema=0.999), ``mix`` (mixup=0.2, cutmix=1.0, label_smoothing=0.1),
-``mixup`` / ``cutmix`` (one of them, smoothing 0.1), ``ls`` (label_smoothing=0.1 only).
+``mixup`` / ``cutmix`` (one of them, smoothing 0.1), ``ls`` (label_smoothing=0.1 only);
+baselines (timm installed): ``timm-ema`` (timm's ``ModelEmaV3(0.999, use_warmup=True)``)
+and ``timm-mixup`` (timm's ``Mixup(mixup_alpha=0.2, label_smoothing=0.1)``), timm's own
+code in the same step, so ``ema`` vs ``timm-ema`` is what xla_utils adds to the work itself.
 ``--old-mixup FILE`` (another version of xla_utils/mixup.py, e.g. from ``git show
 REV:xla_utils/mixup.py > FILE``) adds ``old-<v>`` variants with that file's ``DeviceMix``
 beside each mixing variant, before and after in one process. Each option's IR nodes per
@@ -34,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_trainer  # noqa: E402  (its make_model, so --model means the same networks)
 
 MIX = {"mix": (0.2, 1.0), "mixup": (0.2, 0.0), "cutmix": (0.0, 1.0), "ls": (0.0, 0.0)}
+TIMM = ("timm-ema", "timm-mixup")  # timm's own classes in the hand step: the work as timm does it
 
 
 class Variant:
@@ -54,6 +58,10 @@ class Variant:
         make = old_mix if name.startswith("old-") else DeviceMix
         self.mix = make(MixConfig(*MIX[base], 0.1, bench_trainer.CLASSES), dev) \
             if base in MIX else None
+        if name == "timm-ema":
+            self.ema = TimmEMA(bench_trainer.make_model(), 0.999, dev)
+        elif name == "timm-mixup":
+            self.mix = TimmMixup(0.2, 0.1, bench_trainer.CLASSES)
         self.loss = torch.nn.CrossEntropyLoss()
         self.cpu_ms: list[float] = []
         self.exec_ms: list[float] = []  # XLA's ExecuteTime per step (device work on XLA:CPU)
@@ -121,6 +129,41 @@ class Variant:
         return 1000 * statistics.median(ts)
 
 
+class TimmEMA:
+    """timm's own ``ModelEmaV3(decay, use_warmup=True)`` in the hand-written step: what a user
+    adding it to a torch_xla loop gets (``_foreach_lerp_`` with the host's decay as a
+    Python float, which torch_xla sends to the device each step). Built on the host copy
+    and moved, since timm 1.0's constructor makes a ``torch.Generator`` on the model's
+    device, which XLA refuses."""
+
+    def __init__(self, model, decay: float, dev):
+        from timm.utils.model_ema import ModelEmaV3
+
+        self.timm = ModelEmaV3(model, decay=decay, use_warmup=True)
+        self.timm.module.to(dev)
+        self.n = 0
+
+    def update(self, model) -> None:
+        self.n += 1
+        self.timm.update(model, step=self.n)
+
+
+class TimmMixup:
+    """timm's own ``Mixup(mixup_alpha, cutmix_alpha=0, label_smoothing)`` in the hand-written
+    step (the host draws lam with NumPy; torch_xla sends it to the device each step). It
+    blends ``x`` in place, so it gets a copy of the (reused) batch. Not with cutmix: its box
+    is cut with host integers, a new graph shape almost every step."""
+
+    def __init__(self, alpha: float, smoothing: float, classes: int):
+        from timm.data import Mixup
+
+        self.timm = Mixup(mixup_alpha=alpha, cutmix_alpha=0.0, label_smoothing=smoothing,
+                          num_classes=classes)
+
+    def __call__(self, x, y):
+        return self.timm(x.clone(), y)
+
+
 def graph_nodes(tensors) -> int:
     """IR nodes of the pending graph of ``tensors`` (device data and constants included)."""
     import torch_xla
@@ -151,8 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="another mixup.py: adds old-<variant> beside each mixing variant")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    if names[0] != "plain" or set(names) - {"plain", "ema", *MIX}:
-        ap.error(f"--variants: 'plain' first, then any of ema, {', '.join(MIX)}")
+    if names[0] != "plain" or set(names) - {"plain", "ema", *MIX, *TIMM}:
+        ap.error(f"--variants: 'plain' first, then any of ema, {', '.join(MIX)}, "
+                 f"{', '.join(TIMM)}")
+    if set(names) & set(TIMM):
+        try:
+            import timm  # noqa: F401
+        except ImportError:
+            ap.error(f"--variants {','.join(set(names) & set(TIMM))}: timm is not installed "
+                     "(pip install timm)")
     old_mix = None
     if args.old_mixup:
         old_mix = load_old_mix(args.old_mixup)

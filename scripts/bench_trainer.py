@@ -216,7 +216,6 @@ def _same_job_runner(name: str):
         import torch
 
         from xla_utils import OneCycleTrainer, runtime
-        from xla_utils.mixup import mix_config_for
 
         trainers = []
         for variant in ("plain", name):
@@ -225,8 +224,7 @@ def _same_job_runner(name: str):
                                 batch_size=batch, epochs=epochs, optimizer="sgd", max_lr=0.01,
                                 seed=0, **({} if variant == "plain" else OPTIONS[name]))
             inputs = t._check_inputs()  # as fit() does on the host before its job
-            t._mix = mix_config_for(t.config, t.loss, t.model, *inputs["train"],
-                                    t._prepare(inputs["train"][1], train=False), t.eval_step)
+            t._mix = t._mix_config(inputs["train"])
             trainers.append((variant, t, inputs["train"]))
         return runtime.launch(_alternate_epochs, trainers, epochs, batch, simulate=1)
     return run

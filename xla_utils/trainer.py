@@ -404,8 +404,7 @@ class OneCycleTrainer:
                            getattr(self.train_data, "num_classes", None))
         world = _strategy.planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
-        self._mix = mix_config_for(cfg, self.loss, self.model, *inputs["train"],
-                                   self._prepare(inputs["train"][1], train=False), self.eval_step)
+        self._mix = self._mix_config(inputs["train"])
         if cfg.strategy != "spawn":
             plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
         ckpt = None
@@ -436,6 +435,12 @@ class OneCycleTrainer:
         for w in out.warnings:
             warnings.warn(w, RuntimeWarning, stacklevel=2)
         return out
+
+    def _mix_config(self, train: tuple[Any, InputSpec]) -> Any:
+        """The fit run's :class:`~xla_utils.mixup.MixConfig` (None: no mixing or smoothing)
+        for the checked training data ``train`` (``_check_inputs()["train"]``)."""
+        return mix_config_for(self.config, self.loss, self.model, *train,
+                              self._prepare(train[1], train=False), self.eval_step)
 
     def _check_inputs(self) -> dict[str, tuple[Any, InputSpec] | None]:
         """Refuse unlabelled data, samples the trainer cannot feed and labels the model
