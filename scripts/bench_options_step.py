@@ -10,7 +10,7 @@ spent tracing the option alone.
 
     PJRT_DEVICE=CPU python scripts/bench_options_step.py [--model small|mlp|resnet] \\
         [--variants plain,ema,mix,mixup,cutmix,ls,timm-ema,timm-mixup] [--rounds 7] [--steps 60] \\
-        [--old-mixup FILE]
+        [--shift K] [--old-mixup FILE]
 
 Variants: ``ema`` (ema=0.999), ``mix`` (mixup=0.2, cutmix=1.0, label_smoothing=0.1),
 ``mixup`` / ``cutmix`` (one of them, smoothing 0.1), ``ls`` (label_smoothing=0.1 only);
@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--shift", type=int, default=0,
+                    help="build the variants' models starting at this position of --variants "
+                         "(vary it across processes: the build order can favour one variant)")
     ap.add_argument("--old-mixup", default=None,
                     help="another mixup.py: adds old-<variant> beside each mixing variant")
     args = ap.parse_args(argv)
@@ -220,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                 xm.send_cpu_data_to_device(
                     torch.randint(0, bench_trainer.CLASSES, (args.batch,), generator=g), dev)[0])
                for _ in range(4)]
-    runs = {n: Variant(n, dev, batches, old_mix) for n in names}
+    # Built in rotated order (--shift): a model instance keeps a speed of its own, and the
+    # order of construction can favour one variant in every process.
+    first = args.shift % len(names)
+    built = {n: Variant(n, dev, batches, old_mix) for n in names[first:] + names[:first]}
+    runs = {n: built[n] for n in names}
     for r in runs.values():  # compile
         for _ in range(3):
             r.step()
@@ -229,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.rounds):
         for n in (names if k % 2 == 0 else names[::-1]):
             rates[n].append(runs[n].rate(args.steps))
-    print("end: load %.2f %.2f %.2f; model %s, batch %d, %d rounds x %d steps"
-          % (*os.getloadavg(), args.model, args.batch, args.rounds, args.steps))
+    print("end: load %.2f %.2f %.2f; model %s, batch %d, %d rounds x %d steps; built from %s"
+          % (*os.getloadavg(), args.model, args.batch, args.rounds, args.steps, names[first]))
     base_cpu = statistics.median(runs["plain"].cpu_ms)
     base_rate = statistics.median(rates["plain"])
     base_exec = statistics.median(runs["plain"].exec_ms)
