@@ -39,7 +39,7 @@ from .history import BestTracker, History, check_monitor, check_monitor_data, ep
 from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
                      require_labels, shape_mismatch)
 from .loop import scale_lr
-from .mixup import check_step_options, mix_config_for
+from .mixup import MixConfig, check_step_options, mix_config_for
 from .optim import resolve_optimizer
 from .simulate import resident as _resident
 from .simulate.live import live_or_launch
@@ -436,7 +436,7 @@ class OneCycleTrainer:
             warnings.warn(w, RuntimeWarning, stacklevel=2)
         return out
 
-    def _mix_config(self, train: tuple[Any, InputSpec]) -> Any:
+    def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
         """The fit run's :class:`~xla_utils.mixup.MixConfig` (None: no mixing or smoothing)
         for the checked training data ``train`` (``_check_inputs()["train"]``)."""
         return mix_config_for(self.config, self.loss, self.model, *train,
