@@ -123,17 +123,18 @@ class DeviceEMA:
 
         ``ema + (1 - decay) * (weights - ema)`` for all floating-point tensors of a
         dtype at once (three out-of-place ``torch._foreach_*`` calls, not a Python loop
-        over the tensors), handed to the EMA's tensors by :func:`runtime.replace_data`:
-        their old buffers are donated to the step's graph, so it updates them in place
-        while torch_xla traces 2.3-3.2x less host work than for in-place ``_foreach``
-        ops (``_foreach_lerp_`` with a device weight is slower still). Under a mesh
-        strategy the EMA's shards are updated in place instead (their sharding
-        annotations stay on the same tensors). The integer buffers are then copied.
-        After optimizer step ``n``, ``1 - decay(n)`` is ``max(n ** (-2/3), 1 - ema)``:
-        :func:`ema_decay`'s complement (``warmup_gamma=1``), three small ops on the
-        device step count."""
-        from . import runtime
-
+        over the tensors); each EMA tensor then takes its new value (``t.data = new``).
+        torch_xla traces 2.3-3.2x less host work for this than for in-place ``_foreach``
+        ops. Neither the in-place form nor the out-of-place one with its old buffers
+        donated is used: both alias the old EMA to an output of the step, and XLA pairs
+        buffers with outputs by shape, so the EMA's buffer goes to another output of
+        that shape (a weight, a gradient) and XLA copies each EMA tensor twice to keep
+        the values right (docs/BENCHMARKS.md: 39 MB more copies per step on a 4.9 M
+        weight ResNet, +4-5% of its step time on XLA:CPU, and no memory saved). Under a
+        mesh strategy the EMA's shards are updated in place (their sharding annotations
+        stay on the same tensors). The integer buffers are then copied. After optimizer
+        step ``n``, ``1 - decay(n)`` is ``max(n ** (-2/3), 1 - ema)``: :func:`ema_decay`'s
+        complement (``warmup_gamma=1``), three small ops on the device step count."""
         self._step = self._step + 1
         weight = torch.maximum(self._step ** -WARMUP_POWER, self._floor)
         floats, ints = self._lists(model)
@@ -145,7 +146,8 @@ class DeviceEMA:
             if self._sharded:
                 torch._foreach_add_(es, diff)
             else:
-                runtime.replace_data(es, torch._foreach_add(es, diff))
+                for e, new in zip(es, torch._foreach_add(es, diff)):
+                    e.data = new
         for e, m in ints:
             e.copy_(m)
 

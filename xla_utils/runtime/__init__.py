@@ -44,7 +44,7 @@ Layout
               inside), with ``reset()`` for tests.
 ``xla``       the lazy torch_xla import and its error message; TPU probe.
 ``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
-``transfer``  ``to_device``, ``device_prefetch``, ``replace_data``.
+``transfer``  ``to_device``, ``device_prefetch``.
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
 ``forksafe``  which forks may inherit an OpenMP team (the zygote's check before
               every fork; a fresh thread for TPU jobs) and the one-thread guard.
@@ -72,7 +72,7 @@ from .counters import xla_counters, xla_counters_report
 from .launcher import _launch, _prestart_if_simulation_likely, _prestart_simulation, launch
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
-from .transfer import device_prefetch, replace_data, to_device
+from .transfer import device_prefetch, to_device
 from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
                     master_print, optimizer_step, rank, rendezvous, save, set_seed, sync,
                     world_size)
@@ -102,7 +102,6 @@ __all__ = [
     "rendezvous",
     "save",
     "to_device",
-    "replace_data",
     "device_prefetch",
     "xla_counters",
     "xla_counters_report",

@@ -66,8 +66,6 @@ class RuntimeState:
         job_pid: The pid of the launched job process.
         host_sum_calls: How many host sums went through ``xm.mesh_reduce`` (each
             needs a distinct tag).
-        buffer_donation: Whether torch_xla's aliasing of donated buffers is on in this
-            process (:func:`~xla_utils.runtime.transfer.replace_data` turns it on).
         local: The per-thread part (:class:`ReplicaLocal`).
     """
 
@@ -79,7 +77,6 @@ class RuntimeState:
     job: tuple | None = None
     job_pid: int | None = None
     host_sum_calls: int = 0
-    buffer_donation: bool = False
     local: ReplicaLocal = field(default_factory=ReplicaLocal)
 
     def reset(self) -> None:

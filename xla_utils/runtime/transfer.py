@@ -1,42 +1,17 @@
-"""Device buffers: :func:`to_device`, the prefetching :func:`device_prefetch`, and
-:func:`replace_data` (new values without in-place ops, old buffers donated)."""
+"""Device buffers: :func:`to_device` and the prefetching :func:`device_prefetch`."""
 from __future__ import annotations
 
 import contextlib
 import queue as queue_mod
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator
 
 from .state import STATE
 from .world import backend, device
 from .xla import load_xla
 
-__all__ = ["to_device", "device_prefetch", "replace_data"]
-
-
-def replace_data(targets: Sequence[Any], values: Sequence[Any]) -> None:
-    """Give each tensor of ``targets`` the data of the matching (pending) tensor of
-    ``values`` (``t.data = v``), without an in-place op.
-
-    On XLA each target's current device buffer is donated to the next graph (torch_xla's
-    buffer donation), so the graph that computes the new values may write them into
-    the old buffers, as it does for tensors updated in place: the step holds one copy
-    (checked in the dumped HLO: ``input_output_alias``). An out-of-place update costs
-    torch_xla a fraction of an in-place one's host time to trace (2.3-3.2x less for an
-    EMA's ``_foreach`` update; docs/BENCHMARKS.md). The old data must not be read again:
-    pass only tensors nothing else holds a view of. A target whose data is still pending
-    (not yet on the device) is not donated.
-    """
-    if backend() == "xla":
-        xlac = load_xla()["torch_xla"]._XLAC
-        if not STATE.buffer_donation:
-            xlac._xla_set_enable_alias_with_buffer_donor_config(True)  # process-wide
-            STATE.buffer_donation = True
-        for t in targets:
-            xlac._set_buffer_donation(t, True)
-    for t, v in zip(targets, values):
-        t.data = v
+__all__ = ["to_device", "device_prefetch"]
 
 
 def to_device(batch: Any, dev=None) -> Any:
