@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from .state import STATE
-from .world import backend, device
+from .world import device
 from .xla import load_xla
 
 __all__ = ["to_device", "device_prefetch"]
