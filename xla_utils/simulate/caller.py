@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .dist import LOOPBACK_ENV
 from .protocol import (ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
                        TransportError, describe_status, lost_name, read_error, read_payload,
-                       recv_msg, send_msg, td)
+                       recv_msg, send_msg, serve_store)
 
 # Seconds the zygote may take to import torch and torch_xla (cold disk: ~25 s).
 _ZYGOTE_START_S = 300.0
@@ -193,7 +194,7 @@ def _caller_env() -> dict[str, str]:
               "TPU_CHIPS_PER_PROCESS_BOUNDS", "PJRT_LOCAL_PROCESS_RANK",
               "PJRT_LOCAL_PROCESS_COUNT", "XRT_TPU_CONFIG", "COLAB_TPU_ADDR"):
         env.pop(k, None)
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", **LOOPBACK_ENV)
     return env
 
 
@@ -215,7 +216,6 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     ``TimeoutError`` after ``timeout`` seconds.
     """
     import cloudpickle
-    import torch.distributed as dist
 
     from ..runtime.replica import ReplicaError
     from .spmd_fn import fn_uses_spmd, run_spmd_fn
@@ -234,8 +234,7 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
             "inside the function, or pass only what it needs (e.g. not a whole namespace "
             "dict)") from exc
     shm = _new_job_folder()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=td(60))
+    store = serve_store()
     request = {"n": n, "port": store.port, "payload": payload, "path": list(sys.path),
                "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index,
                "shm": shm, "threads": threads}
