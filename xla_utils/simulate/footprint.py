@@ -4,9 +4,9 @@ Every simulated replica is a process forked from the zygote: what it shares with
 zygote (torch, torch_xla, the interpreter: about 0.6 GB) costs once, what it
 allocates itself (compiled graphs, tensors, its share of the collectives' payload
 files) costs once per core. While a job runs, the caller samples that private memory
-of every replica (:class:`ReplicaMeter`, ``/proc/PID/smaps_rollup``) and records the
-largest per program (the script, or the replica function's file and name) in
-``~/.cache/xla_utils/simulate_footprint.json`` (``XLA_UTILS_SIM_FOOTPRINT_FILE``),
+of its replicas (:class:`ReplicaMeter`, ``/proc/PID/smaps_rollup``) and records their
+largest sum, per replica, per program (the script, or the replica function's file and
+name) in ``~/.cache/xla_utils/simulate_footprint.json`` (``XLA_UTILS_SIM_FOOTPRINT_FILE``),
 also when the job was killed. Before the next launch of that program on N cores,
 :func:`check_fits` compares N times that figure (a program never run before: the
 private memory of an idle replica, :data:`IDLE_REPLICA_BYTES`) with what the machine
@@ -35,8 +35,9 @@ IDLE_REPLICA_BYTES = 64 << 20
 # when a launch must start it.
 ZYGOTE_BYTES = 700 << 20
 
-# Headroom kept free under the limit: the caller, the zygote and the job grow too.
-HEADROOM = 0.9
+# The share of what is left that the replicas may take: the caller, the zygote and the
+# job grow a little too.
+HEADROOM = 0.95
 
 # How often the caller samples its replicas' memory, s: every SAMPLE_S, and every
 # SAMPLE_FIRST_S in the job's first FIRST_S seconds (short jobs get sampled too).
@@ -198,7 +199,8 @@ def _private_bytes(pid: int) -> int:
 
 class ReplicaMeter:
     """Samples the private memory of a job's replica processes (the job's children)
-    and its payload folder; :attr:`peak` is the largest per replica so far, bytes."""
+    and its payload folder; :attr:`peak` is their largest sum so far divided by the
+    number of replicas (bytes per replica at the job's peak)."""
 
     def __init__(self, job: int, folder: str, n: int) -> None:
         self.job, self.folder, self.n = job, folder, n
@@ -216,12 +218,12 @@ class ReplicaMeter:
             kids = Path(f"/proc/{self.job}/task/{self.job}/children").read_text().split()
         except OSError:
             return
-        replica = max((_private_bytes(int(p)) for p in kids), default=0)
-        payload = 0  # a collective's files: each rank's share
+        replicas = sum(_private_bytes(int(p)) for p in kids)
+        payload = 0  # the collectives' files
         with contextlib.suppress(OSError):
             with os.scandir(self.folder) as it:
                 payload = sum(e.stat().st_size for e in it if e.is_file())
-        self.peak = max(self.peak, replica + payload // max(self.n, 1))
+        self.peak = max(self.peak, (replicas + payload) // max(self.n, 1))
 
 
 def check_fits(program: str, n: int, zygote_running: bool) -> None:
@@ -230,7 +232,7 @@ def check_fits(program: str, n: int, zygote_running: bool) -> None:
     Raises:
         SimulatedMemoryError: n times the program's recorded private memory per
             replica (:data:`IDLE_REPLICA_BYTES` if never run) exceeds what is left
-            (:func:`memory_room`, less 10% headroom); names both and the fix.
+            (:func:`memory_room`, less 5% headroom); names both and the fix.
     """
     if os.environ.get("XLA_UTILS_SIM_MEMORY_CHECK", "1") == "0":
         return
