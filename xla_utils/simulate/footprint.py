@@ -39,6 +39,9 @@ ZYGOTE_BYTES = 700 << 20
 # job grow a little too.
 HEADROOM = 0.95
 
+# Programs whose figures are kept (the most recently run).
+MAX_RECORDS = 256
+
 # How often the caller samples its replicas' memory, s: every SAMPLE_S, and every
 # SAMPLE_FIRST_S in the job's first FIRST_S seconds (short jobs get sampled too).
 SAMPLE_S, SAMPLE_FIRST_S, FIRST_S = 0.5, 0.1, 5.0
@@ -179,6 +182,9 @@ def record(program: str, replica_bytes: int, cores: int) -> None:
     data = _load()
     data[program] = {"replica_bytes": int(replica_bytes), "cores": cores,
                      "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if len(data) > MAX_RECORDS:  # the most recently run programs are kept
+        keep = sorted(data, key=lambda k: str(data[k].get("when", "")))[-MAX_RECORDS:]
+        data = {k: data[k] for k in keep}
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
