@@ -90,7 +90,8 @@ def _is_loopback(addr: str) -> bool:
 
 def _hold_open(init: str, flag: str) -> int:
     """A replica that sets up a torch.distributed process group (``xla://`` or
-    ``env://``) and a gloo group, all-reduces once in each, then waits (60 s at most) until ``flag`` exists."""
+    ``env://``) and a gloo group, all-reduces once in each, then waits (60 s at most)
+    until ``flag`` exists."""
     import torch
     import torch.distributed as dist
     import torch_xla
@@ -207,7 +208,8 @@ def _memory_cgroup(limit: int) -> Iterator[Path]:
             rel = line.split(":", 2)[2]
     if mount is None or rel is None:
         pytest.skip("no cgroup v1 memory controller is mounted here")
-    folder = mount[1] / os.path.relpath(rel, mount[0]) / f"xla_utils_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    name = f"xla_utils_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    folder = mount[1] / os.path.relpath(rel, mount[0]) / name
     try:
         folder.mkdir()
         (folder / "memory.limit_in_bytes").write_text(str(limit))
