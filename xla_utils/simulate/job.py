@@ -269,7 +269,7 @@ def _enter_caller_context(request: dict) -> None:
 # glibc malloc arenas a replica process may create (unless the caller's environment sets
 # MALLOC_ARENA_MAX): by default each thread that allocates may get an arena of its own (up
 # to 8 per core), whose freed pages stay with it. DDP's ResNet-18 on 8 simulated cores:
-# 10.3 -> 9.2 GiB in all (docs/BENCHMARKS.md, "Simulated DDP footprint").
+# 10.3 -> 8.8 GiB in all (docs/BENCHMARKS.md, "Simulated DDP footprint").
 REPLICA_MALLOC_ARENAS = 2
 
 
