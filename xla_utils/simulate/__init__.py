@@ -51,8 +51,9 @@ N XLA:CPU devices).
 from __future__ import annotations
 
 from .caller import prestart, run_replicas
+from .footprint import SimulatedMemoryError
 from .protocol import COLLECTIVE_TIMEOUT_S, CollectiveError
 from .runner import main, run_script, simulated_spawn
 
 __all__ = ["CollectiveError", "run_script", "simulated_spawn", "main",
-           "COLLECTIVE_TIMEOUT_S", "run_replicas", "prestart"]
+           "COLLECTIVE_TIMEOUT_S", "run_replicas", "prestart", "SimulatedMemoryError"]

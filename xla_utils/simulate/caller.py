@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .dist import LOOPBACK_ENV
+from .footprint import ReplicaMeter, check_fits, record
 from .protocol import (ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
                        TransportError, describe_status, lost_name, read_error, read_payload,
-                       recv_msg, send_msg, td)
+                       recv_msg, send_msg, serve_store)
 
 # Seconds the zygote may take to import torch and torch_xla (cold disk: ~25 s).
 _ZYGOTE_START_S = 300.0
@@ -193,13 +195,14 @@ def _caller_env() -> dict[str, str]:
               "TPU_CHIPS_PER_PROCESS_BOUNDS", "PJRT_LOCAL_PROCESS_RANK",
               "PJRT_LOCAL_PROCESS_COUNT", "XRT_TPU_CONFIG", "COLAB_TPU_ADDR"):
         env.pop(k, None)
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", **LOOPBACK_ENV)
     return env
 
 
 def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                  timeout: float | None = None, pass_index: bool = False,
-                 threads: bool = False, detect_spmd: bool = True) -> Any:
+                 threads: bool = False, detect_spmd: bool = True,
+                 program: str | None = None) -> Any:
     """Run ``fn(*args)`` (``fn(index, *args)`` with ``pass_index``) on ``n`` simulated
     cores and return rank 0's result; used by ``runtime.launch(simulate=N)``.
 
@@ -210,12 +213,16 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     ``Mesh``, ``mark_sharding``, ...) runs once in one process with ``n`` XLA:CPU
     devices instead (:mod:`.spmd_fn`).
 
+    Before ``n`` replica processes start, their memory is checked against what the
+    machine has left (:func:`.footprint.check_fits`), from the figure recorded for
+    ``program`` (default: ``fn``'s file and name) in its last run.
+
     Raises ``runtime.ReplicaError`` (the root cause, preferred over replicas that
-    stopped because of it; a job that died names what killed it) and
-    ``TimeoutError`` after ``timeout`` seconds.
+    stopped because of it; a job that died names what killed it),
+    ``TimeoutError`` after ``timeout`` seconds and
+    ``footprint.SimulatedMemoryError`` when the replicas would not fit.
     """
     import cloudpickle
-    import torch.distributed as dist
 
     from ..runtime.replica import ReplicaError
     from .spmd_fn import fn_uses_spmd, run_spmd_fn
@@ -233,9 +240,11 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
             "global or closure variable, or an argument) cannot be pickled: create it "
             "inside the function, or pass only what it needs (e.g. not a whole namespace "
             "dict)") from exc
+    program = program or _program_of(fn)
+    if not threads:
+        check_fits(program, n, zygote_running=_ZYGOTE is not None and _ZYGOTE.alive())
     shm = _new_job_folder()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=td(60))
+    store = serve_store()
     request = {"n": n, "port": store.port, "payload": payload, "path": list(sys.path),
                "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index,
                "shm": shm, "threads": threads}
@@ -246,9 +255,12 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
         zygote = _zygote()
         job = zygote.start_job(request)
         watch = _JobWatch(store, shm, n)
+        meter = None if threads else ReplicaMeter(job, shm, n)
         try:
-            _watch_job(watch, job, timeout)
+            _watch_job(watch, job, timeout, meter)
         finally:
+            if meter is not None and meter.peak:
+                record(program, meter.peak, n)
             # Drop every reference to the store here, in this process: a traceback
             # that keeps this frame alive would otherwise leave the store to the
             # cyclic garbage collector, which may run it in a process the caller forks
@@ -291,10 +303,22 @@ def _end_job(job: int | None, shm: str) -> None:
     shutil.rmtree(shm, ignore_errors=True)
 
 
-def _watch_job(watch: "_JobWatch", job: int, timeout: float | None) -> None:
-    """Follow the job's events until it is over; ``TimeoutError`` after ``timeout`` s."""
+def _program_of(fn: Callable[..., Any]) -> str:
+    """What names a replica function's program in the footprint records."""
+    code = getattr(fn, "__code__", None)
+    where = (os.path.abspath(code.co_filename) if code is not None
+             and not code.co_filename.startswith("<") else getattr(fn, "__module__", "?"))
+    return f"{where}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _watch_job(watch: "_JobWatch", job: int, timeout: float | None,
+               meter: ReplicaMeter | None) -> None:
+    """Follow the job's events until it is over; ``TimeoutError`` after ``timeout`` s.
+    ``meter`` samples the replicas' memory meanwhile."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if meter is not None:
+            meter.sample()
         # Look before reading: everything a job wrote before it ended is then
         # read below, in this same pass (reading first would race its exit).
         job_gone = not _pid_alive(job)

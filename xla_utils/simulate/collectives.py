@@ -13,9 +13,10 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from .compiled import patch_torch_compile
+from .ddp import refresh_grad_views, track_ddp
 from .dist import DIST_DIRS, patch_distributed
 from .protocol import (ABORT, SEP, WAIT_SLICE_S, CollectiveError, PeerFailed, arrival_key,
                        finished_key, read_payload, rendezvous_name, td, tensor_name, timeout_s,
@@ -241,9 +242,12 @@ def _host_exchange():
 
 def _materialize() -> None:
     """Run the pending graph (without step closures), so that reading collective
-    inputs is a transfer, not a recomputation of the forward/backward."""
+    inputs is a transfer, not a recomputation of the forward/backward. DDP's
+    gradient views are brought up to date first (:mod:`.ddp`: else the graph
+    outputs a copy of a bucket per parameter)."""
     import torch_xla
 
+    refresh_grad_views()
     torch_xla._XLAC._xla_step_marker(torch_xla._XLAC._xla_get_default_device(), [], wait=False)
 
 
@@ -298,20 +302,22 @@ def _publish(seq: int, data: list) -> None:
 def _collect(seq: int, i: int, like, ranks: list[int] | None = None) -> list:
     """Tensor ``i`` of collective ``seq`` of each of ``ranks`` (default all), in
     that order (same shape/dtype as ``like``)."""
+    return list(_each_rank(seq, i, like, ranks))
+
+
+def _each_rank(seq: int, i: int, like, ranks: list[int] | None = None) -> Iterator:
+    """:func:`_collect`, one rank's tensor at a time (read when it is needed)."""
     import numpy as np
     import torch
 
     w = _World
-    out = []
     for k in (range(w.size) if ranks is None else ranks):
         if k == w.rank:
-            out.append(like)
+            yield like
             continue
         arr = np.fromfile(os.path.join(w.shm, tensor_name(seq, k, i)), dtype=_wire(like[:0]).dtype)
         t = torch.from_numpy(arr)
-        out.append((t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t)
-                   .view(like.shape))
-    return out
+        yield (t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t).view(like.shape)
 
 
 def _to_cpu_batched(tensors: list) -> list:
@@ -344,15 +350,19 @@ def _flat_groups(tensors: list) -> tuple[list, list]:
     return bufs, groups
 
 
-def _reduce(reduce_type: str, parts: list):
-    """Reduce the ranks' buffers in rank order (identical result on every rank)."""
+def _reduce(reduce_type: str, parts: Iterable):
+    """Reduce the ranks' buffers in rank order (identical result on every rank).
+    ``parts`` may be an iterator: each is read when it is added (one bucket in
+    memory, not one per rank)."""
     import torch
 
-    dtype = parts[0].dtype
+    parts = iter(parts)
+    first = next(parts)
+    dtype = first.dtype
     acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else (
         torch.int32 if dtype == torch.bool else dtype)
-    acc = parts[0].to(acc_dtype).clone()
-    for p in parts[1:]:
+    acc = first.to(acc_dtype).clone()
+    for p in parts:
         p = p.to(acc_dtype)
         if reduce_type == "sum":
             acc += p
@@ -396,7 +406,7 @@ def _host_all_reduce_body(reduce_type: str, tensors: list, scale: float, api_sig
         _PROF.append((len(tensors), t3, t1 - t0, t2 - t1, t3 - t2))
     out: list = [None] * len(tensors)
     for gi, (buf, idx) in enumerate(zip(bufs, groups)):
-        work = _reduce(reduce_type, _collect(seq, gi, buf, group))
+        work = _reduce(reduce_type, _each_rank(seq, gi, buf, group))
         if scale != 1.0:
             work = work * scale
         work = work.to(buf.dtype)
@@ -432,6 +442,7 @@ def _patch_torch_xla(rank: int, n: int) -> None:
         if hasattr(xm, name):
             setattr(xm, name, value)
     patch_distributed(rank, n, _World.store)
+    track_ddp()
     if n == 1:
         return  # torch_xla's own collectives are no-ops on one device
     _sim_rendezvous.__wrapped__ = xm.rendezvous

@@ -9,13 +9,21 @@ buckets already carry the same guarantees (a rank-dependent collective is a
 named ``CollectiveError``). What breaks is the rendezvous: torch_xla's ``xla://``
 handler and torch's ``env://`` make replica 0 host a ``TCPStore`` on
 ``MASTER_PORT`` (12355 by default), which collides between simulated runs and,
-without the world patched, in every replica. :func:`patch_distributed` makes
-both handlers hand out the job's own store instead.
+without the world patched, in every replica, and listens on every network
+interface. :func:`patch_distributed` makes both handlers hand out the job's own
+store instead (the caller's, listening on the loopback address only), and
+:func:`patch_distributed_spmd` an in-process store in an SPMD process.
 """
 from __future__ import annotations
 
 import os
 from typing import Iterator
+
+# Every simulated replica lives on the caller's host: gloo's and tensorpipe's sockets
+# (a gloo process group, torch.distributed.rpc) bind the loopback interface, not the
+# address the host name resolves to. Set in every replica's and SPMD process's
+# environment.
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"}
 
 # torch.distributed frames count as library frames when a collective's call site is named
 DIST_DIRS = (os.path.join("torch", "distributed", ""), os.path.join("torch", "nn", "parallel", ""))
@@ -39,6 +47,16 @@ def patch_distributed(rank: int, n: int, store) -> None:
 
     rdzv._rendezvous_handlers["xla"] = xla_handler
     rdzv._rendezvous_handlers["env"] = env_handler
+
+
+def patch_distributed_spmd() -> None:
+    """In an SPMD process (one process owning every device, world of one process),
+    route the ``xla://`` and ``env://`` rendezvous to an in-process ``HashStore``:
+    torch_xla's handler would otherwise host a ``TCPStore`` on ``MASTER_PORT``,
+    listening on every network interface."""
+    import torch.distributed as dist
+
+    patch_distributed(0, 1, dist.HashStore())
 
 
 def _check_env(url: str, rank: int, n: int) -> None:

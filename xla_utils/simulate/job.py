@@ -266,9 +266,26 @@ def _enter_caller_context(request: dict) -> None:
 # ==========================================================================
 # Inside one replica
 # ==========================================================================
+# glibc malloc arenas a replica process may create (unless the caller's environment sets
+# MALLOC_ARENA_MAX): by default each thread that allocates may get an arena of its own (up
+# to 8 per core), whose freed pages stay with it. DDP's ResNet-18 on 8 simulated cores:
+# 10.3 -> 8.8 GiB in all (docs/BENCHMARKS.md, "Simulated DDP footprint").
+REPLICA_MALLOC_ARENAS = 2
+
+
+def _limit_malloc_arenas() -> None:
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return
+    with contextlib.suppress(Exception):  # not glibc: nothing to limit
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-8, REPLICA_MALLOC_ARENAS)  # M_ARENA_MAX
+
+
 def _replica_main(r: int, request: dict) -> int:
     _die_with_parent()
     _enter_caller_context(request)
+    _limit_malloc_arenas()
     import cloudpickle
 
     from ..runtime import replica

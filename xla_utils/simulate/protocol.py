@@ -3,7 +3,8 @@
 The caller (:mod:`.caller`), the job and its replicas (:mod:`.job`) and the host
 collectives (:mod:`.collectives`) meet only through what this module defines.
 
-* The caller's ``TCPStore`` carries keys and small events only: the append-only
+* The caller's ``TCPStore`` (:func:`serve_store`, listening on the loopback address
+  only) carries keys and small events only: the append-only
   ``events`` key (lines ``kind rank value``), arrivals at collectives, ``finished/r``
   and ``abort``. A store value is limited to 8 MiB (c10d's libuv backend), so
 * every payload (rank 0's result, error reports with their tracebacks, tensors of
@@ -131,8 +132,34 @@ def td(seconds: float):
     return timedelta(seconds=seconds)
 
 
+def serve_store():
+    """The caller's ``TCPStore`` (the server; its ``port`` goes to the job), listening
+    on the loopback address only.
+
+    c10d's store server binds every interface when it opens its own socket (``ss
+    -ltn`` shows ``*:port``), which would let any host that reaches this one set a
+    job's keys and events. So the listening socket is made here, bound to
+    ``127.0.0.1`` (every replica lives on this host), and handed to the store
+    (``master_listen_fd``), which owns and closes it.
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True,
+                              wait_for_workers=False, timeout=td(STORE_TIMEOUT_S),
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor
+    return store
+
+
 def connect(port: int):
-    """A client of the caller's store on ``127.0.0.1:port``."""
+    """A client of the caller's store on ``127.0.0.1:port`` (:func:`serve_store`)."""
     import torch.distributed as dist
 
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=td(STORE_TIMEOUT_S))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .caller import run_replicas
+from .footprint import SimulatedMemoryError
 from .spmd import FORMS, detect_form, run_spmd
 from .torchrun import run_torchrun
 
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_script(ns.script, cores=ns.cores, args=ns.args, timeout=ns.timeout,
                           form=ns.form)
-    except ReplicaError as exc:
+    except (ReplicaError, SimulatedMemoryError) as exc:
         print(f"xla_utils.simulate: {exc}", file=sys.stderr)
         return 1
 

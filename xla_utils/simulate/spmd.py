@@ -22,6 +22,8 @@ import tokenize
 from pathlib import Path
 from typing import Sequence
 
+from .dist import LOOPBACK_ENV, patch_distributed_spmd
+
 # Names whose presence in a script's code (not its comments or strings) marks SPMD.
 SPMD_NAMES = ("use_spmd", "mark_sharding", "Mesh", "HybridMesh", "get_1d_mesh",
               "SpmdFullyShardedDataParallel", "input_sharding", "enable_spmd")
@@ -53,7 +55,7 @@ def run_spmd(path: str, cores: int, args: Sequence[str] = (),
              timeout: float | None = None) -> int:
     """Run the script as ``__main__`` in a fresh process with ``cores`` XLA:CPU
     devices; returns its exit status."""
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cores))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cores), **LOOPBACK_ENV)
     env.pop("XLA_USE_SPMD", None)
     here = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
@@ -70,6 +72,7 @@ def run_spmd(path: str, cores: int, args: Sequence[str] = (),
 def spmd_child_main(cores: int, path: str, args: Sequence[str]) -> int:
     """The SPMD process: refuse the multi-process entry points, run the script."""
     refuse_multiprocess(path, cores)
+    patch_distributed_spmd()
     sys.argv = [path, *args]
     sys.path.insert(0, str(Path(path).resolve().parent))
     try:

@@ -23,6 +23,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable
 
+from .dist import LOOPBACK_ENV, patch_distributed_spmd
 from .spmd import SPMD_NAMES
 
 # Modules whose code is library code, not the user's program (not scanned).
@@ -137,7 +138,7 @@ def run_spmd_fn(fn: Callable[..., Any], args: tuple, cores: int, why: str,
 
 
 def _spmd_env(cores: int) -> dict[str, str]:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cores))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cores), **LOOPBACK_ENV)
     for k in ("XLA_USE_SPMD", "TPU_NUM_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS",
               "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"):
         env.pop(k, None)
@@ -154,6 +155,7 @@ def spmd_fn_child_main(cores: int, folder: str, pass_index: bool) -> int:
     from .spmd import refuse_multiprocess
 
     refuse_multiprocess(f"the function sent by launch(fn, simulate={cores})", cores)
+    patch_distributed_spmd()
     try:
         fn, args = cloudpickle.loads(Path(folder, _PAYLOAD).read_bytes())
         out = fn(0, *args) if pass_index else fn(*args)

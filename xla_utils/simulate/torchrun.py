@@ -27,8 +27,9 @@ def run_torchrun(path: str, cores: int, args: Sequence[str] = (),
     torchrun's environment; returns 0 (a replica's failure raises ``ReplicaError``)."""
     from .caller import run_replicas
 
-    run_replicas(torchrun_replica, (str(Path(path).resolve()), [str(a) for a in args]), cores,
-                 timeout=timeout, pass_index=True)
+    path = str(Path(path).resolve())
+    run_replicas(torchrun_replica, (path, [str(a) for a in args]), cores,
+                 timeout=timeout, pass_index=True, program=path)
     return 0
 
 
