@@ -25,6 +25,16 @@ from xla_utils.runtime.xla import fast_cpu_compile_flags  # noqa: E402  (imports
 
 os.environ["XLA_FLAGS"] = fast_cpu_compile_flags(os.environ.get("XLA_FLAGS"))
 
+# The simulator records each program's peak memory per replica and refuses a later launch that
+# would not fit (xla_utils.simulate.footprint). The session keeps its records in a file of its
+# own: the user's ~/.cache record is left alone, and a figure from one test (or an earlier CI
+# run on the same machine) never refuses another test's launch.
+if "XLA_UTILS_SIM_FOOTPRINT_FILE" not in os.environ:
+    import tempfile
+
+    os.environ["XLA_UTILS_SIM_FOOTPRINT_FILE"] = os.path.join(
+        tempfile.mkdtemp(prefix="xla_utils-footprint-"), "footprint.json")
+
 from local_servers import free_port, start_emulator, stop, wait_port
 
 __all__ = ["free_port"]  # test modules import it from here
