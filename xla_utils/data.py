@@ -99,7 +99,8 @@ class CachedImageDataset:
 
         Raises:
             FileNotFoundError: ``path`` does not exist or holds no cache (the message
-                names ``path`` and how to build one).
+                names ``path``, the nearest existing folder name for a typo, the caches
+                beside it, nearest first, and how to build one).
             ValueError: the cache is incomplete or damaged (unreadable ``manifest.json``,
                 missing or cut-short shard / ``labels.npy``); the message names the file
                 and the fix.

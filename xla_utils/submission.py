@@ -297,9 +297,11 @@ def _sample_ids(sample: str | os.PathLike) -> tuple[list[str], list[str]]:
     if len(rows) < 2:
         raise ValueError(f"{path} has no ids below its header row")
     ids = [r[0].strip() for r in rows[1:]]
-    dup = next((x for i, x in enumerate(ids) if x in ids[:i]), None) if len(set(ids)) != len(ids) else None
-    if dup is not None:
-        raise ValueError(f"{path} lists id {dup!r} twice")
+    seen: set[str] = set()
+    for x in ids:
+        if x in seen:
+            raise ValueError(f"{path} lists id {x!r} twice")
+        seen.add(x)
     return ids, [c.strip() for c in rows[0]]
 
 

@@ -166,6 +166,9 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             ``sample_submission.csv``; other columns are ignored), with no labels. A
             flat folder without ``labels=`` is also cached unlabelled, but the summary
             then warns and says how to add labels; training refuses unlabelled caches.
+            Images that cannot be read are skipped as in any build, and the summary warns
+            that they will be missing from a submission (:func:`missing_rows_warning`);
+            the cache remembers their ids (``CachedImageDataset.skipped``).
         engine: ``"local"`` (a process pool, default) or ``"ray"``: one task per shard on a
             Ray cluster (``pip install 'xla_utils[ray]'``); the same bytes as a local build.
             Every node must reach ``source`` and ``out`` (use ``gs://`` for ``out`` on a
@@ -175,7 +178,11 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
 
     Every cache records each image's id (``CachedImageDataset.ids``): its path
     relative to ``source`` (folders), the CSV's first-column value as written, or
-    the index as a string (datasets).
+    the index as a string (datasets); skipped images' ids too.
+
+    Raises:
+        TypeError: an unknown keyword (``varients=2``): the message suggests the
+            nearest option (``variants``) and lists them all.
     """
     fields = [f.name for f in dataclasses.fields(CacheConfig)]
     if set(config_fields) - set(fields):
