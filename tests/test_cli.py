@@ -171,3 +171,41 @@ def test_unlabeled_test_set(tmp_path, capsys):
     from xla_utils.data import CachedImageDataset
 
     assert CachedImageDataset(tmp_path / "c").ids == ["t0.png", "t1.png", "t2.png"]
+
+
+def test_unlabeled_build_says_loudly_that_skipped_images_will_be_missing(tmp_path, capsys):
+    test = tmp_path / "test"
+    test.mkdir()
+    for i in (0, 1, 2):
+        Image.fromarray(np.full((30, 30, 3), 40 * i, np.uint8)).save(test / f"img_{i}.png")
+    full = test / "img_9.full.jpg"
+    Image.fromarray(np.full((30, 30, 3), 90, np.uint8)).save(full)
+    (test / "img_9.jpg").write_bytes(full.read_bytes()[:300])  # truncated
+    full.unlink()
+    assert main(["build", str(test), str(tmp_path / "c"), "--size", "16", "--unlabeled"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 1 image(s)" in out and "img_9.jpg" in out
+    assert ("WARNING: 1 test image(s) were skipped (img_9.jpg) and will be MISSING from a submission"
+            in out) and "--overwrite" in out and "missing='fill'" in out
+    # --quiet hides the summary, not the missing rows (on stderr)
+    assert main(["build", str(test), str(tmp_path / "q"), "--size", "16", "--unlabeled", "--quiet"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.out == "" and "WARNING: 1 test image(s) were skipped (img_9.jpg)" in quiet.err
+    # a training build that skips an image lists it without the submission warning
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    shutil.copy(test / "img_0.png", tmp_path / "train" / "a" / "0.png")
+    shutil.copy(test / "img_9.jpg", tmp_path / "train" / "a" / "9.jpg")
+    assert main(["build", str(tmp_path / "train"), str(tmp_path / "t"), "--size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 1 image(s)" in out and "MISSING" not in out
+
+
+def test_a_misspelled_option_gets_a_suggestion(src, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["build", str(src), str(tmp_path / "c"), "--varients", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --varients (did you mean --variants?) 2" in err
+    assert not (tmp_path / "c").exists()
+    r = run("-m", "xla_utils.cache", "info", str(tmp_path), "--jsn")
+    assert r.returncode == 2 and "--jsn (did you mean --json?)" in r.stderr

@@ -1,4 +1,4 @@
-"""cross_validate and CacheSubset on a real cache, on XLA:CPU (1 core and simulated cores)."""
+"""split, cross_validate and CacheSubset on a real cache, on XLA:CPU (1 core and simulated cores)."""
 from __future__ import annotations
 
 import pickle
@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import xla_utils
 from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache, cross_validate
 from xla_utils.crossval import CacheSubset, fold_assignment, subset
 from xla_utils.data import images_to_float, iterate_batches
@@ -72,6 +73,34 @@ def test_cache_subset_is_a_view_in_order(caches):
     assert sub._slabs[0][0] is train._slabs[0][0]  # the same memory maps: nothing copied
     assert isinstance(subset(torch.utils.data.TensorDataset(torch.zeros(4, 2)), [1, 2]),
                       torch.utils.data.Subset)
+
+
+def test_split_in_one_call_stratified_seeded_no_copy(caches, capsys):
+    """One training folder -> train and validation views (the Kaggle layout), straight into
+    the trainer."""
+    train_all, test = caches
+    train, val = xla_utils.split(train_all, val_fraction=0.2)
+    assert isinstance(train, CacheSubset) and isinstance(val, CacheSubset)
+    assert len(train) == 96 and len(val) == 24
+    ti, vi = train.indices, val.indices
+    assert sorted(np.concatenate([ti, vi]).tolist()) == list(range(120))  # disjoint, covering
+    assert ti.tolist() == sorted(ti.tolist()) and vi.tolist() == sorted(vi.tolist())  # cache order
+    counts, held = np.bincount(train_all.labels, minlength=CLASSES), np.bincount(val.labels, minlength=CLASSES)
+    assert np.all(np.abs(held - counts * 0.2) < 1), (counts, held)  # every class's share
+    assert val._slabs[0][0] is train_all._slabs[0][0]  # views: no image copied
+    again, other = xla_utils.split(train_all, 0.2)[1], xla_utils.split(train_all, 0.2, seed=1)[1]
+    assert again.indices.tolist() == vi.tolist() and other.indices.tolist() != vi.tolist()
+    # a class with one image keeps it for training; multi-label / float targets: a plain split
+    tiny = torch.utils.data.TensorDataset(torch.zeros(6, 2), torch.tensor([0, 0, 0, 0, 1, 2]))
+    t2, v2 = xla_utils.split(tiny, 0.5)
+    assert [int(tiny[i][1]) for i in v2.indices] == [0, 0, 0] and len(t2) == 3
+    with pytest.raises(ValueError, match="val_fraction must be a number in \\(0, 1\\)"):
+        xla_utils.split(train_all, 20)
+    with pytest.raises(ValueError, match="unlabeled=True"):
+        xla_utils.split(test)
+    h = OneCycleTrainer(_model, nn.CrossEntropyLoss(), train, val, batch_size=8, epochs=1, max_lr=3e-3,
+                        mean=MEAN, std=STD).fit(cores=1)
+    assert h[-1]["samples"] == 24  # validated on exactly the held-out images
 
 
 def test_fold_assignment_stratified_and_covering():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import threading
 import time
 
@@ -131,6 +132,22 @@ def test_dataset_pickles_and_refuses_incomplete_cache(ds, cache_dir, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match="incomplete"):
         CachedImageDataset(bad)
+
+
+def test_a_misspelled_cache_path_suggests_the_nearest_folders(cache_dir, tmp_path):
+    root = tmp_path / "cache"
+    for name in ("test", "test96", "test_nolab", "train", "val"):
+        shutil.copytree(cache_dir, root / name)
+    with pytest.raises(FileNotFoundError) as err:
+        CachedImageDataset(root / "trian")
+    msg = str(err.value)
+    assert msg.startswith(f"{root / 'trian'} does not exist; did you mean {root / 'train'}?")
+    assert f"caches inside it: {root / 'train'}, " in msg  # the nearest first, not alphabetical
+    with pytest.raises(FileNotFoundError, match=f"did you mean {root / 'train'}\\?"):
+        CachedImageDataset(tmp_path / "cahce" / "train")  # the typo one folder up
+    with pytest.raises(FileNotFoundError) as err:
+        CachedImageDataset(root / "zzzzzz")
+    assert "did you mean" not in str(err.value)
 
 
 def test_missing_cache_path_is_named_with_the_fix(cache_dir, tmp_path):
@@ -350,3 +367,35 @@ def test_ids_and_unlabeled_attributes(ds):
     ids = ds.ids
     ids.append("x")  # a copy: the dataset's ids cannot be changed by accident
     assert len(ds.ids) == N_IMAGES
+
+
+def test_skipped_ids_and_requested_ids(tmp_path):
+    """A cache remembers every id it was asked for, skipped ones included; a cache written
+    before skipped ids were recorded derives them (folders: the path; datasets: the index)."""
+    from PIL import Image
+
+    src = tmp_path / "test"
+    src.mkdir()
+    for i in range(4):
+        Image.fromarray(np.full((20, 20, 3), 50 * i, np.uint8)).save(src / f"{i}.png")
+    (src / "2.png").write_bytes(b"not an image")
+    build_cache(src, tmp_path / "c", size=8, unlabeled=True, verbose=False)
+    ds = CachedImageDataset(tmp_path / "c")
+    assert ds.ids == ["0.png", "1.png", "3.png"] and ds.requested_ids == ["0.png", "1.png", "2.png", "3.png"]
+    assert [(e["id"], e["source_index"]) for e in ds.skipped] == [("2.png", 2)]
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    for e in m["skipped"]:
+        del e["id"]  # an older cache
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(m))
+    old = CachedImageDataset(tmp_path / "c")
+    assert old.requested_ids == ds.requested_ids and old.skipped[0]["id"] == "2.png"
+
+    class WithBad(Arrays):
+        def __getitem__(self, i):
+            if i == 1:
+                raise OSError("unreadable")
+            return super().__getitem__(i)
+
+    build_cache(WithBad(3), tmp_path / "d", size=8, verbose=False)
+    d = CachedImageDataset(tmp_path / "d")
+    assert d.ids == ["0", "2"] and d.requested_ids == ["0", "1", "2"] and d.skipped[0]["id"] == "1"

@@ -214,3 +214,199 @@ def test_notebook_runs_in_tiny_mode(path, kernel_env, monkeypatch, tmp_path):
     for pattern in EXPECTED_OUTPUT[path.name]:
         assert re.search(pattern, text), f"{path.name}: no output matching {pattern!r}:\n{text[-3000:]}"
     print(f"{path.name}: {seconds:.0f} s")
+
+
+# ----------------------------------------------------------- notebook text against the API
+# What a notebook's markdown names must exist and work: checkpoint file names, xla_utils
+# names, the attributes it reads of trainer / history / lr / cv / caches, keyword options
+# and its own parameters, the LR finder's rule, and "uncomment" only over commented code.
+SPAN = re.compile(r"`([^`\n]+)`")
+CKPT_NAME = re.compile(r"epoch_(?:[\w*-]|<[^>]+>)*\.(?:pt|dcp)")
+# A real epoch file name, as OneCycleTrainer.fit writes it (test_notebook_resume_and_lr_cells
+# checks the notebooks' names against the files a real run wrote, too).
+REAL_CKPT = "epoch_003-20261126-101010-ab12.pt"
+FILE_SUFFIXES = ("csv", "pt", "json", "png", "npz")
+# Keyword options of other libraries that the notebooks' text shows.
+FOREIGN_OPTIONS = {"barrier": "xm.optimizer_step", "start_method": "xmp.spawn",
+                   "pretrained": "timm.create_model", "num_classes": "timm / torchvision"}
+
+
+def _markdown(nb) -> str:
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def _name_regex(name: str) -> re.Pattern:
+    """A checkpoint name as written (``epoch_<nnn>-<run id>.pt``, ``epoch_*.pt``) as a regex."""
+    out = ""
+    for part in re.split(r"(<[^>]+>|\*)", name):
+        if part == "*":
+            out += ".*"
+        elif part.startswith("<"):
+            out += r"[\w-]+" if "run" in part else r"\w+"
+        else:
+            out += "".join(rf"\d{{{len(t)}}}" if t.isdigit() else re.escape(t)
+                           for t in re.split(r"(\d+)", part))  # epoch_002 is as good as epoch_003
+    return re.compile(out)
+
+
+def _known_options() -> set[str]:
+    """Every keyword a public xla_utils callable or config accepts."""
+    import dataclasses
+    import inspect
+
+    import xla_utils
+    from xla_utils import cli, crossval, data, debug, finetune, memory, readiness, submission
+    from xla_utils.trainer import TrainerConfig
+
+    names = {f.name for f in dataclasses.fields(TrainerConfig)}
+    names |= {f.name for f in dataclasses.fields(xla_utils.CacheConfig)}
+    funcs = [getattr(xla_utils, n) for n in xla_utils.__all__ if callable(getattr(xla_utils, n, None))]
+    funcs += [getattr(xla_utils.OneCycleTrainer, n) for n in dir(xla_utils.OneCycleTrainer)
+              if not n.startswith("_")]
+    for mod in (cli, crossval, data, debug, finetune, memory, readiness, submission):
+        funcs += [getattr(mod, n) for n in getattr(mod, "__all__", []) if callable(getattr(mod, n))]
+    for f in funcs:
+        try:
+            names |= set(inspect.signature(f).parameters)
+        except (TypeError, ValueError):
+            pass
+    return names
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """The objects whose attributes notebooks name: a trainer, a cache, and the classes of
+    ``history``, ``lr`` and ``cv``."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    import xla_utils
+    from xla_utils.history import History
+    from xla_utils.lr_finder import LRFinderResult
+
+    root = tmp_path_factory.mktemp("api")
+    (root / "src" / "a").mkdir(parents=True)
+    for i in range(2):
+        Image.fromarray(np.full((8, 8, 3), 60 * i, np.uint8)).save(root / "src" / "a" / f"{i}.png")
+    xla_utils.build_cache(root / "src", root / "cache", size=8, workers=1, verbose=False)
+    ds = xla_utils.CachedImageDataset(root / "cache")
+    trainer = xla_utils.OneCycleTrainer(torch.nn.Linear(2, 2), torch.nn.CrossEntropyLoss(), ds)
+    cache_attrs = set(dir(ds)) | set(vars(ds))
+    return {"trainer": set(dir(trainer)) | set(vars(trainer)), "history": set(dir(History)) |
+            set(History.__dataclass_fields__), "lr": set(dir(LRFinderResult)) |
+            set(LRFinderResult.__dataclass_fields__), "cv": set(dir(xla_utils.CVResult)) |
+            set(xla_utils.CVResult.__dataclass_fields__),
+            **{v: cache_attrs for v in ("ds", "train", "val", "test")}, "options": _known_options(),
+            "parameters": "\n".join(c.source for p in NOTEBOOKS
+                                    for c in _code_cells(nbformat.read(p, as_version=4)))}
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[n:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_text_matches_the_api(path, api):
+    from xla_utils.lr_finder import DEFAULT_RULE
+
+    nb = nbformat.read(path, as_version=4)
+    md = _markdown(nb)
+    code = "\n".join(c.source for c in _code_cells(nb))
+    bad = []
+    for name in set(CKPT_NAME.findall(md + "\n" + code)):
+        if not _name_regex(name).fullmatch(REAL_CKPT):
+            bad.append(f"checkpoint name {name!r}: fit writes names like {REAL_CKPT!r}")
+    bad += [f"{n} does not exist" for n in sorted(set(re.findall(r"(?<![\w.])(xla_utils(?:\.\w+)+)", md)))
+            if not _resolves(n.rstrip("."))]
+    for var, attr in set(re.findall(r"(?<![\w.])(trainer|history|lr|cv|ds|train|val|test)\.(\w+)", md)):
+        if attr not in api[var] and attr not in FILE_SUFFIXES:  # history.csv is a file
+            bad.append(f"{var}.{attr} is not an attribute")
+    for span in SPAN.findall(md):
+        for name in re.findall(r"(?<![\w.])([A-Za-z_]\w*)=(?!=)", span):
+            if name.isupper():
+                if name not in code:
+                    bad.append(f"{name} (in `{span}`) is not a parameter of the notebook")
+            elif name not in api["options"] and name not in FOREIGN_OPTIONS:
+                bad.append(f"{name}= (in `{span}`) is no xla_utils option")
+        for name in re.findall(r"^[A-Z][A-Z0-9_]+$", span):  # a parameter (of some notebook)
+            if name not in api["parameters"]:
+                bad.append(f"{name} is not a parameter of a notebook")
+    for cell in (c for c in nb.cells if c.cell_type == "markdown"):
+        if re.search(r"find_lr|lr_find|LR range test", cell.source) and "suggest" in cell.source:
+            if f"`{DEFAULT_RULE}`" not in cell.source:
+                bad.append(f"an LR finder section does not name its rule `{DEFAULT_RULE}`")
+    for k, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and re.search(r"\buncomment", cell.source, re.I):
+            nxt = next((c for c in nb.cells[k + 1:] if c.cell_type == "code"), None)
+            if nxt is None or not re.search(r"^\s*#\s*\w[\w.]*\s*(=|\()", nxt.source, re.M):
+                bad.append("says 'uncomment' over code that is not commented out")
+    assert bad == [], f"{path.name}:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("name", ["kaggle_quickstart.ipynb", "colab_quickstart.ipynb"])
+def test_notebook_resume_and_lr_cells(name, tmp_path, capsys, monkeypatch):
+    """The quickstarts' own LR-finder and training cells, run as a user runs them: a run,
+    an interruption (its last epoch file lost), then ``RESUME = "last"`` and a file name as
+    the text describes. Plain torch on the CPU with a small MLP: the cells are the point."""
+    import torch
+    from sklearn.datasets import load_digits
+    from torch import nn
+
+    from xla_utils import OneCycleTrainer
+    from xla_utils.lr_finder import DEFAULT_RULE
+
+    monkeypatch.setenv("MPLBACKEND", "agg")
+    nb = nbformat.read(NB_DIR / name, as_version=4)
+    cells = {t: c.source for c in _code_cells(nb) for t in c.metadata.get("tags", [])}
+    d = load_digits()
+    data = torch.utils.data.TensorDataset(torch.tensor(d.data[:320], dtype=torch.float32) / 16,
+                                          torch.tensor(d.target[:320]))
+    trainer = OneCycleTrainer(lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)),
+                              nn.CrossEntropyLoss(), data, batch_size=16, epochs=3, optimizer="adam",
+                              checkpoint_dir=tmp_path / "checkpoints")
+    ns = {"trainer": trainer, "SIMULATE": None, "RESUME": None, "OUT": tmp_path}
+    exec(cells["lr_find"], ns)
+    exec(cells["train"], ns)
+    lr, first = ns["lr"], ns["history"]
+    # what the LR section says: the rule it names, one core at the per-core batch_size
+    assert lr.rule == DEFAULT_RULE and lr.batch_size == 16 and lr.accum_steps == 1
+    assert first.base_lr == pytest.approx(lr.suggestion) and len(first) == 3
+    folder = tmp_path / "checkpoints"
+    files = sorted(p.name for p in folder.glob("epoch_*"))
+    assert files == [f"epoch_002-{first.run_id}.pt", f"epoch_003-{first.run_id}.pt"]
+    for named in set(CKPT_NAME.findall(_markdown(nb))):  # every name the text gives is a real one
+        assert any(_name_regex(named).fullmatch(f) for f in files), (named, files)
+
+    (folder / f"epoch_003-{first.run_id}.pt").unlink()  # the run stopped during epoch 3
+    capsys.readouterr()
+    ns["RESUME"] = "last"
+    exec(cells["lr_find"], ns)
+    exec(cells["train"], ns)
+    out = capsys.readouterr().out
+    assert "no LR sweep" in out
+    assert f"resuming run {first.run_id} from epoch_002-{first.run_id}.pt after epoch 2 of 3" in out
+    resumed = ns["history"]
+    assert len(resumed) == 3 and resumed.base_lr == first.base_lr
+    assert [e["train_loss"] for e in resumed.epochs[:2]] == [e["train_loss"] for e in first.epochs[:2]]
+
+    ns["RESUME"] = folder / f"epoch_002-{first.run_id}.pt"  # a file, named as the text shows
+    exec(cells["train"], ns)
+    assert len(ns["history"]) == 3
+    ns["RESUME"] = folder / "epoch_009.pt"  # a wrong name: the error lists what is there
+    with pytest.raises(FileNotFoundError, match=r"holds \(newest first\): .*epoch_003-.*resume=\"last\""):
+        exec(cells["train"], ns)

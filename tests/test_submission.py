@@ -26,10 +26,14 @@ def test_labels_single_and_multi_label(tmp_path, capsys):
     assert "3 rows x 2 columns" in said and "a.jpg,healthy" in said
     sig = np.array([[0.9, 0.1, 0.6], [0.1, 0.2, 0.3], [0.4, 0.7, 0.8]])
     write_submission(sig, ids, tmp_path / "multi.csv", classes=CLASSES, id_column="id",
-                     label_column="labels", threshold=0.5)
+                     label_column="labels", threshold=0.5, multilabel=True)
     assert _read(tmp_path / "multi.csv") == [["id", "labels"], ["a.jpg", "healthy scab"], ["b.jpg", ""],
                                               ["c.jpg", "rust scab"]]
     assert "1 row(s) have no class above threshold 0.5" in capsys.readouterr().out
+    # rows that are not distributions, and nothing says which: refused, not guessed from their sums
+    with pytest.raises(ValueError, match="single- or multi-label.*train=trainer.*multilabel=False"):
+        write_submission(sig, ids, tmp_path / "guess.csv", classes=CLASSES)
+    assert not (tmp_path / "guess.csv").exists()
     # forced single-label on sigmoid outputs: argmax
     write_submission(sig, ids, tmp_path / "single.csv", classes=CLASSES, multilabel=False)
     assert [r[1] for r in _read(tmp_path / "single.csv")[1:]] == ["healthy", "scab", "scab"]
@@ -70,6 +74,179 @@ def test_checks_ids_classes_and_overwrite(tmp_path):
     # rerunning the cell replaces its own submission without overwrite=True
     write_submission(np.eye(3)[[2, 1]], ["x", "y"], notes, classes=CLASSES)
     assert _read(notes)[1:] == [["x", "scab"], ["y", "rust"]]
+
+
+def _image(path, cls, rng, size=(20, 20)):
+    arr = rng.integers(0, 120, (*size, 3), dtype=np.uint8)
+    arr[..., cls] = rng.integers(150, 256, size, dtype=np.uint8)
+    Image.fromarray(arr).save(path)
+
+
+def _truncated_jpeg(path, rng):
+    buf = path.with_suffix(".full.jpg")
+    _image(buf, 0, rng, (40, 48))
+    data = buf.read_bytes()
+    buf.unlink()
+    path.write_bytes(data[: len(data) * 6 // 10])  # an upload that did not finish
+
+
+def _class_folders(root, counts, rng):
+    """root/<class>/<i>.png, counts[c] images of class c (dominant colour channel c)."""
+    for c, n in enumerate(counts):
+        (root / CLASSES[c]).mkdir(parents=True)
+        for i in range(n):
+            _image(root / CLASSES[c] / f"{i}.png", c, rng)
+
+
+def _tiny_trainer(train):
+    import torch
+    from torch import nn
+
+    from xla_utils import OneCycleTrainer
+
+    def make_model():
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(4, 3))
+
+    t = OneCycleTrainer(make_model, nn.CrossEntropyLoss(), train, batch_size=4, epochs=1, max_lr=1e-2)
+    t.fit(cores=1)  # plain torch on the CPU: the point is the rows, not the device
+    assert isinstance(t.model, torch.nn.Module)
+    return t
+
+
+def test_a_corrupt_test_image_never_loses_a_row(tmp_path, capsys):
+    """One truncated JPEG among the test images: build -> predict -> write_submission."""
+    rng = np.random.default_rng(0)
+    _class_folders(tmp_path / "train", (6, 3, 3), rng)  # 'healthy' is the most frequent class
+    test_dir = tmp_path / "test"
+    test_dir.mkdir()
+    for i in (0, 1, 2, 4, 5, 6):
+        _image(test_dir / f"img_{i}.png", i % 3, rng)
+    _truncated_jpeg(test_dir / "img_3.jpg", rng)
+    build_cache(tmp_path / "train", tmp_path / "c" / "train", size=16)
+    build_cache(test_dir, tmp_path / "c" / "test", size=16, unlabeled=True)
+    said = capsys.readouterr().out
+    assert "WARNING: 1 test image(s) were skipped (img_3.jpg) and will be MISSING from a submission" in said
+    assert "missing='fill'" in said
+    train, test = CachedImageDataset(tmp_path / "c" / "train"), CachedImageDataset(tmp_path / "c" / "test")
+    order = ["img_0.png", "img_1.png", "img_2.png", "img_3.jpg", "img_4.png", "img_5.png", "img_6.png"]
+    assert len(test) == 6 and test.requested_ids == order
+    assert [e["id"] for e in test.skipped] == ["img_3.jpg"] and "truncated" in test.skipped[0]["reason"]
+
+    trainer = _tiny_trainer(train)
+    capsys.readouterr()
+    preds = trainer.predict(test)
+    said = capsys.readouterr().out
+    assert preds.shape == (6, 3)
+    assert "1 of the 7 images" in said and "img_3.jpg (" in said and "missing='fill'" in said
+
+    sub = tmp_path / "submission.csv"
+    sub.write_text("image_id,label\nkeep,me\n")  # an earlier, good submission
+    with pytest.raises(ValueError) as err:
+        write_submission(preds, test, sub, train=trainer)
+    msg = str(err.value)
+    assert "1 of the 7 ids" in msg and "6 rows instead of 7" in msg
+    assert "img_3.jpg (skipped at build: " in msg and "missing='fill'" in msg and "Nothing was written" in msg
+    assert sub.read_text() == "image_id,label\nkeep,me\n"
+
+    write_submission(preds, test, sub, train=trainer, missing="fill")
+    said = capsys.readouterr().out
+    rows = _read(sub)
+    assert [r[0] for r in rows[1:]] == order  # every id, in the test set's order
+    assert rows[4] == ["img_3.jpg", "healthy"]  # the training set's most frequent class
+    assert "filled 1 missing row(s) with 'healthy' (fill='prior'): img_3.jpg" in said
+    names = [train.classes[k] for k in preds.argmax(1)]
+    assert [r[1] for r in rows[1:] if r[0] != "img_3.jpg"] == names
+    write_submission(preds, test, sub, classes=train.classes, missing="fill", fill="scab")
+    assert _read(sub)[4] == ["img_3.jpg", "scab"]
+    with pytest.raises(ValueError, match="fill='prior' needs the training labels"):
+        write_submission(preds, test, sub, classes=train.classes, missing="fill")
+    with pytest.raises(ValueError, match="'mould'.*not among the classes"):
+        write_submission(preds, test, sub, train=train, missing="fill", fill="mould")
+
+
+def test_raw_outputs_of_a_single_label_model(tmp_path, capsys):
+    """Raw outputs (activation=None): the argmax for a single-label model, refused with the
+    fix for a multi-label one; a refused write leaves the good submission.csv alone."""
+    rng = np.random.default_rng(1)
+    _class_folders(tmp_path / "train", (4, 4, 4), rng)
+    (tmp_path / "test").mkdir()
+    for i in range(5):
+        _image(tmp_path / "test" / f"t{i}.png", i % 3, rng)
+    build_cache(tmp_path / "train", tmp_path / "c" / "train", size=16, verbose=False)
+    build_cache(tmp_path / "test", tmp_path / "c" / "test", size=16, unlabeled=True, verbose=False)
+    train, test = CachedImageDataset(tmp_path / "c" / "train"), CachedImageDataset(tmp_path / "c" / "test")
+    trainer = _tiny_trainer(train)
+    probs, raw = trainer.predict(test), trainer.predict(test, activation=None)
+    assert not np.allclose(raw.sum(1), 1.0)  # logits: the rows do not sum to 1
+    sub = tmp_path / "submission.csv"
+    write_submission(probs, test, sub, classes=train.classes)
+    good = sub.read_text()
+    with pytest.raises(ValueError, match="single- or multi-label.*train=trainer"):
+        write_submission(raw, test, sub, classes=train.classes)
+    assert sub.read_text() == good
+    for source in (trainer, train):  # the trainer, or the training cache, says single-label
+        write_submission(raw, test, sub, train=source)
+        assert sub.read_text() == good  # argmax of the logits = argmax of the probabilities
+    write_submission(raw * 100.0, test, sub, classes=train.classes, multilabel=False)
+    assert sub.read_text() == good
+    with pytest.raises(ValueError, match=r"multi-label predictions must be probabilities in \[0, 1\].*"
+                                         r"activation='auto'"):
+        write_submission(raw, test, sub, classes=train.classes, multilabel=True)
+    with pytest.raises(ValueError, match="kind='probabilities' must be probabilities"):
+        write_submission(raw, test, sub, train=trainer, kind="probabilities", overwrite=True)
+    assert sub.read_text() == good
+
+
+def test_sample_submission_ids_in_its_order(tmp_path, capsys):
+    """sample_submission.csv lists the ids (without extension, in its own order): the file
+    written has exactly them; a cache built from the sample itself records exactly them."""
+    rng = np.random.default_rng(2)
+    (tmp_path / "test").mkdir()
+    for name in ("t0", "t1", "t2", "t4"):
+        _image(tmp_path / "test" / f"{name}.png", 0, rng)
+    _truncated_jpeg(tmp_path / "test" / "t3.jpg", rng)
+    sample = tmp_path / "test" / "sample_submission.csv"
+    wanted = ["t3", "t0", "t4", "t1", "t2"]
+    sample.write_text("id,disease\n" + "".join(f"{x},healthy\n" for x in wanted))
+    build_cache(tmp_path / "test", tmp_path / "c" / "folder", size=16, unlabeled=True, verbose=False)
+    folder = CachedImageDataset(tmp_path / "c" / "folder")
+    assert folder.ids == ["t0.png", "t1.png", "t2.png", "t4.png"]
+    preds = np.eye(3)[[0, 1, 2, 1]]
+    out = tmp_path / "submission.csv"
+    with pytest.raises(ValueError, match=r"1 of the 5 ids of .*sample_submission.csv.*t3 \(skipped at build: .*truncated"):
+        write_submission(preds, folder, out, classes=CLASSES, sample=sample)
+    write_submission(preds, folder, out, classes=CLASSES, sample=sample, missing="fill", fill="rust")
+    assert _read(out) == [["id", "disease"], ["t3", "rust"], ["t0", "healthy"], ["t4", "rust"],
+                          ["t1", "rust"], ["t2", "scab"]]
+    # probabilities in the sample's column order
+    (tmp_path / "probs.csv").write_text("id,scab,healthy,rust\n" + "".join(f"{x},0,0,0\n" for x in wanted))
+    write_submission(preds, folder, out, classes=CLASSES, sample=tmp_path / "probs.csv", kind="probabilities",
+                     missing="fill", fill="healthy", overwrite=True)
+    rows = _read(out)
+    assert rows[0] == ["id", "scab", "healthy", "rust"] and rows[1] == ["t3", "0", "1", "0"]
+    assert rows[5] == ["t2", "1", "0", "0"]
+    with pytest.raises(ValueError, match="one per class, so write kind='probabilities'"):
+        write_submission(preds, folder, out, classes=CLASSES, sample=tmp_path / "probs.csv")
+    # a prediction the sample does not list would invent a row
+    (tmp_path / "short.csv").write_text("id,label\nt0\nt1\nt2\nnot_there\n")
+    with pytest.raises(ValueError, match=r"1 prediction\(s\) have ids that .*short.csv does not list.*t4.png"):
+        write_submission(preds, folder, out, classes=CLASSES, sample=tmp_path / "short.csv")
+    # an id the sample lists but the test set lacks is missing, and said so
+    with pytest.raises(ValueError, match=r"not_there \(no prediction\)"):
+        write_submission(np.eye(3)[[0, 1, 2]], ["t0.png", "t1.png", "t2.png"], out, classes=CLASSES,
+                         sample=tmp_path / "short.csv")
+
+    # the test cache built from the sample itself: its ids, its order, the skipped one included
+    capsys.readouterr()
+    build_cache(sample, tmp_path / "c" / "sample", size=16, unlabeled=True)
+    assert "WARNING: 1 test image(s) were skipped (t3)" in capsys.readouterr().out
+    from_sample = CachedImageDataset(tmp_path / "c" / "sample")
+    assert from_sample.ids == ["t0", "t4", "t1", "t2"] and from_sample.requested_ids == wanted
+    write_submission(np.eye(3)[[0, 1, 1, 2]], from_sample, out, classes=CLASSES, missing="fill", fill="scab",
+                     overwrite=True)
+    assert _read(out) == [["image_id", "label"], ["t3", "scab"], ["t0", "healthy"], ["t4", "rust"],
+                          ["t1", "rust"], ["t2", "scab"]]
 
 
 def _render(folder, n, seed):

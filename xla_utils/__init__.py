@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from .submission import write_submission
     from .debug import debug_run
     from .trainer import OneCycleTrainer
-    from .crossval import CVResult, cross_validate
+    from .crossval import CVResult, cross_validate, split
 
 # public name -> module that defines it (keep in step with the TYPE_CHECKING imports above;
 # tests/test_import.py checks that they agree)
@@ -49,6 +49,7 @@ _EXPORTS = {
     "Finding": "readiness",
     "cross_validate": "crossval",
     "CVResult": "crossval",
+    "split": "crossval",
 }
 
 __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]

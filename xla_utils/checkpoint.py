@@ -3,6 +3,11 @@
 An epoch checkpoint (``epoch_<nnn>-<run id>.pt``) holds the model and optimizer
 state, the history and everything the one-cycle schedule needs to continue the
 run exactly; ``final.pt`` holds weights only. Reading never touches a device.
+
+Disk: every run writes its own epoch files (a run rotates only its own, see
+``keep_checkpoints``), so reruns into one ``checkpoint_dir`` add up.
+:func:`earlier_runs_note` says what a folder holds from earlier runs and
+:func:`prune_runs` deletes all but the newest runs' files (``keep_runs=``).
 """
 from __future__ import annotations
 
@@ -10,15 +15,19 @@ import copy
 import dataclasses
 import math
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import runtime
+from .cache.space import fmt_bytes
 
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
-           "model_with_weights", "sharded_meta"]
+           "model_with_weights", "sharded_meta", "check_options", "run_files", "prune_runs",
+           "earlier_runs_note", "checkpoint_listing"]
 
 
 class CheckpointError(ValueError):
@@ -36,6 +45,124 @@ _CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size",
 # resumed run with any of them changed would not continue the same run.
 _RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_factor",
                  "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema")
+
+
+# An epoch file of a run: ``epoch_<nnn>-<run id>.pt`` or its sharded twin ``.dcp`` (a folder).
+_RUN_FILE = re.compile(r"^epoch_(\d+)-(.+)\.(pt|dcp)$")
+
+
+def check_options(cfg: Any) -> None:
+    """Refuse ``keep_checkpoints`` / ``keep_runs`` values that cannot work (at config time).
+
+    Raises:
+        ValueError: ``keep_checkpoints`` is not an int >= 1, or ``keep_runs`` is neither
+            None nor an int >= 1; the message says what each keeps.
+    """
+    kc, kr = cfg.keep_checkpoints, cfg.keep_runs
+    if isinstance(kc, bool) or not isinstance(kc, int) or kc < 1:
+        raise ValueError(f"keep_checkpoints must be an int >= 1 (this run's newest epoch files "
+                         f"kept), got {kc!r}")
+    if kr is not None and (isinstance(kr, bool) or not isinstance(kr, int) or kr < 1):
+        raise ValueError(f"keep_runs must be None (keep every run's files) or an int >= 1 (the "
+                         f"newest runs whose epoch files stay in checkpoint_dir, this run "
+                         f"included), got {kr!r}")
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def run_files(directory: str | os.PathLike) -> dict[str, list[Path]]:
+    """The epoch files of every run in ``directory``: ``{run id: [paths]}``, the oldest
+    run first (by its newest file's modification time). ``.pt`` files and sharded
+    ``.dcp`` folders count; ``final.pt``, ``best.pt`` and ``history.csv`` belong to no
+    run (each run overwrites them). A missing folder holds nothing."""
+    folder = Path(directory)
+    runs: dict[str, list[Path]] = {}
+    if not folder.is_dir():
+        return runs
+    for p in folder.iterdir():
+        m = _RUN_FILE.match(p.name)
+        if m:
+            runs.setdefault(m.group(2), []).append(p)
+    newest = {rid: max(p.stat().st_mtime for p in ps) for rid, ps in runs.items()}
+    return {rid: sorted(runs[rid]) for rid in sorted(runs, key=lambda r: (newest[r], r))}
+
+
+def prune_runs(directory: str | os.PathLike, keep: int, current: str | None = None) -> list[Path]:
+    """Delete the epoch files of all but the newest ``keep`` runs in ``directory``.
+
+    Args:
+        directory: a ``checkpoint_dir``.
+        keep: runs whose files stay (``current`` counts as one); 0 deletes every run's
+            epoch files except ``current``'s.
+        current: a run id whose files are never deleted (the running fit's).
+
+    Returns:
+        The paths deleted. ``final.pt``, ``best.pt``, ``final_raw.pt`` and ``history.csv``
+        are never touched.
+    """
+    runs = run_files(directory)
+    others = [rid for rid in runs if rid != current]
+    stay = max(0, keep - (current is not None and current in runs))
+    doomed = others[:max(0, len(others) - stay)]
+    gone = []
+    for rid in doomed:
+        for p in runs[rid]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
+def earlier_runs_note(directory: str | os.PathLike | None, keep_runs: int | None,
+                      show: bool = False) -> str | None:
+    """One line on what ``directory`` holds from earlier runs (files, runs, size) and how
+    to remove them, or None when it holds none. ``fit`` prints it (``show``) before a run."""
+    runs = run_files(directory) if directory is not None else {}
+    if not runs:
+        return None
+    note = _runs_note(directory, runs, keep_runs)
+    if show:
+        print(note, flush=True)
+    return note
+
+
+def _runs_note(directory: Any, runs: dict[str, list[Path]], keep_runs: int | None) -> str:
+    files = [p for ps in runs.values() for p in ps]
+    total = sum(_size(p) for p in files)
+    note = (f"checkpoint_dir {directory} holds {len(files)} epoch checkpoint(s) of {len(runs)} "
+            f"earlier run(s), {fmt_bytes(total)} (newest run {list(runs)[-1]})")
+    if keep_runs is None:
+        return note + (f"; they are kept (keep_runs=None). keep_runs=N keeps only the newest N "
+                       f"runs' files (this one included); to delete them now: "
+                       f"xla_utils.checkpoint.prune_runs({str(directory)!r}, keep=0)")
+    doomed = list(runs)[:max(0, len(runs) - (keep_runs - 1))]
+    if not doomed:
+        return note + f"; keep_runs={keep_runs} keeps them all"
+    size = sum(_size(p) for rid in doomed for p in runs[rid])
+    return note + (f"; keep_runs={keep_runs}: the files of the {len(doomed)} oldest run(s) "
+                   f"({fmt_bytes(size)}) are deleted once this run has written its first "
+                   "epoch checkpoint")
+
+
+def checkpoint_listing(folder: Path) -> str:
+    """What a checkpoint folder holds, for a path that was not found: its checkpoints,
+    newest first, and ``resume="last"``."""
+    if not folder.is_dir():
+        return f"the folder {folder} does not exist either"
+    found = [p for p in folder.iterdir() if p.suffix in (".pt", ".dcp")]
+    if not found:
+        return f"{folder} holds no checkpoint (*.pt)"
+    found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    names = ", ".join(p.name for p in found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    return (f"{folder} holds (newest first): {names}. fit(resume=\"last\") resumes the newest "
+            "good epoch checkpoint of checkpoint_dir; epoch files are named "
+            "epoch_<nnn>-<run id>.pt")
 
 
 def _epoch_of(path: Path) -> int | None:
@@ -80,7 +207,7 @@ def _newest_good_checkpoint(directory: Path, exclude: Path | None = None) -> tup
 def _load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise FileNotFoundError(f"checkpoint {path} does not exist; {checkpoint_listing(path.parent)}")
     try:
         ckpt = _read_checkpoint(path)
     except CheckpointError:
@@ -129,7 +256,8 @@ def resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, dic
     if path.is_dir():
         good = _newest_good_checkpoint(path)
         if good is None:
-            raise FileNotFoundError(f"no readable epoch checkpoint (epoch_*.pt) in {path}")
+            raise FileNotFoundError(f"no readable epoch checkpoint (epoch_*.pt) in {path}; "
+                                    + checkpoint_listing(path))
         path = good[0]
         print(f"resuming from {path}, the newest good checkpoint in {path.parent}", flush=True)
     return path, _load_checkpoint(path)
@@ -221,7 +349,8 @@ def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch
     weights when it has them: a run with ``ema`` set)."""
     path = _run_epoch_file(Path(path), "using")
     if not path.is_file():
-        raise FileNotFoundError(f"weights={str(path)!r} does not exist")
+        raise FileNotFoundError(f"weights={str(path)!r} does not exist; "
+                                f"{checkpoint_listing(path.parent)}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:
@@ -249,7 +378,9 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
 
     Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
     ``cfg.checkpoint_dir`` (through :func:`xla_utils.runtime.save`), then the
-    master deletes this run's older epoch files beyond ``cfg.keep_checkpoints``.
+    master deletes this run's older epoch files beyond ``cfg.keep_checkpoints`` and,
+    with ``cfg.keep_runs``, the files of runs older than the newest ``keep_runs``
+    (:func:`prune_runs`; never this run's).
 
     Args:
         model, opt: The replica's model and optimizer.
@@ -289,6 +420,11 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
                       if _epoch_of(p) is not None)
         for _, p in mine[:-cfg.keep_checkpoints]:
             p.unlink(missing_ok=True)
+        if cfg.keep_runs is not None:
+            gone = prune_runs(directory, cfg.keep_runs, current=run_id)
+            if gone:
+                print(f"keep_runs={cfg.keep_runs}: deleted {len(gone)} epoch checkpoint(s) of "
+                      f"earlier runs in {directory}", flush=True)
     return state
 
 

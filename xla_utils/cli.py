@@ -23,9 +23,10 @@ from typing import Any, Sequence
 
 from .cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_info, parse_size, read_manifest,
                     verify_cache)
-from .cache.builder import fmt_bytes
+from .cache.builder import fmt_bytes, missing_rows_warning
 from .cache.config import parse_bytes as _parse_bytes
 from .cache.storage import StorageError
+from .suggest import did_you_mean
 
 __all__ = ["main", "parse_bytes"]
 
@@ -156,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 on success, 1 on a failed build or verification, 130 when
         interrupted (argparse exits with 2 on bad arguments).
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unrecognized(parser, args.command, extras)
     try:
         return args.func(args)
     except (BuildError, BadImageError, FileNotFoundError, ValueError, StorageError, ImportError) as e:
@@ -168,15 +172,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> None:
+    """Exit 2 naming the unknown arguments of ``command``, each option with its nearest
+    valid spelling (``--varients`` -> ``--variants``)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = [o for a in sub._actions for o in a.option_strings]
+    hints = [f"{x}{did_you_mean(x.split('=', 1)[0], options, quote=False)}" if x.startswith("-") else x
+             for x in extras]
+    sub.error(f"unrecognized arguments: {' '.join(hints)}")
+
+
 def _cmd_build(a: argparse.Namespace) -> int:
     classes = read_manifest(a.classes_from)["classes"] if a.classes_from else None
     cfg = CacheConfig(size=a.size, variants=a.variants, augment=a.augment, resize=a.resize, scale=tuple(a.scale),
                       ratio=tuple(a.ratio), rotate=a.rotate, flip=a.flip, seed=a.seed, codec=a.codec,
                       quality=a.quality, shard_size=a.shard_size, resample=a.resample, small=a.small,
                       max_pixels=a.max_pixels, multilabel=a.multilabel)
-    build_cache(a.src, a.out, cfg, labels=a.labels, classes=classes, workers=a.workers, strict=a.strict,
-                overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet, unlabeled=a.unlabeled,
-                engine=a.engine, ray_address=a.ray_address)
+    report = build_cache(a.src, a.out, cfg, labels=a.labels, classes=classes, workers=a.workers,
+                         strict=a.strict, overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet,
+                         unlabeled=a.unlabeled, engine=a.engine, ray_address=a.ray_address)
+    warning = None if a.dry_run else missing_rows_warning(report)
+    if warning and a.quiet:  # quiet hides the summary, not a submission's missing rows
+        print(warning, file=sys.stderr)
     return 0
 
 

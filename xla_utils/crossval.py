@@ -1,4 +1,7 @@
-"""K-fold cross-validation on one cache: :func:`cross_validate` and :class:`CVResult`.
+"""Splits of one cache: :func:`split` (training / validation) and k-fold :func:`cross_validate`.
+
+``train, val = split(data, val_fraction=0.2)`` is a stratified, seeded hold-out split:
+two :class:`CacheSubset` views of the same cache, no image copied.
 
 ``cross_validate(make_trainer, data, folds=5, test=test)`` splits ``data`` into
 (stratified) folds, and for each fold builds a trainer on the other folds with the
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
     from .history import History
     from .trainer import OneCycleTrainer
 
-__all__ = ["CacheSubset", "CVResult", "cross_validate", "fold_assignment", "subset"]
+__all__ = ["CacheSubset", "CVResult", "cross_validate", "fold_assignment", "split", "subset"]
 
 
 class CacheSubset(CachedImageDataset):
@@ -63,6 +66,16 @@ class CacheSubset(CachedImageDataset):
             ids = self._parent.ids
             self._ids = [ids[i] for i in self._indices.tolist()]
         return list(self._ids)
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """None: a subset holds the images it was given (its parent's ``skipped`` are the build's)."""
+        return []
+
+    @property
+    def requested_ids(self) -> list[str]:
+        """The subset's :attr:`ids` (it holds every image it was asked for)."""
+        return self.ids
 
     def __repr__(self) -> str:
         return f"CacheSubset({len(self)} of {self._parent!r})"
@@ -113,6 +126,76 @@ def fold_assignment(labels: np.ndarray, folds: int, stratify: bool = True, seed:
         return out
     out[rng.permutation(n)] = np.arange(n) % folds
     return out
+
+
+def split(data: Any, val_fraction: float = 0.2, seed: int = 0,
+          stratify: bool = True) -> tuple[Any, Any]:
+    """A training / validation split of one labelled dataset, in one call.
+
+    ``train, val = xla_utils.split(CachedImageDataset("cache/train"), 0.2)`` for the usual
+    Kaggle layout of one training folder. Both are views of ``data`` in its order
+    (:class:`CacheSubset` for a cache: the same memory maps, no image copied; else a
+    ``torch.utils.data.Subset``), so they go straight to ``OneCycleTrainer(model, loss,
+    train, val)``. The same ``data``, ``val_fraction`` and ``seed`` give the same split.
+    Validation images come from the same cache as training ones: with ``variants > 1``
+    they are its stored random crops (epoch ``e`` shows variant ``e % variants``).
+
+    Args:
+        data: A labelled cache or any map-style ``(x, y)`` dataset.
+        val_fraction: Share of the items held out for validation, in (0, 1); rounded to
+            a whole number of items (at least one on each side). Default 0.2.
+        seed: Seeds the choice. Default 0.
+        stratify: Hold out each class's share (single-label ``int`` labels; largest
+            remainders, and never a class's only image): class frequencies match in both
+            parts. Ignored (a plain random choice) for multi-label or float targets.
+            Default True.
+
+    Returns:
+        ``(train, val)``.
+
+    Raises:
+        ValueError: ``val_fraction`` outside (0, 1), fewer than 2 items, or unlabelled data.
+    """
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
+            or not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be a number in (0, 1), the share held out for "
+                         f"validation (e.g. 0.2), got {val_fraction!r}")
+    if getattr(data, "unlabeled", False):
+        raise ValueError("split needs labelled data: this cache was built with unlabeled=True "
+                         "(a test set)")
+    if data is None or len(data) < 2:
+        raise ValueError(f"split needs at least 2 items, got {0 if data is None else len(data)}")
+    labels = _labels(data)
+    n = len(labels)
+    n_val = min(n - 1, max(1, round(val_fraction * n)))
+    rng = np.random.default_rng(seed)
+    quota = None
+    if stratify and labels.ndim == 1 and np.issubdtype(labels.dtype, np.integer):
+        classes, counts = np.unique(labels, return_counts=True)
+        quota = _class_quotas(counts, n_val, rng)
+    if quota is not None and quota.sum():
+        val_idx = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:q]
+                                  for c, q in zip(classes, quota)])
+    else:  # not stratified, or only classes of one image each
+        val_idx = rng.permutation(n)[:n_val]
+    held = np.zeros(n, dtype=bool)
+    held[val_idx] = True
+    return subset(data, np.flatnonzero(~held)), subset(data, np.flatnonzero(held))
+
+
+def _class_quotas(counts: np.ndarray, n_val: int, rng: np.random.Generator) -> np.ndarray:
+    """Validation items per class: ``n_val`` shared in proportion to ``counts`` by largest
+    remainders (ties at random), never a class's last training item."""
+    exact = counts * n_val / counts.sum()
+    cap = counts - 1
+    quota = np.minimum(np.floor(exact).astype(np.int64), cap)
+    order = rng.permutation(len(counts))
+    order = order[np.argsort(-(exact - quota)[order], kind="stable")]
+    while quota.sum() < n_val and (quota < cap).any():
+        for c in order:
+            if quota.sum() < n_val and quota[c] < cap[c]:
+                quota[c] += 1
+    return quota
 
 
 @dataclass

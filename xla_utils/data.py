@@ -34,7 +34,8 @@ import torch
 from PIL import Image
 
 from .cache.fetch import ShardCache, default_local_cache
-from .cache.format import LABELS, read_jpeg_index, read_manifest
+from .cache.format import (LABELS, cached_ids, read_jpeg_index, read_manifest, requested_ids,
+                           skipped_records)
 from .cache.storage import Store, is_url, load_manifest
 
 __all__ = [
@@ -68,7 +69,8 @@ class CachedImageDataset:
         image_size: ``(H, W)`` in pixels.
         num_variants: stored variants per image; ``codec``: ``"raw"`` or ``"jpeg"``.
         labels: ``int64[N]`` or ``float32[N, C]``.
-        ids: each image's id (see the property).
+        ids: each image's id (see the property); ``skipped`` and ``requested_ids``: the
+            images the build skipped and every id it was asked for.
         source_indices: ``int64[N]``, each image's index in the build's source.
         manifest: the cache's manifest dict; ``path``: its folder.
         epoch: the epoch whose variant ``ds[i]`` shows (see :meth:`set_epoch`).
@@ -97,7 +99,8 @@ class CachedImageDataset:
 
         Raises:
             FileNotFoundError: ``path`` does not exist or holds no cache (the message
-                names ``path`` and how to build one).
+                names ``path``, the nearest existing folder name for a typo, the caches
+                beside it, nearest first, and how to build one).
             ValueError: the cache is incomplete or damaged (unreadable ``manifest.json``,
                 missing or cut-short shard / ``labels.npy``); the message names the file
                 and the fix.
@@ -230,20 +233,25 @@ class CachedImageDataset:
         guessing file names could silently misalign a submission.
         """
         if self._ids is None:
-            shards = self.manifest["shards"]
-            if all("ids" in s for s in shards):
-                ids = [str(i) for s in shards for i in s["ids"]]
-            elif self.manifest["source"].get("kind") == "dataset":
-                ids = [str(int(i)) for i in self.source_indices]
-            else:
-                raise ValueError(
-                    f"the cache in {self.path} was built by an older xla_utils that did not record "
-                    "image ids: rebuild it (build_cache(..., overwrite=True) or tpu_cache_ds build "
-                    "... --overwrite) to get CachedImageDataset.ids")
+            ids = cached_ids(self.manifest, str(self.path))
             if len(ids) != self._n:
                 raise ValueError(f"{self._file('manifest.json')} lists {len(ids)} ids for {self._n} images")
             self._ids = ids
         return list(self._ids)
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """The images the build was asked for but could not cache (a truncated file, an
+        unknown label...), in source order: ``source_index``, ``path``, ``id`` (the id it
+        would have had) and ``reason``. They are not in the dataset, so a test set's
+        predictions have no row for them (:func:`xla_utils.write_submission` says so)."""
+        return skipped_records(self.manifest)
+
+    @property
+    def requested_ids(self) -> list[str]:
+        """Every id the build was asked to cache, in source order: :attr:`ids` plus the
+        :attr:`skipped` ones in their places (for a test set: every row a submission needs)."""
+        return requested_ids(self.manifest, str(self.path))
 
     def __repr__(self) -> str:
         h, w = self.image_size

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Union
 import numpy as np
 import torch
 
+from .suggest import did_you_mean
+
 __all__ = ["OPTIMIZERS", "Adam", "avoid_special", "avoid_special_momentum", "make_optimizer",
            "resolve_optimizer", "set_hparams", "get_hparams"]
 
@@ -86,12 +88,8 @@ def resolve_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
         name = spec.strip().lower()
         if name in OPTIMIZERS:
             return name
-        import difflib
-
-        close = difflib.get_close_matches(name, OPTIMIZERS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown optimizer {spec!r}{hint}; valid names (any case): "
-                         f"{', '.join(repr(o) for o in OPTIMIZERS)}, or a callable "
+        raise ValueError(f"unknown optimizer {spec!r}{did_you_mean(name, OPTIMIZERS)}; valid names "
+                         f"(any case): {', '.join(repr(o) for o in OPTIMIZERS)}, or a callable "
                          "spec(params, lr=..., weight_decay=...) such as torch.optim.RMSprop")
     if isinstance(spec, torch.optim.Optimizer) or not callable(spec):
         raise TypeError(f"optimizer must be a name {OPTIMIZERS} or a callable "

@@ -30,8 +30,9 @@ import torch
 from . import loop, runtime
 from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
-from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
-                         resolve_resume, save_checkpoint, sharded_meta)
+from .checkpoint import (CheckpointError, ResumeError, check_resume, earlier_runs_note,
+                         model_with_weights, resolve_resume, save_checkpoint, sharded_meta)
+from .checkpoint import check_options as check_checkpoint_options
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
 from .ema import with_weights
@@ -43,6 +44,8 @@ from .mixup import MixConfig, check_step_options, mix_config_for
 from .optim import resolve_optimizer
 from .simulate import resident as _resident
 from .simulate.live import live_or_launch
+from .submission import missing_note, training_multilabel
+from .suggest import unknown_keywords
 
 if TYPE_CHECKING:
     from .readiness import ReadinessReport
@@ -85,8 +88,11 @@ class TrainerConfig:
             weights, with ``monitor`` the best epoch's), and with ``ema`` also
             ``final_raw.pt`` (the trained, non-averaged weights of the last epoch;
             resuming uses the epoch files, which hold both). None (default) = no files.
-        keep_checkpoints: This run's newest epoch files kept (default 2, >= 1);
-            files of other runs in the same folder are never deleted.
+        keep_checkpoints: This run's newest epoch files kept (default 2, >= 1).
+        keep_runs: Runs whose epoch files stay in ``checkpoint_dir``, this one included:
+            older runs' files are deleted once this run has written its first epoch
+            file (never this run's, nor ``final.pt``/``best.pt``). Default None: every
+            run's are kept, and ``fit`` says what earlier runs hold (count, size).
         seed: Seeds data order and device RNG (flips, dropout). Default 0.
         flip: Random horizontal flip of uint8 image batches on the device.
             Default True.
@@ -150,6 +156,7 @@ class TrainerConfig:
     metrics: Sequence[str] | None = None
     checkpoint_dir: str | os.PathLike | None = None
     keep_checkpoints: int = 2
+    keep_runs: int | None = None
     seed: int = 0
     flip: bool = True
     mean: tuple[float, float, float] = IMAGENET_MEAN
@@ -186,9 +193,7 @@ class TrainerConfig:
             raise ValueError(f"lr_scaling must be one of {LR_SCALING} or None, got {self.lr_scaling!r}")
         if self.log_every < 1:
             raise ValueError("log_every must be >= 1")
-        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be an int >= 1 (this run's newest epoch files "
-                             f"kept), got {self.keep_checkpoints!r}")
+        check_checkpoint_options(self)
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime._check_compile_cache_option(self.compile_cache)
@@ -238,13 +243,10 @@ class OneCycleTrainer:
     def __init__(self, model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable,
                  train_data, val_data=None, *, train_step: Callable | None = None,
                  eval_step: Callable | None = None, **config: Any):
-        try:
-            self.config = TrainerConfig(**config)
-        except TypeError as exc:
-            if "unexpected keyword" not in str(exc):
-                raise
-            names = [f.name for f in dataclasses.fields(TrainerConfig)]
-            raise TypeError(f"{exc}; OneCycleTrainer options are {names}") from None
+        names = [f.name for f in dataclasses.fields(TrainerConfig)]
+        if set(config) - set(names):
+            raise unknown_keywords("OneCycleTrainer()", [k for k in config if k not in names], names)
+        self.config = TrainerConfig(**config)
         if isinstance(model, torch.nn.Module):
             self.model = model
         elif callable(model):
@@ -421,6 +423,7 @@ class OneCycleTrainer:
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True)
         args = (float(base_lr), lr_world, ckpt, run_id, inputs)
         if cfg.strategy == "spawn":
             out = runtime._launch(self._replica, args, cores=cores, simulate=simulate,
@@ -527,12 +530,12 @@ class OneCycleTrainer:
                 ``BCEWithLogitsLoss``, or the model has one output; softmax otherwise.
                 ``"softmax"``, ``"sigmoid"`` or ``None`` (raw model outputs).
             weights: a checkpoint to use instead of the trainer's current weights:
-                ``final.pt`` (a state dict) or an ``epoch_<n>.pt`` of :meth:`fit`.
+                ``final.pt`` (a state dict) or an ``epoch_<nnn>-<run id>.pt`` of :meth:`fit`.
                 ``self.model`` is not changed.
 
         Returns:
             ``float32[N, num_outputs]`` in dataset order: every item exactly once,
-            gathered from all cores.
+            gathered from all cores (images a cache's build skipped have none: named first).
 
         Raises:
             ValueError: before any device time, when the images of ``data`` have
@@ -544,6 +547,7 @@ class OneCycleTrainer:
         """
         runtime._prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
+        missing_note(data, show=True)  # images the cache build skipped get no row
         return self._launch_inference(plan, cores, simulate)
 
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
@@ -586,11 +590,7 @@ class OneCycleTrainer:
         if activation not in ("auto", "softmax", "sigmoid", None):
             raise ValueError(f"activation must be 'auto', 'softmax', 'sigmoid' or None, got {activation!r}")
         if activation == "auto":
-            multilabel = getattr(self.train_data, "multilabel", None)
-            if multilabel is None:
-                multilabel = isinstance(self.loss, torch.nn.BCEWithLogitsLoss) or \
-                    self.loss is torch.nn.functional.binary_cross_entropy_with_logits
-            activation = "sigmoid" if multilabel else "softmax"
+            activation = "sigmoid" if training_multilabel(self) else "softmax"
         spec = self._inspect(data, "data", "evaluate", need_target=labelled)
         if self.train_data is not None:
             why = shape_mismatch(data, spec, self.train_data,

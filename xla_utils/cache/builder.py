@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import errno
 import fnmatch
+import inspect
 import io
 import math
 import os
@@ -30,6 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..suggest import unknown_keywords
 from .config import CacheConfig
 from .errors import BuildError
 from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text
@@ -39,7 +41,7 @@ from .storage import LockedError, Store, load_manifest
 from .runners import ENGINES, mp_context, run_shards
 from .worker import init_worker, pilot_item
 
-__all__ = ["BuildReport", "DryRunEstimate", "build_cache", "fmt_bytes"]
+__all__ = ["BuildReport", "DryRunEstimate", "build_cache", "fmt_bytes", "missing_rows_warning"]
 
 
 @dataclass
@@ -164,6 +166,9 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             ``sample_submission.csv``; other columns are ignored), with no labels. A
             flat folder without ``labels=`` is also cached unlabelled, but the summary
             then warns and says how to add labels; training refuses unlabelled caches.
+            Images that cannot be read are skipped as in any build, and the summary warns
+            that they will be missing from a submission (:func:`missing_rows_warning`);
+            the cache remembers their ids (``CachedImageDataset.skipped``).
         engine: ``"local"`` (a process pool, default) or ``"ray"``: one task per shard on a
             Ray cluster (``pip install 'xla_utils[ray]'``); the same bytes as a local build.
             Every node must reach ``source`` and ``out`` (use ``gs://`` for ``out`` on a
@@ -173,8 +178,16 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
 
     Every cache records each image's id (``CachedImageDataset.ids``): its path
     relative to ``source`` (folders), the CSV's first-column value as written, or
-    the index as a string (datasets).
+    the index as a string (datasets); skipped images' ids too.
+
+    Raises:
+        TypeError: an unknown keyword (``varients=2``): the message suggests the
+            nearest option (``variants``) and lists them all.
     """
+    fields = [f.name for f in dataclasses.fields(CacheConfig)]
+    if set(config_fields) - set(fields):
+        own = [k for k, p in inspect.signature(build_cache).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        raise unknown_keywords("build_cache()", [k for k in config_fields if k not in fields], fields + own)
     cfg = dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
@@ -207,11 +220,29 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
 
 
 def _labels_note(report: BuildReport, src: Source, intended: bool, verbose: bool) -> BuildReport:
-    """Mark an unlabelled cache on its report and, when verbose, say so and how to add labels."""
+    """Mark an unlabelled cache on its report and, when verbose, say so and how to add labels,
+    and that its skipped images will be missing from a submission."""
     report.unlabeled = src.unlabeled
     if verbose and src.unlabeled:
         print(_unlabeled_note(src, intended))
+        if missing_rows_warning(report):
+            print(missing_rows_warning(report), flush=True)
     return report
+
+
+def missing_rows_warning(report: BuildReport) -> str | None:
+    """The warning of an unlabelled (test) build that skipped images: they will be missing
+    from a submission, and what to do. None for other builds."""
+    if not (report.unlabeled and report.skipped):
+        return None
+    n = len(report.skipped)
+    names = ", ".join(e["path"] for e in report.skipped[:5]) + (f" and {n - 5} more" if n > 5 else "")
+    return (f"WARNING: {n} test image(s) were skipped ({names}) and will be MISSING from a "
+            "submission: trainer.predict gives them no row, and write_submission refuses to write "
+            "fewer rows than the test set has. Fix or replace those files and rebuild with "
+            "overwrite=True (--overwrite), or write their rows with a fallback: "
+            "write_submission(..., train=trainer, missing='fill') (the training set's most "
+            "frequent class, or fill='<class name>').")
 
 
 def _unlabeled_note(src: Source, intended: bool) -> str:

@@ -8,7 +8,8 @@ Layout of a cache directory:
 
 ``manifest.json``
     format version, config and its fingerprint, source fingerprint, class names,
-    per-shard file name / bytes / crc32 / labels, skipped and upscaled images,
+    per-shard file name / bytes / crc32 / labels / image ids, skipped images (with
+    their ids: a test set remembers every id it was asked for) and upscaled images,
     and ``complete`` (false until the last shard and ``labels.npy`` are in place).
 ``labels.npy``
     labels in cache order: ``int64[N]`` class indices (-1 = unlabelled) or
@@ -21,7 +22,8 @@ Layout of a cache directory:
     ``b"XLUJPG01"``, uint64 count, uint64 offsets[count + 1] (absolute), then the
     concatenated JPEG files in the same (variant, image) order.
 
-Only numpy and the standard library are imported here, so the reader stays light.
+Only numpy, the standard library and :mod:`xla_utils.suggest` are imported here, so the
+reader stays light.
 """
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..suggest import by_similarity, closest
+
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "LABELS", "JPEG_MAGIC", "shard_name", "npy_header",
-           "jpeg_shard_chunks", "read_jpeg_index", "manifest_text", "read_manifest", "parse_manifest"]
+           "jpeg_shard_chunks", "read_jpeg_index", "manifest_text", "read_manifest", "parse_manifest",
+           "cached_ids", "skipped_records", "requested_ids"]
 
 FORMAT = "xla_utils-image-cache"
 FORMAT_VERSION = 1
@@ -87,6 +92,44 @@ def read_jpeg_index(data: np.ndarray) -> np.ndarray:
     if len(table) != 8 * (count + 1):
         raise ValueError(f"JPEG shard cut short: its table of {count} entries is incomplete")
     return np.array(table.view("<u8"), dtype=np.int64)
+
+
+def cached_ids(manifest: dict[str, Any], where: str) -> list[str]:
+    """The id of every cached image, in cache order (``CachedImageDataset.ids``).
+
+    Caches built before ids were recorded: from a Python dataset the source indices are
+    used; from files ``ValueError`` naming ``where`` (the cache), since guessing file
+    names could silently misalign a submission.
+    """
+    shards = manifest["shards"]
+    if all("ids" in s for s in shards):
+        return [str(i) for s in shards for i in s["ids"]]
+    if manifest["source"].get("kind") == "dataset":
+        skipped = {e["source_index"] for e in manifest["skipped"]}
+        return [str(i) for s in shards for i in range(s["first_source"], s["first_source"] + s["num_sources"])
+                if i not in skipped]
+    raise ValueError(f"the cache in {where} was built by an older xla_utils that did not record image "
+                     "ids: rebuild it (build_cache(..., overwrite=True) or tpu_cache_ds build ... "
+                     "--overwrite) to get CachedImageDataset.ids")
+
+
+def skipped_records(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's ``skipped`` records (``source_index``, ``path``, ``id``, ``reason``),
+    in source order. Caches written before skipped ids were recorded get the id a cached
+    image would have had: its relative path (folder and CSV sources) or its index
+    (datasets)."""
+    dataset = manifest["source"].get("kind") == "dataset"
+    return [dict(e, id=str(e.get("id", e["source_index"] if dataset else e["path"])))
+            for e in sorted(manifest["skipped"], key=lambda e: e["source_index"])]
+
+
+def requested_ids(manifest: dict[str, Any], where: str) -> list[str]:
+    """Every id the build was asked to cache, in source order: the cached images' and the
+    skipped ones' (a test set's full list of ids, e.g. ``sample_submission.csv``'s)."""
+    skipped = {e["source_index"]: e["id"] for e in skipped_records(manifest)}
+    cached = iter(cached_ids(manifest, where))
+    return [skipped[i] if i in skipped else next(cached) for s in manifest["shards"]
+            for i in range(s["first_source"], s["first_source"] + s["num_sources"])]
 
 
 def manifest_text(manifest: dict[str, Any]) -> str:
@@ -164,19 +207,34 @@ def parse_manifest(data: bytes | str, where: str) -> dict[str, Any]:
     return m
 
 
-def _caches_below(p: Path) -> str:
-    found = sorted(str(m.parent) for m in p.glob(f"*/{MANIFEST}"))
+def _caches_below(p: Path, near: str | None = None) -> str:
+    """The caches one level below ``p``: the names most like ``near`` first (a typo's
+    intended folder), else sorted."""
+    found = sorted(m.parent for m in p.glob(f"*/{MANIFEST}"))
     if not found:
         return ""
+    if near is not None:
+        order = by_similarity(near, [f.name for f in found])
+        found.sort(key=lambda f: order.index(f.name))
     more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-    return "; caches inside it: " + ", ".join(found[:3]) + more
+    return "; caches inside it: " + ", ".join(str(f) for f in found[:3]) + more
 
 
 def _nearest_parent(p: Path) -> str:
-    parent = p.absolute().parent
+    """Where a missing path goes wrong: a close folder name at that level, the nearest
+    existing folder and the caches inside it, closest to the missing name first."""
+    parent, missing, rest = p.absolute().parent, p.absolute().name, Path()
     while not parent.is_dir() and parent != parent.parent:
-        parent = parent.parent
-    return f" (the nearest existing folder is {parent}{_caches_below(parent)})"
+        parent, missing, rest = parent.parent, parent.name, Path(missing) / rest
+    try:
+        names = [d.name for d in parent.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    except OSError:
+        names = []
+    close = closest(missing, names, n=1)
+    if close:  # the rest of the path too, where it exists below the close name
+        guess = parent / close[0] / rest if (parent / close[0] / rest).exists() else parent / close[0]
+    hint = f"; did you mean {guess}?" if close else ""
+    return f"{hint} (the nearest existing folder is {parent}{_caches_below(parent, missing)})"
 
 
 def _how_to_build(p: Path) -> str:

@@ -95,7 +95,8 @@ def build_shard(k: int, start: int, stop: int) -> dict[str, Any]:
                 with stop_at.get_lock():  # items after this one are no longer needed
                     stop_at.value = min(stop_at.value, i)
                 raise BadImageError(src.name(i), describe(e), i) from None
-            skipped.append({"source_index": i, "path": src.name(i), "reason": describe(e)})
+            skipped.append({"source_index": i, "path": src.name(i), "id": src.item_id(i),
+                            "reason": describe(e)})
         else:
             for v, arr in enumerate(variants):
                 if pixels is not None:
