@@ -111,3 +111,77 @@ def _source(fn) -> str:
     import textwrap
 
     return "from xla_utils import progress\n" + textwrap.dedent(inspect.getsource(fn))
+
+
+_RUN = '''
+import numpy as np
+import torch
+from torch import nn
+
+import xla_utils
+from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache
+
+rng = np.random.default_rng(0)
+items = []
+for i in range(48):
+    img = rng.integers(0, 100, (20, 24, 3), dtype=np.uint8)
+    img[..., i % 3] = 250
+    items.append((img, i % 3))
+build_cache(items[:36], WORK + "/train", size=16, variants=1, workers=1)
+build_cache(items[36:], WORK + "/val", size=16, variants=1, workers=1)
+train, val = CachedImageDataset(WORK + "/train"), CachedImageDataset(WORK + "/val")
+
+
+def net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 3))
+
+
+trainer = OneCycleTrainer(net, nn.CrossEntropyLoss(), train, val, batch_size=4, epochs=2,
+                          max_lr=1e-2)
+history = trainer.fit(simulate=2)
+print("RESULT history", {"loss": round(history[-1]["train_loss"], 3), "epochs": len(history)})
+report = trainer.check(measure_loader=False)
+preds = trainer.predict(val, simulate=2)
+print("RESULT preds", preds.shape)
+'''
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(600)
+def test_a_run_logged_through_a_pipe_reads_line_by_line(tmp_path):
+    """The issue-36 log: a script (cache build, fit on 2 simulated cores, check, predict) whose
+    stdout is a pipe. Every line of the log is whole: a bar line (no stray fill character,
+    no carriage return, its own line), or text that starts at the line's start; every bar
+    ends at its total; the script's results are lines of their own."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PJRT_DEVICE="CPU")
+    env.pop("XLA_UTILS_PROGRESS", None)
+    code = f"WORK = {str(tmp_path)!r}\n" + _RUN
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout
+    assert "\r" not in log and log.endswith("\n")
+    lines = log.splitlines()
+    import re
+
+    bar = re.compile(r"(?P<title>[^|]*?) ?\|(?P<fill>[█-]{25})\| \d+% \[(?P<n>\d+)/(?P<total>\d+) "
+                     r"\d\d:\d\d<(\d\d:\d\d|\?)( [^\]]*)?\]")
+    bars: dict[str, list[tuple[int, int]]] = {}
+    for ln in lines:
+        m = bar.fullmatch(ln)
+        if m:
+            bars.setdefault(m["title"], []).append((int(m["n"]), int(m["total"])))
+        else:  # no bar piece glued to other text
+            assert "█" not in ln and "|-" not in ln and "-|" not in ln, ln
+    titles = set(bars)
+    assert {"Epoch 1/2", "Epoch 2/2", "check: 4 training steps on one XLA:CPU device",
+            "predict: 12 samples x 1 view on 2 cores"} <= titles, titles
+    assert "" in titles  # the cache builder's bar
+    for title, states in bars.items():
+        assert states[-1][0] == states[-1][1], (title, states)  # each bar ends at its total
+    results = [ln for ln in lines if ln.startswith("RESULT")]
+    assert results == ["RESULT history {'loss': %s, 'epochs': 2}" % results[0].split("'loss': ")[1]
+                       .split(",")[0], "RESULT preds (12, 3)"], results
+    assert any(ln.startswith("xla_utils.check for TPU v5e: READY") for ln in lines), log
+    assert any(ln.startswith("epoch 2  train_loss") for ln in lines), log

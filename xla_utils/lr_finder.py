@@ -43,12 +43,16 @@ from .progress import progress_bar
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
            "suggest_slide", "suggest_budget", "suggest_descent", "sweep_length", "BETA", "NUM_IT",
-           "MIN_NUM_IT", "FIT_SHARE", "SHORT_RUN", "DESCENT_FACTOR", "BUDGET_STEPS", "BUDGET_POWER"]
+           "MIN_NUM_IT", "FIT_SHARE", "SHORT_RUN", "SHORT_START_LR", "DESCENT_FACTOR", "BUDGET_STEPS", "BUDGET_POWER"]
 
-# fit(max_lr="find") lets the sweep cost at most this share of the planned run; a sweep
-# is never shortened below MIN_NUM_IT steps (fewer leave too few points for a rule).
+# fit(max_lr="find") lets the sweep cost at most this share of the planned run. A shortened
+# sweep starts at SHORT_START_LR (the decades below it rarely matter) and has at least
+# MIN_NUM_IT steps: on the rules' 38 benchmark problems a 50-step sweep from 1e-5 scored a
+# median 1.18x / worst 3.07x of the best run's loss, the full one 1.23x / 1.98x (30 steps:
+# worst 4.5x; docs/BENCHMARKS.md "LR finder: shorter sweeps").
 FIT_SHARE = 0.25
-MIN_NUM_IT = 30
+MIN_NUM_IT = 50
+SHORT_START_LR = 1e-5
 # Planned runs shorter than this were never part of the rules' benchmark (its shortest: 24
 # steps, docs/BENCHMARKS.md "LR finder rules"): their suggestion is reported not confident.
 SHORT_RUN = 24
@@ -287,7 +291,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             ``planned_steps`` or ``epochs``; ``num_it`` not given): the sweep may cost at
             most ``max_share`` of the run, whose steps ``run_cores`` cores share (a sweep
             step of ``accum_steps`` micro-batches on one core costs ``run_cores`` of the
-            run's steps). Longer sweeps are shortened (:func:`sweep_length`), saying so.
+            run's steps). Longer sweeps are shortened (:func:`sweep_length`: fewer steps from
+            LR 1e-5, the smoothing kept per decade of LR), saying so.
             Default None: no limit; ``fit(max_lr="find")`` passes :data:`FIT_SHARE` (0.25)
             and its cores.
         weight_decay: Passed to the optimizer (default 0.0); use the value of the real run.
@@ -344,8 +349,11 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
     sized, note = sweep_length(num_it, planned_steps, run_cores, max_share)
-    if num_it is None and sized < NUM_IT and beta == BETA:
-        beta = BETA ** (NUM_IT / sized)  # the same smoothing per decade of LR as 100 steps
+    if num_it is None and sized < NUM_IT:  # shortened: from SHORT_START_LR, the same
+        decades = math.log10(end_lr / start_lr)  # smoothing per decade of LR as the full sweep
+        start_lr = max(start_lr, min(SHORT_START_LR, end_lr / 10))
+        if beta == BETA:
+            beta = BETA ** (NUM_IT / decades * math.log10(end_lr / start_lr) / sized)
     num_it = sized
     if note is not None:
         print(note, flush=True)
@@ -402,7 +410,8 @@ def sweep_length(num_it: int | None, planned_steps: int | None, run_cores: int =
     :data:`NUM_IT` (100), unless that costs more than ``max_share`` of the planned run
     (``planned_steps`` optimizer steps shared by ``run_cores`` cores, so a sweep step costs
     ``run_cores`` run steps): then as many steps as ``max_share`` allows, never fewer than
-    :data:`MIN_NUM_IT` (30), and ``note`` says so (None when nothing was shortened)."""
+    :data:`MIN_NUM_IT` (50), from :data:`SHORT_START_LR` (1e-5), and ``note`` says so (None
+    when nothing was shortened)."""
     if num_it is not None or max_share is None or planned_steps is None:
         return (NUM_IT if num_it is None else num_it), None
     share = NUM_IT * run_cores / planned_steps
@@ -412,10 +421,13 @@ def sweep_length(num_it: int | None, planned_steps: int | None, run_cores: int =
     n = max(MIN_NUM_IT, allowed)
     cores = f"{run_cores} cores" if run_cores > 1 else "one core"
     note = (f"lr_find: a sweep of {NUM_IT} steps would take about {share:.2g}x as long as the "
-            f"planned run ({planned_steps} steps on {cores}); sweeping {n} steps instead")
+            f"planned run ({planned_steps} steps on {cores}); sweeping {n} steps from LR "
+            f"{SHORT_START_LR:g} instead")
     if n > allowed:
-        note += (f", the fewest that give a curve, still {n * run_cores / planned_steps:.2g}x the "
-                 "run: for a run this short a fixed max_lr may serve as well")
+        cost = n * run_cores / planned_steps
+        note += f", the fewest that give a curve (about {cost:.2g}x the run)"
+        if cost >= 1:
+            note += "; for a run this short a fixed max_lr may serve as well"
     else:
         note += f" (at most {max_share:.0%} of the run)"
     return n, note + (". To choose the length: trainer.find_lr(num_it=...) (or lr_find(num_it=...)), "

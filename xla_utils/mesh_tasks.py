@@ -5,7 +5,7 @@ when the strategy is not ``"spawn"``: where the LR sweep runs (:func:`sweep_plac
 one core, accumulating to the fit's global batch, or the mesh when one core of the target
 TPU cannot hold the model), the sweep itself (:func:`find_lr`) and the mesh half of
 ``check`` (:func:`check_on_mesh`). Imports run one way: trainer -> this module ->
-strategy, lr_finder, debug, readiness, memory (none of which imports this one).
+strategy, lr_finder, debug, readiness, findings, memory (none of which imports this one).
 """
 from __future__ import annotations
 
