@@ -73,13 +73,12 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
               make_step: Callable | None = None) -> DebugReport:
     """Run a few training steps on ONE core and explain what XLA did.
 
-    A plain ``torch.utils.data.DataLoader`` (no prefetch thread, the data passed over
-    as often as the steps need), and every micro-batch ends at a step boundary
-    (``runtime.sync()``), so an error surfaces at the step that caused it. Afterwards
-    it reports compilations, graph executions, host transfers and CPU-fallback ops per
-    step. It runs in a forked child (on a TPU, or on one XLA:CPU device when there is
-    none), so the notebook can still launch all cores afterwards. Class labels are
-    checked against the model's output width first.
+    A plain ``torch.utils.data.DataLoader`` (no prefetch thread; passes over the data as
+    often as the steps need), a step boundary after every micro-batch, so an error surfaces
+    at the step that caused it; then compilations, graph executions, host transfers and
+    CPU-fallback ops per step. It runs in a forked child (a TPU, else one XLA:CPU device),
+    so the notebook can still launch all cores afterwards. Class labels are checked against
+    the model's output width first.
 
     Args:
         model: An ``nn.Module`` or a zero-argument factory returning one.
@@ -108,10 +107,9 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             devices, :func:`xla_utils.strategy.launch`): the model replicated or sharded,
             each batch of ``batch_size`` x devices split over the mesh, the same
             step boundary and counters. Default None (one core).
-        make_step: The step to run, as a step factory (:mod:`xla_utils.steps`;
-            ``OneCycleTrainer.debug()`` passes the trainer's); it replaces ``optimizer``,
-            ``lr``, ``train_step`` and ``prepare`` in the steps (``prepare`` still serves
-            the label check). Default None: a :class:`~xla_utils.steps.PlainStep`.
+        make_step: The step to run, a step factory (:mod:`xla_utils.steps`; the trainer
+            passes its own). Default None: a plain step of ``optimizer``, ``lr``,
+            ``train_step`` and ``prepare`` (which also serves the label check).
     """
     optimizer = resolve_optimizer(optimizer)
     spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")

@@ -43,7 +43,8 @@ from .progress import progress_bar
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
            "suggest_slide", "suggest_budget", "suggest_descent", "sweep_length", "BETA", "NUM_IT",
-           "MIN_NUM_IT", "FIT_SHARE", "SHORT_RUN", "SHORT_START_LR", "DESCENT_FACTOR", "BUDGET_STEPS", "BUDGET_POWER"]
+           "MIN_NUM_IT", "FIT_SHARE", "SHORT_RUN", "SHORT_START_LR", "DESCENT_FACTOR",
+           "BUDGET_STEPS", "BUDGET_POWER"]
 
 # fit(max_lr="find") lets the sweep cost at most this share of the planned run. A shortened
 # sweep starts at SHORT_START_LR (the decades below it rarely matter) and has at least
@@ -284,17 +285,12 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             ``"budget"`` rule (:func:`suggest_budget`), which scales its answer down
             for runs shorter than 1000 steps. The default rule does not depend on
             it: on the benchmark every such scaling made the worst case worse.
-            None (default): unknown. ``fit(max_lr="find")`` passes its own. A planned run
-            shorter than ``SHORT_RUN`` (24) steps, shorter than any the default rule was
-            validated on, makes the result not confident.
-        max_share, run_cores: Keep the sweep in proportion to the planned run (needs
-            ``planned_steps`` or ``epochs``; ``num_it`` not given): the sweep may cost at
-            most ``max_share`` of the run, whose steps ``run_cores`` cores share (a sweep
-            step of ``accum_steps`` micro-batches on one core costs ``run_cores`` of the
-            run's steps). Longer sweeps are shortened (:func:`sweep_length`: fewer steps from
-            LR 1e-5, the smoothing kept per decade of LR), saying so.
-            Default None: no limit; ``fit(max_lr="find")`` passes :data:`FIT_SHARE` (0.25)
-            and its cores.
+            None (default): unknown. ``fit(max_lr="find")`` passes its own. Under
+            ``SHORT_RUN`` (24) steps the result is not confident.
+        max_share, run_cores: The sweep may cost at most ``max_share`` of the planned run
+            on ``run_cores`` cores (``num_it`` not given): else it is shortened and says so
+            (:func:`sweep_length`). Default None: no limit; ``fit(max_lr="find")`` passes
+            :data:`FIT_SHARE` (0.25) and its cores.
         weight_decay: Passed to the optimizer (default 0.0); use the value of the real run.
         beta: Smoothing of the loss, ``avg = beta*avg + (1-beta)*loss``, bias corrected
             (default 0.98).
@@ -348,15 +344,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     data, batch_tfm = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
-    sized, note = sweep_length(num_it, planned_steps, run_cores, max_share)
-    if num_it is None and sized < NUM_IT:  # shortened: from SHORT_START_LR, the same
-        decades = math.log10(end_lr / start_lr)  # smoothing per decade of LR as the full sweep
-        start_lr = max(start_lr, min(SHORT_START_LR, end_lr / 10))
-        if beta == BETA:
-            beta = BETA ** (NUM_IT / decades * math.log10(end_lr / start_lr) / sized)
-    num_it = sized
-    if note is not None:
-        print(note, flush=True)
+    num_it, start_lr, beta, note = _sized(num_it, planned_steps, run_cores, max_share,
+                                          start_lr, end_lr, beta)
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
                   weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
                   num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
@@ -372,15 +361,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
                               sim_threads=True)
     res.num_it, res.note = cfg.num_it, note
-    if not math.isfinite(res.suggestion):
-        res.warning = (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too "
-                       f"early for a suggestion; lower start_lr ({start_lr:g}) or check the data")
-    else:
-        res.warning = assess(res.lrs, res.losses, res.smoothed, num_it=cfg.num_it)
-    if res.warning is None and planned_steps is not None and planned_steps < SHORT_RUN:
-        res.warning = (f"the planned run has only {planned_steps} optimizer steps, fewer than any "
-                       f"run the rules were validated on ({SHORT_RUN}+, docs/BENCHMARKS.md): a "
-                       "run that short barely leaves its warm-up")
+    res.warning = _doubt(res, cfg)
     if res.warning is not None:
         res.confident = False
         warnings.warn(f"LR finder: {res.warning}. The suggestion ({res.suggestion:.3g}, rule "
@@ -388,6 +369,36 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                       "yourself", RuntimeWarning, stacklevel=2)
     return res
 
+
+def _sized(num_it: int | None, planned_steps: int | None, run_cores: int,
+           max_share: float | None, start_lr: float, end_lr: float,
+           beta: float) -> tuple[int, float, float, str | None]:
+    """``(num_it, start_lr, beta, note)`` of the sweep (:func:`sweep_length`); a shortened one
+    starts at :data:`SHORT_START_LR` with the same smoothing per decade of LR as the full
+    sweep (unless ``beta`` was chosen). The note is printed here."""
+    sized, note = sweep_length(num_it, planned_steps, run_cores, max_share)
+    if num_it is None and sized < NUM_IT:
+        decades = math.log10(end_lr / start_lr)
+        start_lr = max(start_lr, min(SHORT_START_LR, end_lr / 10))
+        if beta == BETA:
+            beta = BETA ** (NUM_IT / decades * math.log10(end_lr / start_lr) / sized)
+    if note is not None:
+        print(note, flush=True)
+    return sized, start_lr, beta, note
+
+
+def _doubt(res: LRFinderResult, cfg: _Config) -> str | None:
+    """Why ``res``'s suggestion should not be trusted (None: it can be): no suggestion, a
+    flat or noisy curve (:func:`~xla_utils.lr_rules.assess`), a planned run too short."""
+    if not math.isfinite(res.suggestion):
+        return (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too early "
+                f"for a suggestion; lower start_lr ({cfg.start_lr:g}) or check the data")
+    why = assess(res.lrs, res.losses, res.smoothed, num_it=cfg.num_it)
+    if why is None and cfg.planned_steps is not None and cfg.planned_steps < SHORT_RUN:
+        why = (f"the planned run has only {cfg.planned_steps} optimizer steps, fewer than any run "
+               f"the rules were validated on ({SHORT_RUN}+, docs/BENCHMARKS.md): a run that "
+               "short barely leaves its warm-up")
+    return why
 
 
 def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:

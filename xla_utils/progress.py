@@ -82,7 +82,9 @@ def _in_notebook() -> bool:
 
 def _clock(seconds: float) -> str:
     s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+    if s >= 3600:
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{s // 60:02d}:{s % 60:02d}"
 
 
 class ConsoleBar:

@@ -110,17 +110,14 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         compile_cache: torch_xla's persistent compilation cache, as
             ``TrainerConfig.compile_cache``; ``"auto"`` (default) leaves it off
             here, since the check always runs on XLA:CPU.
-        make_step: The step to measure, as a step factory (:mod:`xla_utils.steps`;
-            ``OneCycleTrainer.check()`` passes the trainer's); it replaces ``optimizer``,
-            ``prepare``, ``train_step`` and ``bf16``. Default None: a
-            :class:`~xla_utils.steps.PlainStep` from those.
-        print_report: Print the report when it is ready (default True), as
-            ``debug_run`` does: ``report = check(...)`` shows it once.
+        make_step: The step to measure, a step factory (:mod:`xla_utils.steps`; the trainer
+            passes its own). Default None: a plain step of ``optimizer``, ``prepare``,
+            ``train_step`` and ``bf16``.
+        print_report: Print the report when it is ready (default True, as ``debug_run``).
 
     Returns:
         A :class:`ReadinessReport`: ``report.verdict`` (``"READY"``, ``"READY, could be
-        faster (n suggestions)"`` or ``"NOT READY (...)"``), ``report.ok`` (no error or
-        warning), ``report.findings``; ``print(report)`` shows it all.
+        faster (n suggestions)"`` or ``"NOT READY (...)"``), ``report.findings``.
 
     Raises:
         XLAUnavailableError: torch_xla is missing or does not match torch.
@@ -150,7 +147,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     meas["param_shapes"] = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
     meas["tpu_devices"] = tpu_devices(tpu) if isinstance(tpu, str) else None  # "v5e-8" -> 8
     seconds = time.perf_counter() - t0
-    report = ReadinessReport(findings=findings_from(meas, chip), tpu=chip.name,
+    report = ReadinessReport(findings_from(meas, chip), tpu=chip.name,
                              batch_size=meas["batch_rows"], steps=steps, per_step=meas["per_step"],
                              losses=meas["losses"], seconds=seconds, measurements=meas,
                              inputs=inputs or "", step=meas["step"])
