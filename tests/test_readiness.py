@@ -183,6 +183,28 @@ def test_padding_math_per_generation():
     assert "per-core batch 12 is not a multiple of 8" in f.message
 
 
+def test_input_bound_fix_fits_the_data_it_saw():
+    """A slow loader of a cache or of in-memory tensors gets a suggestion that fits it (more
+    workers, or nothing), never "build a uint8 cache"; per-sample decoding gets the cache."""
+    from xla_utils.findings import input_finding
+
+    def finding(kind, workers, rate=1_000.0):
+        loader = {"samples_per_s": rate, "source": "X", "host_cpus": 4, "kind": kind,
+                  "workers": workers}
+        return input_finding({"loader": loader, "flops": 6e8, "batch_rows": 8}, TPU_CHIPS["v5e"])
+
+    for kind in ("cache", "tensors"):
+        f = finding(kind, 2)
+        assert f.severity == "suggestion" and "build a uint8 cache" not in f.fix, f
+        assert f.fix.startswith("more loader workers: num_workers=4 (now 2)"), f.fix
+        f = finding(kind, 4)
+        assert f.fix.startswith("nothing to change in the data or the loader (4 workers on 4 "), f
+    f = finding("dataset", None)
+    assert f.severity == "warning" and "build a uint8 cache" in f.fix  # the chip waits > 50%
+    assert finding("dataset", None, rate=7e5).severity == "suggestion"  # waits about 33%
+    assert finding("cache", 2, rate=2e6).severity == "info"  # the host keeps up
+
+
 # ---------------------------------------------------------------------------
 # One code per broken model, on XLA:CPU
 # ---------------------------------------------------------------------------
@@ -475,10 +497,12 @@ def test_fit_check_passes_a_clean_model(capsys):
     from xla_utils import OneCycleTrainer
 
     t = OneCycleTrainer(_clean(), nn.CrossEntropyLoss(), _digits_dataset(), batch_size=16,
-                        max_lr=1e-2, optimizer="sgd")
+                        max_lr=1e-2, optimizer="sgd", epochs=2)
     h = t.fit(check=True, simulate=1)
     out = capsys.readouterr().out
-    assert "xla_utils.check for TPU v5e:" in out and len(h) == 1
+    assert out.count("xla_utils.check for TPU v5e: READY") == 1 and len(h) == 2, out
+    # check's "steps 3.. reused the compiled graph" is fit's: no compile after the first epoch
+    assert "steps 3.. reused the compiled graph" in out and h[0]["compiles"] == h[1]["compiles"]
 
 
 # ---------------------------------------------------------------------------

@@ -576,7 +576,8 @@ def _fmt_flops(n: float) -> str:
 def input_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
     """``input_bound``: the loader's samples/s on this host against one TPU core's step rate,
     with a fix that fits the data seen (``meas["loader"]["kind"]``: ``"cache"`` for a uint8
-    :class:`~xla_utils.data.CachedImageDataset`, ``"dataset"``, ``"iterable"``)."""
+    :class:`~xla_utils.data.CachedImageDataset`, ``"tensors"`` for a ``TensorDataset``,
+    ``"dataset"``, ``"iterable"``)."""
     ld = meas["loader"]
     rate = ld["samples_per_s"]
     flops = meas.get("flops") or 0
@@ -600,15 +601,17 @@ def input_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
     workers = ld.get("workers")
     there = ("the TPU machine's own host (its vCPUs, not these) sets the real rate: run check() "
              "there to see it.")
-    if ld.get("kind") == "cache":
-        more = workers is not None and workers < (cpus or 1)
+    if ld.get("kind") in ("cache", "tensors"):  # nothing to decode: a cache would not help
+        more = workers is None or workers < (cpus or 1)
+        what = ("The data already is a uint8 cache: nothing is decoded per sample, the loader "
+                "only copies batches." if ld["kind"] == "cache" else
+                "The samples are tensors in memory (a TensorDataset): nothing is decoded, the "
+                "loader only indexes and collates them.")
         return Finding(
-            "input_bound", "suggestion",
-            head + " The data already is a uint8 cache: nothing is decoded per sample, the loader "
-            "only copies batches.",
-            (f"more loader threads: num_workers={cpus} (now {workers}); " if more else
-             "nothing to change in the data or the loader"
-             + (f" ({workers} threads on {cpus} vCPUs)" if workers else "") + "; ") + there)
+            "input_bound", "suggestion", f"{head} {what}",
+            (f"more loader workers: num_workers={cpus} (now {workers or 'none'}); " if more else
+             f"nothing to change in the data or the loader ({workers} workers on {cpus} "
+             "vCPUs); ") + there)
     return Finding(
         "input_bound", "warning" if wait >= INPUT_WAIT_WARN else "suggestion", head,
         "decode and resize once: build a uint8 cache with tpu_cache_ds / build_cache and train "

@@ -695,7 +695,8 @@ def _measure_loader(data: Any, batch_size: int, seconds: float = 3.0,
                     max_batches: int = 64) -> dict[str, Any]:
     """Samples/s of ``data``'s loader (the trainer's :func:`~xla_utils.data.iterate_batches`
     for a dataset, or the iterable itself) over up to ``seconds`` after one warm-up batch,
-    and what it read (``kind``: ``"cache"``, ``"dataset"`` or ``"iterable"``; ``workers``:
+    and what it read (``kind``: ``"cache"``, ``"tensors"`` (a ``TensorDataset``), ``"dataset"``
+    or ``"iterable"``; ``workers``:
     its ``num_workers``, for a cache the threads it uses; None when unknown)."""
     from .data import CachedImageDataset, iterate_batches
     from .inputs import HostFeed
@@ -716,6 +717,7 @@ def _measure_loader(data: Any, batch_size: int, seconds: float = 3.0,
     if isinstance(inner, HostFeed):  # PIL or dict samples, made collatable on the host
         inner = inner.data
     kind = ("cache" if isinstance(inner, CachedImageDataset) else
+            "tensors" if isinstance(inner, torch.utils.data.TensorDataset) else
             "iterable" if inner is None else "dataset")
     if kind == "cache" and workers is None:  # iterate_batches' automatic loader threads
         workers = min(4, os.cpu_count() or 1)
