@@ -46,8 +46,11 @@ def test_bars_can_be_switched_off_and_forced_to_console():
 
 
 def test_style_follows_the_output_and_can_be_forced(monkeypatch):
+    import io
+
     monkeypatch.delenv("XLA_UTILS_PROGRESS", raising=False)
-    assert progress.output_style() == "lines"  # pytest captures stdout: not a terminal
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a log file: not a terminal
+    assert progress.output_style() == "lines"
     monkeypatch.setenv("XLA_UTILS_OUTPUT", "redraw")  # what a launching terminal recorded
     assert progress.output_style(console=True) == "redraw"
     monkeypatch.setenv("XLA_UTILS_OUTPUT", "bogus")
@@ -56,9 +59,10 @@ def test_style_follows_the_output_and_can_be_forced(monkeypatch):
     assert progress.output_style() == progress.output_style(console=True) == "redraw"
 
 
-def test_lines_style_writes_whole_lines_only(capsys):
+def test_lines_style_writes_whole_lines_only(monkeypatch, capsys):
     """In a log (stdout not a terminal): no carriage return, no stray character, every bar
     line is a complete bar line and every result is a line of its own."""
+    monkeypatch.setenv("XLA_UTILS_PROGRESS", "lines")  # what a pipe or a file gets
     _bars()
     out = capsys.readouterr().out
     assert "\r" not in out and out.endswith("after break\n")
