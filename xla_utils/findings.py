@@ -230,9 +230,11 @@ class ReadinessError(RuntimeError):
     def __init__(self, report: ReadinessReport):
         self.report = report
         codes = ", ".join(sorted({f.code for f in report.errors}))
-        super().__init__(
-            f"xla_utils.check found errors that would waste TPU time ({codes}):\n{report}\n"
-            "Fix them, or call fit(check=False) to train anyway.")
+        errors = "\n".join(textwrap.indent(str(f), "  ") for f in report.errors)
+        super().__init__(  # check() printed the whole report already: the errors only
+            f"xla_utils.check found errors that would waste TPU time ({codes}):\n{errors}\n"
+            "Fix them (the whole report is printed above and in error.report), or call "
+            "fit(check=False) to train anyway.")
 
 
 
