@@ -57,6 +57,16 @@ def test_style_follows_the_output_and_can_be_forced(monkeypatch):
     assert progress.output_style(console=True) == "lines"
     monkeypatch.setenv("XLA_UTILS_PROGRESS", "redraw")
     assert progress.output_style() == progress.output_style(console=True) == "redraw"
+    monkeypatch.delenv("XLA_UTILS_PROGRESS")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert progress.output_style() == "redraw"
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")  # a saved Kaggle version: its log
+    assert progress.output_style() == "lines"
 
 
 def test_lines_style_writes_whole_lines_only(monkeypatch, capsys):

@@ -8,9 +8,9 @@ Where a bar draws:
   - ``"redraw"`` when the output is a terminal or a notebook: one line redrawn in place
     (``\\r``), ended with a newline when the bar ends, so what is printed next starts on a
     line of its own;
-  - ``"lines"`` when the output is a pipe or a file (``python train.py > log``, ``| tee``,
-    a Kaggle log): no ``\\r`` at all, one whole line when the bar starts, at every quarter
-    (or minute) and when it ends.
+  - ``"lines"`` when the output is a pipe or a file (``python train.py > log``, ``| tee``),
+    or a Kaggle notebook run as a saved version (its log): no ``\\r`` at all, one whole line
+    when the bar starts, at every quarter (or minute) and when it ends.
 
   Neither style prints anything else (fastprogress' console bars print a stray fill
   character when made and never end their line: ``...302 img/s]{'loss': 1.07}``).
@@ -41,8 +41,12 @@ _LINE_S = 60.0  # a "lines" bar writes a line at least this often while it advan
 
 def _own_style(stream: Any = None) -> str:
     """``"redraw"`` when ``stream`` (default ``sys.stdout``) is a terminal or a Jupyter
-    output stream (the notebook renders ``\\r``), else ``"lines"``."""
+    output stream (the notebook renders ``\\r``), else ``"lines"``; also "lines" in a
+    Kaggle notebook run as a saved version (``KAGGLE_KERNEL_RUN_TYPE=Batch``: nobody
+    watches it, its output is the log)."""
     stream = sys.stdout if stream is None else stream
+    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE") == "Batch":
+        return "lines"
     if type(stream).__module__.startswith("ipykernel"):
         return "redraw"
     try:
