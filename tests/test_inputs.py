@@ -220,9 +220,9 @@ def test_check_and_debug_report_the_input_layout(capsys):
     assert rep.inputs == ("inputs: uint8 [B,3,8,8] channels-first images (torch.Tensor), "
                           "normalised and flipped on the device")
     assert rep.inputs in str(rep)
-    dbg = t.debug(steps=3)
+    dbg = t.debug(steps=3)  # the trainer's own step: flips as fit does
     assert dbg.inputs == ("inputs: uint8 [B,3,8,8] channels-first images (torch.Tensor), "
-                          "normalised on the device")
+                          "normalised and flipped on the device")
     assert dbg.inputs in dbg.report.splitlines()[1]
     pil = _trainer("pil").check(steps=3, measure_loader=False)
     assert "PIL.Image (mode RGB) converted on the host to uint8 [B,8,8,3] channels-last" \

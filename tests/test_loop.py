@@ -52,5 +52,8 @@ def test_scale_lr_and_exploded():
     assert loop.scale_lr(1e-3, 4, "sqrt") == 2e-3
     assert loop.scale_lr(1e-3, 4, "none") == 1e-3
     assert loop.exploded("train_loss", float("nan"), 1.0, 1) is None  # divergence message covers it
-    assert "diverging" in loop.exploded("val_loss", 50.0, 2.0, 3)
-    assert loop.exploded("val_loss", 5.0, 2.0, 3) is None
+    assert loop.exploded("val_loss", 50.0, 2.0, 3) == (
+        "val_loss 50 at epoch 3 is 25x the untrained model's loss at the first step (2)")
+    assert loop.exploded("val_loss", float("inf"), 2.0, 3) == "val_loss at epoch 3 is inf"
+    assert loop.exploded("val_loss", 5.0, 2.0, 3) is None  # 2.5x: not beyond VAL_LOSS_EXPLODES
+    assert loop.exploded("train_loss", 50.0, None, 3) is None  # no yardstick (an old checkpoint)

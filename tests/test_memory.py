@@ -12,7 +12,7 @@ from torch import nn
 
 import xla_utils
 from xla_utils.memory import llama_shapes, measure_memory, paper_memory, tpu_devices
-from xla_utils.readiness import TPUChip, _memory_finding
+from xla_utils.findings import TPUChip, memory_finding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from tiny_gpt import GPT, lm_step  # noqa: E402
@@ -106,10 +106,10 @@ def test_check_names_fsdp_when_one_core_is_too_small():
     assert f.severity == "info"
     # the same measured step against a chip with 4 MiB per core: fsdp is the fix, with its figure
     tiny = TPUChip("tiny", bf16_tflops=1, hbm_gib=4 / 1024, mxu=128, devices_per_chip=1)
-    g = _memory_finding(r.measurements, tiny)
+    g = memory_finding(r.measurements, tiny)
     assert g.severity == "error" and "do not fit one core" in g.message, g
     assert g.fix.startswith('train with strategy="fsdp"') and "per device" in g.fix, g.fix
-    one = _memory_finding(dict(r.measurements, tpu_devices=None), tiny)
+    one = memory_finding(dict(r.measurements, tpu_devices=None), tiny)
     assert "strategy" not in one.fix and "bfloat16" in one.fix
 
 

@@ -118,7 +118,7 @@ def test_check_on_the_mesh_finds_a_step_that_recompiles():
 def test_fsdp_memory_verdict_of_check_is_per_device():
     """A 1B model: one v5e core cannot hold its fp32 AdamW states (an error on one core),
     8 FSDPv2 shards can (check under strategy='fsdp' says so)."""
-    from xla_utils.readiness import TPU_CHIPS, ReadinessReport, _memory_finding
+    from xla_utils.findings import TPU_CHIPS, ReadinessReport, memory_finding
     from xla_utils.mesh_tasks import _sharded_memory
 
     shapes = llama_shapes("1b")
@@ -126,7 +126,7 @@ def test_fsdp_memory_verdict_of_check_is_per_device():
     meas = {"batch_rows": 1, "param_bytes": 4 * n, "grad_bytes": 4 * n,
             "optimizer_state_bytes": 8 * n, "activation_bytes": 2**28,
             "activation_bytes_tiled": 2**28, "param_shapes": shapes, "tpu_devices": None}
-    report = ReadinessReport(findings=[_memory_finding(meas, TPU_CHIPS["v5e"])], measurements=meas)
+    report = ReadinessReport(findings=[memory_finding(meas, TPU_CHIPS["v5e"])], measurements=meas)
     assert report.findings[0].severity == "error"
     _sharded_memory(report, 8, "v5e")
     f = report.findings[0]

@@ -12,8 +12,9 @@ from torch import nn
 
 import xla_utils
 from xla_utils import Finding, ReadinessReport, runtime
+from xla_utils.findings import padding_finding
 from xla_utils.readiness import (CODES, TPU_CHIPS, ReadinessError, TPUChip, _auto_loss,
-                             _padding_finding, resolve_tpu)
+                                 resolve_tpu)
 
 STATIC_CODES = {"recompile", "host_sync", "cpu_fallback", "dynamic_shape", "f64", "f16", "padding"}
 
@@ -48,6 +49,16 @@ class ShapeEveryStep(_Base):
         self.calls += 1
         h = self.a(x[: 4 + self.calls])
         return self.b(h.relu()).mean(0, keepdim=True).expand(x.shape[0], 10)
+
+
+class NewLengthEveryCall(_Base):
+    """Adds a sum over a tensor one element longer at every call: a new graph every step."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.b(self.a(x).relu()) + x.new_zeros(self.calls).sum()
 
 
 class ItemInForward(_Base):
@@ -120,7 +131,15 @@ def test_resolve_tpu_and_finding_validation():
 
 def test_report_ok_and_text():
     r = ReadinessReport([Finding("memory", "info", "fits", "")], tpu="v5e", batch_size=16, steps=4)
-    assert r.ok and "READY" in str(r) and "NOT READY" not in str(r)
+    assert r.ok and r.verdict == "READY" and "NOT READY" not in str(r)
+    # performance hints are suggestions: it runs, it could run faster
+    r = ReadinessReport([Finding("padding", "suggestion", "64 wide", "use 128"),
+                         Finding("input_bound", "suggestion", "slow loader", "more workers"),
+                         Finding("memory", "info", "fits", "")], tpu="v5e")
+    assert r.ok and r.verdict == "READY, could be faster (2 suggestions)"
+    assert str(r).startswith("xla_utils.check for TPU v5e: READY, could be faster (2 suggestions)")
+    assert [f.code for f in r.suggestions] == ["padding", "input_bound"]
+    assert "READY, could be faster" in repr(r) and "print(report)" in repr(r)
     r = ReadinessReport([Finding("recompile", "error", "every step compiles", "fix shapes"),
                          Finding("padding", "warning", "130 wide", "use 128")], tpu="v5e")
     text = str(r)
@@ -149,19 +168,41 @@ def test_padding_math_per_generation():
     """A 128-wide layer fills v5e's 128x128 unit but half of v6e's 256x256."""
     mm = {"module": "fc", "kind": "Linear", "op": "addmm", "m": 16, "k": 128, "n": 128, "width_in": 128,
           "groups": 1, "depthwise": False, "k_fixed": False, "n_fixed": False, "where": ""}
-    assert _padding_finding([mm], 16, TPU_CHIPS["v5e"]) is None
-    f = _padding_finding([mm], 16, TPU_CHIPS["v6e"])
-    assert f.severity == "warning" and "75%" in f.message and "256" in f.message
+    assert padding_finding([mm], 16, TPU_CHIPS["v5e"]) is None
+    f = padding_finding([mm], 16, TPU_CHIPS["v6e"])
+    assert f.severity == "suggestion" and "75%" in f.message and "256" in f.message
     odd = dict(mm, n=130, m=12)
     conv = dict(mm, kind="Conv2d", m=8 * 56 * 56, k=64 * 9, n=64, width_in=64)
-    f = _padding_finding([dict(conv, module=f"layer1.{i}") for i in range(4)], 8, TPU_CHIPS["v5e"])
+    f = padding_finding([dict(conv, module=f"layer1.{i}") for i in range(4)], 8, TPU_CHIPS["v5e"])
     # 576 of 640 inputs per output, 64 of 128 output channels: 1 - 576*64 / (640*128) = 55%
     assert "`layer1.0` and 3 more like it (Conv2d 64->64): 55% padding" in f.message, f.message
     assert "576 inputs per output (64 channels x 9 taps) fill 576 of 640" in f.message
-    f = _padding_finding([odd], 12, TPU_CHIPS["v5e"])
+    f = padding_finding([odd], 12, TPU_CHIPS["v5e"])
     # 12 rows -> 16, 130 features -> 256: 1 - (12*128*130) / (16*128*256) = 62%
     assert "62%" in f.message and "nearest efficient: 128" in f.message
     assert "per-core batch 12 is not a multiple of 8" in f.message
+
+
+def test_input_bound_fix_fits_the_data_it_saw():
+    """A slow loader of a cache or of in-memory tensors gets a suggestion that fits it (more
+    workers, or nothing), never "build a uint8 cache"; per-sample decoding gets the cache."""
+    from xla_utils.findings import input_finding
+
+    def finding(kind, workers, rate=1_000.0):
+        loader = {"samples_per_s": rate, "source": "X", "host_cpus": 4, "kind": kind,
+                  "workers": workers}
+        return input_finding({"loader": loader, "flops": 6e8, "batch_rows": 8}, TPU_CHIPS["v5e"])
+
+    for kind in ("cache", "tensors"):
+        f = finding(kind, 2)
+        assert f.severity == "suggestion" and "build a uint8 cache" not in f.fix, f
+        assert f.fix.startswith("more loader workers: num_workers=4 (now 2)"), f.fix
+        f = finding(kind, 4)
+        assert f.fix.startswith("nothing to change in the data or the loader (4 workers on 4 "), f
+    f = finding("dataset", None)
+    assert f.severity == "warning" and "build a uint8 cache" in f.fix  # the chip waits > 50%
+    assert finding("dataset", None, rate=7e5).severity == "suggestion"  # waits about 33%
+    assert finding("cache", 2, rate=2e6).severity == "info"  # the host keeps up
 
 
 # ---------------------------------------------------------------------------
@@ -174,7 +215,8 @@ def test_clean_model_gets_none_of_the_static_codes():
     assert r.ok, str(r)
     assert r.steps == 4 and len(r.per_step) == 4 and len(r.losses) == 4
     assert all(np.isfinite(r.losses))
-    assert r.per_step[0]["compiles"] >= 1 and all(s["compiles"] == 0 for s in r.per_step[1:])
+    # steps 1-2 warm up (SGD's momentum buffers appear in step 1's outputs), as in fit
+    assert r.per_step[0]["compiles"] >= 1 and all(s["compiles"] == 0 for s in r.per_step[2:])
     assert all(s["to_host"] == 0 for s in r.per_step)
     mem = _finding(r, "memory")
     assert mem.severity == "info" and "v5e" in mem.message
@@ -185,14 +227,16 @@ def test_clean_model_gets_none_of_the_static_codes():
     fwd = 2 * 16 * (64 * 128 + 128 * 256 + 256 * 10)
     assert m["flops"] == 3 * fwd - 2 * 16 * 64 * 128
     assert m["activation_bytes"] >= 4 * 16 * (128 + 256)  # at least the two hidden activations
-    assert "READY" in str(r)
+    assert r.verdict == "READY" and "steps 3.. reused the compiled graph" in str(r)
+    assert "constant LR 0.001" in r.step
 
 
 def test_recompile_names_the_changing_shape():
     r = xla_utils.check(ShapeEveryStep(), _digits(), verbose=False)
     f = _finding(r, "recompile")
-    assert f.severity == "error" and not r.ok
+    assert f.severity == "error" and not r.ok and r.verdict == "NOT READY (1 error)"
     assert all(s["compiles"] >= 1 for s in r.per_step)
+    assert f.message.startswith("every step from 3 on compiled a new XLA graph"), f.message
     assert "a (Linear) input [" in f.message and "fixed" in f.fix
     assert "host_sync" not in r.codes
 
@@ -239,7 +283,7 @@ def test_f16_intermediate():
 def test_padding_names_the_130_wide_layers():
     r = xla_utils.check(_wide130(), _digits(), verbose=False)
     f = _finding(r, "padding")
-    assert f.severity == "warning"
+    assert f.severity == "suggestion" and r.ok and r.verdict.startswith("READY, could be faster")
     assert "130 output features fill 130 of 256 lanes (nearest efficient: 128)" in f.message
     assert "`2` (Linear 130->130)" in f.message
     assert not (_codes(r) & (STATIC_CODES - {"padding"}))
@@ -363,6 +407,80 @@ def test_trainer_check_uses_its_batch_loss_and_loader():
     assert r.measurements["optimizer_state_bytes"] >= 2 * r.measurements["param_bytes"]
 
 
+def test_trainer_check_and_debug_run_the_same_step_and_print_once(capsys):
+    """check() and debug() both run the trainer's own step (its Adam with the one-cycle LR
+    and momentum, 2 accumulated micro-batches): a graph that changes every step is flagged
+    at the same steps by both, and each prints its report exactly once."""
+    from xla_utils import OneCycleTrainer
+
+    t = OneCycleTrainer(NewLengthEveryCall(), nn.CrossEntropyLoss(), _digits_dataset(),
+                        batch_size=8, accum_steps=2)
+    r = t.check(measure_loader=False)
+    d = t.debug(steps=4)
+    out = capsys.readouterr().out
+    assert out.count("xla_utils.check for TPU v5e: NOT READY (1 error)") == 1, out
+    assert out.count("debug_run on xla device") == 1, out
+    assert "every step from 3 on compiled a new XLA graph" in _finding(r, "recompile").message
+    assert "Steps [3, 4] compiled again after warm-up" in d.report
+    assert r.step == d.step and r.step.startswith("the trainer's: Adam, one-cycle LR")
+    assert "2 micro-batches accumulated" in r.step
+    late = [bool(s["compiles"]) for s in r.per_step[2:]]
+    assert late == [bool(s["compiles"]) for s in d.per_step[2:]] == [True, True]
+    assert repr(r).startswith("<ReadinessReport") and repr(d).startswith("<DebugReport")
+
+
+def _rendered_cache(tmp_path, n: int = 24, size: int = 32):
+    """A real uint8 cache built by build_cache from rendered images of three classes
+    (a bright disc, a bright bar, noise), 40x48 before resizing."""
+    from xla_utils import CachedImageDataset, build_cache
+
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[:40, :48]
+    items = []
+    for i in range(n):
+        img = rng.integers(0, 90, (40, 48, 3), dtype=np.uint8)
+        c = i % 3
+        if c == 0:
+            img[(yy - 20) ** 2 + (xx - 24) ** 2 < 120] = 250
+        elif c == 1:
+            img[:, 20:28] = 250
+        items.append((img, c))
+    build_cache(items, tmp_path / "cache", size=size, variants=1, verbose=False)
+    return CachedImageDataset(tmp_path / "cache")
+
+
+@pytest.mark.timeout(900)
+def test_stock_resnet18_on_a_cache_is_ready_and_check_agrees_with_debug(tmp_path, capsys):
+    """The issue-36 newcomer: a stock torchvision ResNet-18 fed from a CachedImageDataset,
+    trained once (its BatchNorm counters are no longer 0), then check() and debug(). The
+    64-wide layers' padding is a suggestion, the loader's fix fits a cache, and check's
+    compile counts per step are debug's: steps 1-2 warm up, steps 3.. reuse the graph."""
+    torchvision = pytest.importorskip("torchvision")
+    from xla_utils import OneCycleTrainer
+
+    data = _rendered_cache(tmp_path)
+    t = OneCycleTrainer(torchvision.models.resnet18(num_classes=3), nn.CrossEntropyLoss(), data,
+                        batch_size=8)
+    t.fit()  # on this CPU's plain torch: the quick first run a user makes
+    assert all(int(m.num_batches_tracked) > 0 for m in t.model.modules()
+               if isinstance(m, nn.BatchNorm2d))
+    capsys.readouterr()
+    r = t.check()
+    d = t.debug(steps=4)
+    out = capsys.readouterr().out
+    assert "NOT READY" not in r.verdict and r.ok, str(r)
+    assert "recompile" not in r.codes and "Steps 3.. reused the compiled graph" in d.report
+    assert [s["compiles"] for s in r.per_step] == [s["compiles"] for s in d.per_step], (
+        r.per_step, d.per_step)
+    assert not any(s["compiles"] for s in r.per_step[2:])
+    assert _finding(r, "padding").severity == "suggestion"
+    for f in r.findings:
+        if f.code == "input_bound":
+            assert f.severity in ("suggestion", "info") and "build a uint8 cache" not in f.fix, f
+    assert r.measurements["loader"]["kind"] == "cache"
+    assert out.count("xla_utils.check for TPU v5e: READY") == 1 and out.count("debug_run on") == 1
+
+
 def test_fit_check_stops_before_training_on_errors(capsys):
     from xla_utils import OneCycleTrainer
 
@@ -379,10 +497,12 @@ def test_fit_check_passes_a_clean_model(capsys):
     from xla_utils import OneCycleTrainer
 
     t = OneCycleTrainer(_clean(), nn.CrossEntropyLoss(), _digits_dataset(), batch_size=16,
-                        max_lr=1e-2, optimizer="sgd")
+                        max_lr=1e-2, optimizer="sgd", epochs=2)
     h = t.fit(check=True, simulate=1)
     out = capsys.readouterr().out
-    assert "xla_utils.check for TPU v5e:" in out and len(h) == 1
+    assert out.count("xla_utils.check for TPU v5e: READY") == 1 and len(h) == 2, out
+    # check's "steps 3.. reused the compiled graph" is fit's: no compile after the first epoch
+    assert "steps 3.. reused the compiled graph" in out and h[0]["compiles"] == h[1]["compiles"]
 
 
 # ---------------------------------------------------------------------------

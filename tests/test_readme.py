@@ -182,13 +182,12 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     report = ns["report"]
     assert report.batch_size == 4 and len(report.per_step) == 4
     assert not {"host_sync", "cpu_fallback", "dynamic_shape"} & set(report.codes), report
-    # After the README's fit (resnet18 with BatchNorm, trained weights) check measured
-    # one recompile at step 2 that then settles (a warning); never one every step.
-    assert all(f.severity == "warning" and "step 2" in f.message
-               for f in report.findings if f.code == "recompile"), report
+    # After the README's fit (resnet18 with BatchNorm, trained weights) the trainer's step
+    # warms up in steps 1-2 as fit's does and then reuses its graph: no recompile finding.
+    assert "recompile" not in report.codes and "NOT READY" not in report.verdict, report
     assert sum(s["compiles"] for s in report.per_step[2:]) == 0, report.per_step
     assert {"memory", "input_bound"} <= set(report.codes)
-    assert "xla_utils.check for TPU v5e:" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("xla_utils.check for TPU v5e:") == 1  # printed once
 
 @pytest.mark.multicore
 @pytest.mark.timeout(600)

@@ -180,7 +180,7 @@ def test_exception_in_step_reaches_caller():
 
 
 @pytest.mark.timeout(120)
-def test_debug_run_uses_barrier_one_execution_per_step():
+def test_debug_run_one_execution_per_step():
     train, _ = _digits_tensors()
     rep = debug_run(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16, steps=5,
                     print_report=False)
@@ -223,7 +223,8 @@ def test_debug_run_after_in_process_fit_does_not_hang(tmp_path):
         print("DEBUG-STEPS", rep.steps)
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
-    assert "DEBUG-STEPS 4" in p.stdout, (p.stdout[-1500:], p.stderr[-1500:])
+    # 4 batches of 4 in 18 images: the 5 steps pass over the data twice
+    assert "DEBUG-STEPS 5" in p.stdout, (p.stdout[-1500:], p.stderr[-1500:])
 
 
 # ----------------------------------------------- issue 18a: accum_steps, ema, mixup/cutmix

@@ -183,7 +183,14 @@ def test_nan_in_first_epoch_leaves_model_untouched_and_continue_mode_keeps_good_
     assert _ckpts(ck) == [f"epoch_001-{h.run_id}.pt"]
 
 
-def test_exploding_validation_loss_is_reported():
+def _runtime_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+
+
+def test_exploding_validation_loss_stops_and_keeps_the_last_good_epoch(tmp_path, capsys):
+    """Epoch 2's validation loss blows up (not NaN): the run stops there as on a NaN,
+    trainer.model keeps epoch 1's weights (as its checkpoint does), no checkpoint is
+    written for epoch 2, and it is said once."""
     train, val = _digits(n_train=640)
     calls = {"n": 0}
 
@@ -192,11 +199,54 @@ def test_exploding_validation_loss_is_reported():
         out = model(batch[0])
         return out * 1e4 if calls["n"] > 6 else out  # epoch 2's validation blows up
 
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=2,
-                        eval_step=eval_step)
-    with pytest.warns(RuntimeWarning, match=r"val_loss .* at epoch 2 is .*x the untrained"):
+    ck = tmp_path / "ck"
+    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=3,
+                        eval_step=eval_step, checkpoint_dir=str(ck))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         h = t.fit()
-    assert len(h) == 2 and any(w.startswith("val_loss") for w in h.warnings)
+    msgs = _runtime_warnings(record)
+    assert len(msgs) == 1 and msgs[0] == h.stop_reason, msgs
+    assert re.match(r"val_loss \S+ at epoch 2 is [\d,.]+x the untrained model's loss at the first "
+                    r"step \(\S+\): training is diverging\. Training stopped \(on_nan='stop'",
+                    msgs[0]), msgs[0]
+    assert "keeps the weights of epoch 1" in msgs[0] and "no checkpoint was written for epoch 2" in msgs[0]
+    assert msgs[0] not in capsys.readouterr().out  # said once: the warning, no print as well
+    assert [e["epoch"] for e in h.epochs] == [1, 2] and "STOPPED" in str(h)
+    assert _ckpts(ck) == [f"epoch_001-{h.run_id}.pt"] and not (ck / "final.pt").exists()
+    saved = torch.load(ck / f"epoch_001-{h.run_id}.pt", weights_only=False)["model"]
+    assert all(torch.equal(t.model.state_dict()[k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("simulate", [None, pytest.param(2, marks=pytest.mark.multicore)])
+@pytest.mark.timeout(300)
+def test_exploding_run_stops_or_goes_on_as_asked(simulate, capsys):
+    """A tiny model at a huge max_lr: its epoch-1 losses end far above the untrained
+    model's (finite, no NaN). on_nan="stop" ends the run there with the model untouched;
+    on_nan="continue" trains every epoch and says so once."""
+    train, val = _digits(n_train=640)
+    kw = dict(batch_size=64 if simulate is None else 32, epochs=3, max_lr=100.0, optimizer="sgd")
+    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, **kw)
+    before = copy.deepcopy(t.model.state_dict())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        h = t.fit(simulate=simulate, timeout=240)
+    msgs = _runtime_warnings(record)
+    assert len(msgs) == 1 and "x the untrained model's loss" in msgs[0], msgs
+    assert "at epoch 1" in msgs[0] and "is unchanged (no epoch ended good)" in msgs[0]
+    assert [e["epoch"] for e in h.epochs] == [1] and h.stop_reason == msgs[0]
+    assert h.state_dict == {} and all(torch.equal(t.model.state_dict()[k], v)
+                                      for k, v in before.items())
+    capsys.readouterr()
+
+    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, on_nan="continue", **kw)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        h = t.fit(simulate=simulate, timeout=240)
+    msgs = _runtime_warnings(record)
+    assert len(msgs) == 1 and "Training goes on (on_nan='continue')" in msgs[0], msgs
+    assert len(h) == 3 and h.stop_reason is None
+    assert capsys.readouterr().out.count("training is diverging") == 1  # printed when it happened
 
 
 @pytest.mark.multicore

@@ -1,9 +1,11 @@
-"""Single-core debug mode: a few plain training steps on ONE core, explained.
+"""Single-core debug mode: a few training steps on ONE core, explained.
 
 Reached as :meth:`OneCycleTrainer.debug() <xla_utils.trainer.OneCycleTrainer.debug>`
-(the trainer's model, loss, data, optimizer and normalisation) or as
-:func:`debug_run` with explicit arguments. The report counts compilations, graph
-executions and host transfers per step and names CPU-fallback ops.
+(the trainer's own step, :mod:`xla_utils.steps`: its model, loss, data, optimizer with
+the one-cycle LR and momentum, accumulation, EMA, mixing and normalisation) or as
+:func:`debug_run` with explicit arguments (a plain step by default). The report counts
+compilations, graph executions and host transfers per step and names CPU-fallback ops.
+Like :func:`xla_utils.check`, it prints its report once and returns it.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ import torch
 
 from . import runtime
 from .data import IMAGENET_MEAN, IMAGENET_STD
+from .findings import WARMUP_STEPS
 from .inputs import InputSpec, check_targets, inspect_inputs
 from .loop import default_eval_step, default_train_step
 from .optim import make_optimizer, resolve_optimizer
+from .steps import PlainStep
 
 __all__ = ["DebugReport", "debug_run"]
 
@@ -39,6 +43,7 @@ class DebugReport:
             normalised on the device"``); also a line of ``report``.
         devices, strategy: 1 and None on one core; the mesh size and ``"spmd"`` /
             ``"fsdp"`` when the steps ran as a mesh run (``debug_run(mesh=)``).
+        step: The step that ran, in words (:mod:`xla_utils.steps`).
     """
 
     backend: str
@@ -50,25 +55,30 @@ class DebugReport:
     inputs: str = ""
     devices: int = 1
     strategy: str | None = None
+    step: str = ""
 
     def __str__(self) -> str:
         return self.report
+
+    def __repr__(self) -> str:  # the report itself is printed by debug_run; str() gives it again
+        return (f"<DebugReport on {self.backend}: {self.steps} steps, compiles per step "
+                f"{[s['compiles'] for s in self.per_step]}; print(report) for the report>")
 
 
 def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable, data,
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
               train_step: Callable | None = None, prepare: Callable | None = None,
               print_report: bool = True, eval_step: Callable | None = None,
-              inputs: InputSpec | None = None, mesh: Any = None) -> DebugReport:
-    """Run a few plain training steps on ONE core and explain what XLA did.
+              inputs: InputSpec | None = None, mesh: Any = None,
+              make_step: Callable | None = None) -> DebugReport:
+    """Run a few training steps on ONE core and explain what XLA did.
 
-    A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
-    ends with ``xm.optimizer_step(opt, barrier=True)``, so an error surfaces at
-    the step that caused it. Afterwards it reports compilations, graph
-    executions, host transfers and CPU-fallback ops per step. It runs in a
-    forked child (on a TPU, or on one XLA:CPU device when there is none), so the
-    notebook can still launch all cores afterwards. Class labels are checked
-    against the model's output width first.
+    A plain ``torch.utils.data.DataLoader`` (no prefetch thread; passes over the data as
+    often as the steps need), a step boundary after every micro-batch, so an error surfaces
+    at the step that caused it; then compilations, graph executions, host transfers and
+    CPU-fallback ops per step. It runs in a forked child (a TPU, else one XLA:CPU device),
+    so the notebook can still launch all cores afterwards. Class labels are checked against
+    the model's output width first.
 
     Args:
         model: An ``nn.Module`` or a zero-argument factory returning one.
@@ -86,7 +96,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         prepare: Turns an input batch on the device into model input; default:
             uint8 images are normalised with ImageNet mean/std (``trainer.debug()``
             passes the trainer's).
-        print_report: Print the report (default True).
+        print_report: Print the report when it is ready (default True; as
+            :func:`xla_utils.check`): ``report = debug_run(...)`` shows it once.
         eval_step: ``eval_step(model, (x, y)) -> outputs`` for the label check;
             default ``model(x)``.
         inputs: ``data``'s :class:`~xla_utils.inputs.InputSpec` when already decided
@@ -95,7 +106,10 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             that ``"spmd"``/``"fsdp"`` mesh run instead (one process owning the plan's
             devices, :func:`xla_utils.strategy.launch`): the model replicated or sharded,
             each batch of ``batch_size`` x devices split over the mesh, the same
-            ``barrier=True`` step boundary and counters. Default None (one core).
+            step boundary and counters. Default None (one core).
+        make_step: The step to run, a step factory (:mod:`xla_utils.steps`; the trainer
+            passes its own). Default None: a plain step of ``optimizer``, ``lr``,
+            ``train_step`` and ``prepare`` (which also serves the label check).
     """
     optimizer = resolve_optimizer(optimizer)
     spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")
@@ -115,17 +129,17 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
 
     def job() -> DebugReport:
         return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
-                            batch_size=batch_size, steps=steps)
+                            batch_size=batch_size, steps=steps, make_step=make_step)
 
     if mesh is not None:
         from .strategy import launch
 
         rep = launch(_mesh_debug_steps, (module, loss, data, step_fn, to_input, optimizer, lr,
-                                         batch_size, steps), mesh, None)
+                                         batch_size, steps, make_step), mesh, None)
     else:
         rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None,
                               sim_threads=True)
-    rep.inputs = spec.describe(flip=False)
+    rep.inputs = spec.describe(flip=bool(getattr(make_step, "flip", False)))
     head, _, rest = rep.report.partition("\n")
     rep.report = "\n".join([head, rep.inputs] + ([rest] if rest else []))
     if print_report:
@@ -146,64 +160,68 @@ def _passes(loader: Any) -> Any:
 
 def _mesh_debug_steps(plan: Any, module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                       to_input: Callable, optimizer: Any, lr: float, batch_size: int,
-                      steps: int) -> DebugReport:
+                      steps: int, make_step: Callable | None) -> DebugReport:
     """:func:`debug_run`'s steps in the SPMD process, on ``plan``'s mesh."""
     from .strategy import _enter
 
     _, run = _enter(plan, None)
     return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
-                        batch_size=batch_size, steps=steps, mesh=run)
+                        batch_size=batch_size, steps=steps, mesh=run, make_step=make_step)
 
 
 def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                  to_input: Callable, *, optimizer: Any, lr: float, batch_size: int,
-                 steps: int, mesh: Any = None) -> DebugReport:
+                 steps: int, mesh: Any = None, make_step: Callable | None = None) -> DebugReport:
     """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each
     (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices)."""
     dev = runtime.device()
-    net = copy.deepcopy(module).to(dev) if mesh is None else mesh.wrap(copy.deepcopy(module))
-    opt = make_optimizer(optimizer, net.parameters(), lr=lr)
+    if make_step is not None:
+        stepper = make_step(module, mesh)
+    else:
+        net = copy.deepcopy(module).to(dev) if mesh is None else mesh.wrap(copy.deepcopy(module))
+        stepper = PlainStep(net, make_optimizer(optimizer, net.parameters(), lr=lr), loss_fn=loss,
+                            train_step=step_fn, prepare=to_input)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size * (mesh.devices if mesh else 1),
                                          shuffle=False, drop_last=True)
-    if mesh is not None:  # split over the mesh on its way; global batches: pass after pass
-        loader = mesh.feed(_passes(loader))
+    batches = _passes(loader)  # pass after pass: a small data set still gives every step
+    if mesh is not None:  # split over the mesh on its way
+        batches = mesh.feed(batches)
     losses, per_step = [], []
     first = prev = runtime.xla_counters()
-    n = 0
-    for x, y in loader:
-        if n == steps:
-            break
-        if mesh is None:
-            x, y = runtime.to_device((x, y), dev)
-        x = to_input(x)
-        opt.zero_grad(set_to_none=True)
-        loss_t = step_fn(net, (x, y), loss)
-        loss_t.backward()
-        runtime.optimizer_step(opt, barrier=True)
+    n, y = 0, None
+    while n < steps:
+        for _ in range(stepper.accum_steps):
+            batch = next(batches, None)
+            if batch is None:
+                raise ValueError(f"data gave no full batch of {batch_size}; lower batch_size")
+            x, y = batch if mesh is not None else runtime.to_device(tuple(batch), dev)
+            loss_t = stepper.micro_batch(x, y)
+            runtime.sync()
         losses.append(float(loss_t.detach().cpu()))
         now = runtime.xla_counters()
         per_step.append({k: now[k] - prev[k] for k in
                          ("compiles", "executions", "to_device", "to_host")})
         prev = now
         n += 1
-    if n == 0:
-        raise ValueError(f"data gave no full batch of {batch_size}; lower batch_size")
     fb = {k: v - first["fallback_ops"].get(k, 0) for k, v in prev["fallback_ops"].items()
           if v - first["fallback_ops"].get(k, 0) > 0}
     where = "" if mesh is None else (f" (strategy {mesh.plan.strategy!r}: one process, a mesh of "
                                      f"{mesh.devices} devices, batch {len(y)} split over it)")
     text = [f"debug_run on {runtime.backend()} device {dev}{where}: {n} steps, "
             f"losses {', '.join(f'{v:.4g}' for v in losses)}",
+            f"step: {stepper.description}",
             runtime.xla_counters_report(first, prev, steps=n)]
-    if n > 2 and any(s["compiles"] for s in per_step[2:]):
-        bad = [i + 1 for i, s in enumerate(per_step) if i >= 2 and s["compiles"]]
+    w = WARMUP_STEPS
+    if n > w and any(s["compiles"] for s in per_step[w:]):
+        bad = [i + 1 for i, s in enumerate(per_step) if i >= w and s["compiles"]]
         text.append(
             f"Steps {bad} compiled again after warm-up: the graph changes between steps "
             "(a ragged last batch, a varying input shape, a Python scalar of exactly 0 or 1, "
             ".item() or a Python condition on a tensor inside the step).")
-    elif n > 2:
-        text.append("Steps 3.. reused the compiled graph: no recompilation.")
+    elif n > w:
+        text.append(f"Steps {w + 1}.. reused the compiled graph: no recompilation.")
     return DebugReport(backend=runtime.backend(), steps=n, losses=losses, per_step=per_step,
                        fallback_ops=fb, report="\n".join(text),
                        devices=1 if mesh is None else mesh.devices,
-                       strategy=None if mesh is None else mesh.plan.strategy)
+                       strategy=None if mesh is None else mesh.plan.strategy,
+                       step=stepper.description)

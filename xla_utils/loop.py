@@ -31,11 +31,13 @@ from .optim import make_optimizer
 from .schedule import OneCycleSchedule
 
 __all__ = ["default_train_step", "default_eval_step", "prepare_input", "replica_model", "loader",
-           "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch", "evaluate",
-           "metric_accumulator", "exploded", "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
+           "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
+           "begin_epoch", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
+           "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
            "InferencePlan", "activate", "inference_pass", "gather_predictions", "inference_metrics"]
 
-# An epoch loss this many times the untrained model's is reported as exploding.
+# An epoch's training or validation loss this many times the untrained model's (at the
+# run's first step) counts as diverged: the run stops there (on_nan="stop"), as on a NaN.
 VAL_LOSS_EXPLODES = 10.0
 
 
@@ -174,6 +176,7 @@ class TrainState:
             later epoch diverges.
         stop_reason: Why the run stopped early (``None``: it did not).
         diverged: Whether the training loss was read non-finite.
+        exploded: Whether an epoch's loss exploded (:func:`explosion`).
         warnings: What the run warned about.
     """
 
@@ -182,6 +185,7 @@ class TrainState:
     finite_state: dict[str, torch.Tensor] | None = None
     stop_reason: str | None = None
     diverged: bool = False
+    exploded: bool = False
     warnings: list[str] = field(default_factory=list)
 
 
@@ -307,11 +311,8 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     Returns:
         The epoch's :class:`EpochResult`.
     """
-    spe, model, opt, k = s.steps_per_epoch, s.model, s.opt, s.accum_steps
-    runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
-    if s.mix is not None:
-        s.mix.start_epoch()  # this epoch's draws come from this epoch's seed (exact resume)
-    model.train()
+    spe, k = s.steps_per_epoch, s.accum_steps
+    begin_epoch(s, cfg, epoch)
     t0 = time.perf_counter()
     to_host0 = runtime.xla_counters()["to_host"]
     # Device data, not torch.zeros(device=xla): a zeros *op* would make each
@@ -321,22 +322,10 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     train_loss = math.nan
     it = s.feed(batches)
     for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
-        if s.mix is not None:
-            s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
-        x = prepare_input(x, cfg, True, inputs)
-        if s.mix is not None:
-            x, y = s.mix(x, y)
+        loss, lr = micro_step(s, state.step, m, x, y, cfg=cfg, train_step=train_step,
+                              loss_fn=loss_fn, inputs=inputs)
+        lr_last = lr_last if lr is None else lr
         i, last = divmod(m, k)[0], m % k == k - 1  # i: optimizer step in the epoch
-        if m % k == 0:
-            lr_last = s.sched.apply(opt, state.step)
-            opt.zero_grad(set_to_none=True)
-        with s.autocast:
-            loss = train_step(model, (x, y), loss_fn)
-        (loss / k if k > 1 else loss).backward()
-        if last:
-            runtime.optimizer_step(opt)
-            if s.ema is not None:
-                s.ema.update(model)
         loss_sum = loss_sum + loss.detach().float()
         runtime.sync()
         if not last:
@@ -356,16 +345,75 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                 state.diverged = True
                 msg = divergence_message(cfg, train_loss, epoch, i + 1, s, lr_last,
                                          state.finite_state is not None)
-                runtime.master_print(msg)
-                state.warnings.append(msg)
+                state.warnings.append(msg)  # fit() warns with it once the run returns
                 if cfg.on_nan == "stop":
                     state.stop_reason = msg
                     break
+                runtime.master_print(msg)  # going on: say it now as well
     if hasattr(it, "close"):
         it.close()  # micro-batches beyond the last full accumulation group are not used
     return EpochResult(train_loss=train_loss, lr_last=lr_last,
                        to_host=runtime.xla_counters()["to_host"] - to_host0,
                        seconds=time.perf_counter() - t0)
+
+
+def begin_epoch(s: Setup, cfg: Any, epoch: int) -> None:
+    """What every epoch starts with in every replica: its RNG seeds (data order, device
+    RNG: flips, dropout), its mixing draws (exact resume) and train mode."""
+    runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
+    if s.mix is not None:
+        s.mix.start_epoch()  # this epoch's draws come from this epoch's seed (exact resume)
+    s.model.train()
+
+
+def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: Any, train_step: Callable,
+               loss_fn: Callable, inputs: Any) -> tuple[torch.Tensor, float | None]:
+    """Micro-batch ``m`` (0-based, counted from the epoch's start) of the run's optimizer step
+    ``step``, as ``fit`` runs it, up to the step boundary (the caller calls
+    ``runtime.sync()``): mixing, the input's device preparation, at a step's first
+    micro-batch the one-cycle LR and momentum and ``zero_grad``, forward and backward under
+    the run's autocast, and at its last micro-batch the optimizer step and the EMA update.
+    :meth:`OneCycleTrainer.check <xla_utils.trainer.OneCycleTrainer.check>` and ``debug()``
+    measure this very function (:mod:`xla_utils.steps`).
+
+    Returns:
+        ``(loss, lr)``: the micro-batch's loss tensor, and the LR set at this micro-batch
+        (None when it is not a step's first).
+    """
+    k, lr = s.accum_steps, None
+    if s.mix is not None:
+        s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
+    x = prepare_input(x, cfg, True, inputs)
+    if s.mix is not None:
+        x, y = s.mix(x, y)
+    if m % k == 0:
+        lr = s.sched.apply(s.opt, step)
+        s.opt.zero_grad(set_to_none=True)
+    with s.autocast:
+        loss = train_step(s.model, (x, y), loss_fn)
+    (loss / k if k > 1 else loss).backward()
+    if m % k == k - 1:
+        runtime.optimizer_step(s.opt)
+        if s.ema is not None:
+            s.ema.update(s.model)
+    return loss, lr
+
+
+def _kept(s: Setup, epoch: int, kept_finite: bool) -> str:
+    """What ``trainer.model`` holds after a stop in ``epoch`` (0-based)."""
+    if kept_finite:
+        return f"keeps the weights of epoch {epoch} (the last good ones, a host copy)"
+    if s.start_epoch:
+        return ("is unchanged (no epoch of this fit ended good; the resumed checkpoint holds "
+                "the last good weights)")
+    return "is unchanged (no epoch ended good)"
+
+
+def _fix(cfg: Any, s: Setup) -> str:
+    return (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
+            "fit(max_lr='find') pick it; check inputs, targets and the loss for "
+            "inf/NaN (log of 0, division by 0)"
+            + ("; with bf16=True try bf16=False" if cfg.bf16 else "") + ".")
 
 
 def divergence_message(cfg: Any, value: float, epoch: int, step: int, s: Setup, lr: float,
@@ -375,21 +423,11 @@ def divergence_message(cfg: Any, value: float, epoch: int, step: int, s: Setup, 
     msg = (f"train_loss became {value} in epoch {epoch + 1} by step {step}/{s.steps_per_epoch} "
            f"(LR then {lr:.3g}; peak max_lr {s.max_lr:.3g} from max_lr {s.base_lr:.3g}). ")
     if cfg.on_nan == "stop":
-        if kept_finite:
-            kept = f"keeps the weights of epoch {epoch} (the last finite ones, a host copy)"
-        elif s.start_epoch:
-            kept = ("is unchanged (no epoch of this fit ended finite; the resumed "
-                    "checkpoint holds the last finite weights)")
-        else:
-            kept = "is unchanged (no epoch ended finite)"
-        msg += (f"Training stopped (on_nan='stop'); trainer.model {kept}; no checkpoint "
-                "was written for it. ")
+        msg += (f"Training stopped (on_nan='stop'); trainer.model {_kept(s, epoch, kept_finite)}; "
+                "no checkpoint was written for it. ")
     else:
         msg += "Training goes on (on_nan='continue'); no checkpoint is written for non-finite epochs. "
-    return msg + (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
-                  "fit(max_lr='find') pick it; check inputs, targets and the loss for "
-                  "inf/NaN (log of 0, division by 0)"
-                  + ("; with bf16=True try bf16=False" if cfg.bf16 else "") + ".")
+    return msg + _fix(cfg, s)
 
 
 def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torch.Tensor,
@@ -436,23 +474,44 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Ca
 
 
 def exploded(key: str, value: float | None, initial: float | None, epoch: int) -> str | None:
-    """A warning when an epoch's loss is non-finite (validation) or more than
-    ``VAL_LOSS_EXPLODES`` times the untrained model's loss at the first step."""
+    """Why epoch ``epoch``'s (1-based) ``key`` loss counts as exploded, or None: a non-finite
+    validation loss (a non-finite training loss is :func:`divergence_message`'s), or a loss
+    more than ``VAL_LOSS_EXPLODES`` (10) times the untrained model's at the run's first step."""
     if value is None:
         return None
     if not math.isfinite(value):
-        if key == "train_loss":
-            return None  # the divergence message covers it
-        why = f"is {value}"
-    elif initial is not None and math.isfinite(initial) and initial > 0 \
+        return None if key == "train_loss" else f"{key} at epoch {epoch} is {value}"
+    if initial is not None and math.isfinite(initial) and initial > 0 \
             and value > VAL_LOSS_EXPLODES * initial:
-        why = (f"is {value / initial:.3g}x the untrained model's loss at the first step "
-               f"({initial:.4g})")
+        return (f"{key} {value:.4g} at epoch {epoch} is {value / initial:,.3g}x the untrained "
+                f"model's loss at the first step ({initial:.4g})")
+    return None
+
+
+def explosion(record: dict[str, Any], state: TrainState, cfg: Any, s: Setup, epoch: int) -> None:
+    """At the end of epoch ``epoch`` (0-based, its ``record`` complete): when its training or
+    validation loss exploded (:func:`exploded`), record one message per run in
+    ``state.warnings`` and, with ``cfg.on_nan == "stop"``, in ``state.stop_reason``: the
+    caller then stops before this epoch's checkpoint and host copy, so the run keeps the
+    last good epoch's weights, as on a NaN. With ``"continue"`` it says so now and goes on."""
+    if state.diverged or state.exploded:
+        return
+    whys = [w for key in ("train_loss", "val_loss")
+            if (w := exploded(key, record.get(key), state.initial_loss, epoch + 1))]
+    if not whys:
+        return
+    state.exploded = True
+    msg = "; ".join(whys) + ": training is diverging. "
+    if cfg.on_nan == "stop":
+        msg += (f"Training stopped (on_nan='stop': a loss above {VAL_LOSS_EXPLODES:g}x the "
+                f"untrained model's counts as diverged, as a NaN does); trainer.model "
+                f"{_kept(s, epoch, state.finite_state is not None)}; no checkpoint was written "
+                f"for epoch {epoch + 1}. ")
+        state.stop_reason = msg + _fix(cfg, s)
     else:
-        return None
-    return (f"{key} {value:.4g} at epoch {epoch} {why}: training is diverging. Lower max_lr "
-            "(or use fit(max_lr='find')), check the data and labels"
-            + (", add weight_decay" if key == "val_loss" else "") + ".")
+        msg += "Training goes on (on_nan='continue'). "
+        runtime.master_print(msg + _fix(cfg, s))
+    state.warnings.append(msg + _fix(cfg, s))
 
 
 def epoch_line(r: dict[str, Any]) -> str:
@@ -525,7 +584,10 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eva
     zeros = None
     _, progress_bar = runtime.progress_bars()
     total = nb * len(plan.views)
-    pb = progress_bar(range(total)) if runtime.is_master() else None
+    what = "evaluate" if plan.labelled else "predict"
+    pb = progress_bar(range(total), title=f"{what}: {plan.n} samples x {len(plan.views)} "
+                      f"view{'s' if len(plan.views) > 1 else ''} on {ws} core{'s' if ws > 1 else ''}"
+                      ) if runtime.is_master() else None
 
     def steps():
         for variant, flip in plan.views:

@@ -26,220 +26,37 @@ import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from . import runtime
+# The rules are lr_rules'; they are also this module's names (xla_utils.lr_finder.suggest, ...).
+from .lr_rules import (BETA, BUDGET_POWER, BUDGET_STEPS, DEFAULT_RULE, DESCENT_FACTOR, NUM_IT,
+                       RULES, assess, curve_drop, smooth_losses, suggest, suggest_between,
+                       suggest_budget, suggest_descent, suggest_minimum, suggest_slide,
+                       suggest_steep, suggest_valley)
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
 from .progress import progress_bar
 
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
-           "suggest_slide", "suggest_budget", "suggest_descent"]
+           "suggest_slide", "suggest_budget", "suggest_descent", "sweep_length", "BETA", "NUM_IT",
+           "MIN_NUM_IT", "FIT_SHARE", "SHORT_RUN", "SHORT_START_LR", "DESCENT_FACTOR",
+           "BUDGET_STEPS", "BUDGET_POWER"]
 
-RULES = ("descent", "budget", "between", "minimum", "steep", "valley", "slide")
-# Chosen by its worst case over the 38 problems of scripts/bench_lr_rules.py
-# (docs/BENCHMARKS.md "LR finder rules"), checked out of sample.
-DEFAULT_RULE = "descent"
-BETA = 0.98  # loss smoothing of the sweep (fastai's)
-NUM_IT = 100  # sweep steps by default
-DESCENT_FACTOR = 0.7
-# budget rule: between x min(1, planned_steps / BUDGET_STEPS) ** BUDGET_POWER (the
-# planned-run candidate of the benchmark; measured worse than descent, kept as an option)
-BUDGET_STEPS = 1000
-BUDGET_POWER = 0.5
-
-
-# --------------------------------------------------------------------------
-# Suggestion rules. Each takes the LRs and the smoothed losses of the usable
-# part of the sweep (increasing LRs, finite losses, at least 3 points).
-# --------------------------------------------------------------------------
-def suggest_minimum(lrs: np.ndarray, losses: np.ndarray) -> float:
-    """LR at the lowest smoothed loss, divided by 10 (fastai ``minimum``)."""
-    return float(lrs[int(np.argmin(losses))]) / 10.0
-
-
-def suggest_steep(lrs: np.ndarray, losses: np.ndarray) -> float:
-    """LR where the loss falls fastest per unit of log(LR) (fastai ``steep``)."""
-    grads = np.diff(losses) / np.diff(np.log(lrs))
-    return float(lrs[int(np.argmin(grads))])
-
-
-def suggest_valley(lrs: np.ndarray, losses: np.ndarray) -> float:
-    """fastai ``valley``: find the longest run over which the loss keeps falling
-    (longest decreasing subsequence, O(n^2)) and take the LR
-    ``int(len/3) + int(len/6)`` points after its start, about half way down."""
-    n = len(losses)
-    lds = [1] * n
-    max_start = max_end = 0
-    for i in range(1, n):
-        for j in range(i):
-            if losses[i] < losses[j] and lds[i] < lds[j] + 1:
-                lds[i] = lds[j] + 1
-            if lds[max_end] < lds[i]:
-                max_end = i
-                max_start = max_end - lds[max_end]
-    sections = (max_end - max_start) / 3
-    idx = max_start + int(sections) + int(sections / 2)
-    return float(lrs[idx])
-
-
-def suggest_slide(lrs: np.ndarray, losses: np.ndarray, lr_diff: int = 15,
-                  thresh: float = 0.005, adjust_value: float = 1.0) -> float:
-    """fastai ``slide``: walk left from the end of the sweep, comparing the loss
-    gradient (per point, loss units) at two points ``lr_diff`` apart, until they
-    agree within ``thresh``; the left point's LR (times ``adjust_value``)."""
-    grad = np.gradient(losses)
-    lr_diff = min(lr_diff, len(losses) - 1)
-    r_idx = -1
-    l_idx = r_idx - lr_diff
-    local_min_lr = lrs[l_idx]
-    while l_idx >= -len(losses) and abs(grad[r_idx] - grad[l_idx]) > thresh:
-        local_min_lr = lrs[l_idx]
-        r_idx -= 1
-        l_idx -= 1
-    return float(local_min_lr) * adjust_value
-
-
-def suggest_between(lrs: np.ndarray, losses: np.ndarray) -> float:
-    """Geometric mean of :func:`suggest_minimum` and :func:`suggest_steep`: the
-    log-space midpoint of fastai's two classic markers, whose errors point in
-    different directions often enough to partly cancel."""
-    return math.sqrt(suggest_minimum(lrs, losses) * suggest_steep(lrs, losses))
-
-
-def suggest_descent(lrs: np.ndarray, losses: np.ndarray) -> float:
-    """``DESCENT_FACTOR`` (0.7) x the geometric mean of :func:`suggest_minimum`
-    (LR at the lowest loss / 10) and the LR of the steepest fall *before* that
-    minimum. Unlike :func:`suggest_steep`, a dip of the diverging tail after the
-    minimum can never be picked; the factor keeps the answer off the cliff
-    that small data sets and short runs have just above their best LR."""
-    m = int(np.argmin(losses))
-    steep = float(lrs[m])
-    if m >= 1:
-        grads = np.diff(losses[:m + 1]) / np.diff(np.log(lrs[:m + 1]))
-        steep = float(lrs[int(np.argmin(grads))])
-    return DESCENT_FACTOR * math.sqrt(float(lrs[m]) / 10.0 * steep)
-
-
-def suggest_budget(lrs: np.ndarray, losses: np.ndarray, planned_steps: int | None = None) -> float:
-    """:func:`suggest_between` scaled down for short runs:
-    ``between * min(1, planned_steps / BUDGET_STEPS) ** BUDGET_POWER``.
-
-    A one-cycle run of few optimizer steps spends them at a high LR with no
-    time to recover from what it does there, and the sweep over a small data
-    set (100 steps revisit every sample many times) keeps falling at LRs that
-    already overfit such a run. ``planned_steps=None`` (budget unknown) applies
-    no scaling, i.e. assumes a run of at least ``BUDGET_STEPS`` steps.
-    """
-    lr = suggest_between(lrs, losses)
-    if planned_steps is None:
-        return lr
-    if planned_steps < 1:
-        raise ValueError(f"planned_steps must be >= 1, got {planned_steps!r}")
-    return lr * min(1.0, planned_steps / BUDGET_STEPS) ** BUDGET_POWER
-
-
-_RULE_FNS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
-    "descent": suggest_descent,
-    "between": suggest_between,
-    "minimum": suggest_minimum,
-    "steep": suggest_steep,
-    "valley": suggest_valley,
-    "slide": suggest_slide,
-}
-
-
-def smooth_losses(losses: Sequence[float], beta: float = BETA) -> np.ndarray:
-    """Exponentially smoothed, bias-corrected losses, as the sweep records them:
-    ``avg = beta*avg + (1-beta)*loss``, ``smoothed[i] = avg / (1 - beta**(i+1))``;
-    NaN from the first non-finite loss on. ``beta`` default 0.98."""
-    raw = np.asarray(losses, dtype=np.float64)
-    out = np.full(len(raw), np.nan)
-    avg = 0.0
-    for i, v in enumerate(raw):
-        if not math.isfinite(v):
-            break
-        avg = beta * avg + (1 - beta) * v
-        out[i] = avg / (1 - beta ** (i + 1))
-    return out
-
-
-def _usable(lrs: np.ndarray, losses: np.ndarray, num_it: int,
-            skip_end: int) -> tuple[np.ndarray, np.ndarray]:
-    """fastai's trimming: drop the first ``num_it // 10`` and the last
-    ``skip_end`` points and everything from the first non-finite loss on."""
-    stop = len(losses) - skip_end
-    bad = np.flatnonzero(~np.isfinite(losses[:max(stop, 0)]))
-    if len(bad):
-        stop = int(bad[0])
-    return lrs[num_it // 10:stop], losses[num_it // 10:stop]
-
-
-def suggest(lrs: Sequence[float], smoothed: Sequence[float], num_it: int | None = None,
-            skip_end: int = 5, *, planned_steps: int | None = None) -> dict[str, float]:
-    """Every rule's suggestion for a recorded sweep, as ``{rule: lr}``.
-
-    As fastai does, the first ``num_it // 10`` points (``num_it`` defaults to
-    the number of points) and the last ``skip_end`` (default 5) are dropped, as
-    is everything from the first non-finite loss on. A rule gets NaN when fewer
-    than 3 points remain. ``planned_steps``: optimizer steps of the one-cycle
-    run the answer is for (used by ``"budget"``; None = unknown, no scaling).
-    """
-    lrs = np.asarray(lrs, dtype=np.float64)
-    losses = np.asarray(smoothed, dtype=np.float64)
-    num_it = len(lrs) if num_it is None else num_it
-    lrs, losses = _usable(lrs, losses, num_it, skip_end)
-    if len(lrs) < 3:
-        return {r: math.nan for r in RULES}
-    out = {r: fn(lrs, losses) for r, fn in _RULE_FNS.items()}
-    out["budget"] = suggest_budget(lrs, losses, planned_steps)
-    return {r: out[r] for r in RULES}
-
-
-# A sweep whose smoothed loss falls by less than this fraction of its starting
-# value, or by less than the scatter of the raw per-batch losses at low LR, has
-# no valley for a rule to read (a converged or untrainable model, a loss
-# dominated by batch noise): its suggestion is not trustworthy. 1%: the
-# benchmark's learnable problems fall by 2-60% and by 1-40x their scatter.
-MIN_DROP = 0.01
-
-
-def assess(lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[float],
-           num_it: int | None = None, skip_end: int = 5) -> str | None:
-    """Why a sweep's suggestion should not be trusted, or None when it can be.
-
-    ``losses`` are the raw per-step losses, ``smoothed`` as recorded. Flags a
-    flat curve (the smoothed loss falls by less than ``MIN_DROP`` = 1% of its
-    value at the start of the usable part) and a noisy one (it falls by less
-    than the standard deviation of the raw losses over the first quarter of the
-    usable part, where the LR is too small to change much).
-    """
-    lrs_a = np.asarray(lrs, dtype=np.float64)
-    raw = np.asarray(losses, dtype=np.float64)
-    sm = np.asarray(smoothed, dtype=np.float64)
-    num_it = len(lrs_a) if num_it is None else num_it
-    use_lrs, use_sm = _usable(lrs_a, sm, num_it, skip_end)
-    if len(use_sm) < 3:
-        return "the sweep stopped too early for a suggestion"
-    start = num_it // 10
-    use_raw = raw[start:start + len(use_sm)]
-    first, low = float(use_sm[0]), float(use_sm.min())
-    drop = first - low
-    if drop < MIN_DROP * abs(first):
-        return (f"the loss curve is flat: the smoothed loss fell only from {first:.4g} to "
-                f"{low:.4g} ({100 * drop / max(abs(first), 1e-12):.1f}%) over LRs "
-                f"{use_lrs[0]:.2g}..{use_lrs[-1]:.2g}")
-    q = max(len(use_raw) // 4, 3)
-    noise = float(np.std(use_raw[:q]))
-    if drop < noise:
-        return (f"the loss curve is noisy: the smoothed loss fell by {drop:.4g}, less than the "
-                f"scatter of the per-batch losses ({noise:.4g}); use a larger batch_size, "
-                f"beta closer to 1 or more num_it")
-    return None
-
+# fit(max_lr="find") lets the sweep cost at most this share of the planned run. A shortened
+# sweep starts at SHORT_START_LR (the decades below it rarely matter) and has at least
+# MIN_NUM_IT steps: on the rules' 38 benchmark problems a 50-step sweep from 1e-5 scored a
+# median 1.18x / worst 3.07x of the best run's loss, the full one 1.23x / 1.98x (30 steps:
+# worst 4.5x; docs/BENCHMARKS.md "LR finder: shorter sweeps").
+FIT_SHARE = 0.25
+MIN_NUM_IT = 50
+SHORT_START_LR = 1e-5
+# Planned runs shorter than this were never part of the rules' benchmark (its shortest: 24
+# steps, docs/BENCHMARKS.md "LR finder rules"): their suggestion is reported not confident.
+SHORT_RUN = 24
 
 # --------------------------------------------------------------------------
 # Result
@@ -280,6 +97,8 @@ class LRFinderResult:
             it ran as a ``"spmd"``/``"fsdp"`` mesh run (``micro_batch_size`` is then the
             global micro-batch, split over the devices).
         strategy: ``"spmd"``/``"fsdp"`` for a mesh run, else None.
+        num_it: The sweep's planned length in optimizer steps (``len(lrs)`` is those run).
+        note: How the sweep was sized against the planned run, in words (None: as asked).
         placement: Which way it ran and why, in words (set by
             :meth:`OneCycleTrainer.find_lr <xla_utils.trainer.OneCycleTrainer.find_lr>`
             under a mesh strategy; ``""`` for a plain ``lr_find``).
@@ -308,6 +127,25 @@ class LRFinderResult:
     strategy: str | None = None
     placement: str = ""
     shardings: dict[str, str] = field(default_factory=dict)
+    num_it: int = NUM_IT
+    note: str | None = None
+
+    def summary(self) -> str:
+        """One line: the suggestion, the batch it is for, and whether it is confident
+        (and why not), as ``fit(max_lr="find")`` prints it."""
+        where = "one core" if self.strategy is None else f"a mesh of {self.devices} devices"
+        run = "" if self.planned_steps is None else f", run of {self.planned_steps} steps"
+        head = (f"lr_find suggests max_lr {self.suggestion:.3g} for the global batch "
+                f"{self.batch_size} ({self.micro_batch_size} x {self.accum_steps} micro-batches on "
+                f"{where}, rule {self.rule}{run}, {len(self.lrs)} sweep steps)")
+        if not self.confident:
+            return (f"{head}: NOT confident: {self.warning}. Look at result.plot() "
+                    "(trainer.lr_finder_result) and consider max_lr=<number>.")
+        fall = curve_drop(self.lrs, self.smoothed, self.num_it)
+        why = "" if fall is None else (
+            f" (the smoothed loss fell {100 * (fall[0] - fall[1]) / max(abs(fall[0]), 1e-12):.0f}%, "
+            f"{fall[0]:.3g} -> {fall[1]:.3g}, before the LR grew too high)")
+        return f"{head}: confident{why}."
 
     def __repr__(self) -> str:
         others = ", ".join(f"{r}={v:.3g}" for r, v in self.suggestions.items())
@@ -410,8 +248,9 @@ class _Config:
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
             data: Any, batch_size: int, optimizer: OptimizerSpec = "sgd",
-            start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = NUM_IT, *,
+            start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int | None = None, *,
             planned_steps: int | None = None, epochs: int | None = None,
+            max_share: float | None = None, run_cores: int = 1,
             weight_decay: float = 0.0, beta: float = BETA, diverge_factor: float = 4.0,
             accum_steps: int = 1, rule: str = DEFAULT_RULE, seed: int = 0,
             shuffle: bool = True, num_workers: int | None = None,
@@ -438,14 +277,20 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             existing optimizer of yours is never touched; its momentum stays at the
             optimizer's default during the sweep.
         start_lr, end_lr, num_it: The sweep: step ``i`` of ``num_it`` uses
-            ``start_lr * (end_lr/start_lr) ** (i/(num_it-1))`` (defaults 1e-7, 10, 100).
+            ``start_lr * (end_lr/start_lr) ** (i/(num_it-1))`` (defaults 1e-7, 10 and
+            None: 100 steps, fewer under ``max_share``, see :func:`sweep_length`).
         planned_steps, epochs: The one-cycle run you plan, as optimizer steps or as epochs over
             ``data`` (``epochs * (len(data) // (batch_size * accum_steps))`` steps);
             give at most one. Recorded in ``result.planned_steps`` and used by the
             ``"budget"`` rule (:func:`suggest_budget`), which scales its answer down
             for runs shorter than 1000 steps. The default rule does not depend on
             it: on the benchmark every such scaling made the worst case worse.
-            None (default): unknown. ``fit(max_lr="find")`` passes its own.
+            None (default): unknown. ``fit(max_lr="find")`` passes its own. Under
+            ``SHORT_RUN`` (24) steps the result is not confident.
+        max_share, run_cores: The sweep may cost at most ``max_share`` of the planned run
+            on ``run_cores`` cores (``num_it`` not given): else it is shortened and says so
+            (:func:`sweep_length`). Default None: no limit; ``fit(max_lr="find")`` passes
+            :data:`FIT_SHARE` (0.25) and its cores.
         weight_decay: Passed to the optimizer (default 0.0); use the value of the real run.
         beta: Smoothing of the loss, ``avg = beta*avg + (1-beta)*loss``, bias corrected
             (default 0.98).
@@ -466,7 +311,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         shuffle, num_workers: Passed to :func:`xla_utils.data.iterate_batches`.
         batch_tfm: ``batch_tfm(x) -> x`` applied to each input batch on the device instead
             of the default (uint8 images -> normalised float NCHW, else unchanged).
-        show_progress: A fastprogress bar (console style in the forked XLA child). Default True.
+        show_progress: A progress bar titled with the sweep (``"lr_find: 100 steps x 8
+            micro-batches on one core"``) and its time left. Default True.
         simulate: ``1`` runs on one simulated XLA:CPU device (tests and debugging without a
             TPU); see :func:`xla_utils.runtime.launch`.
         timeout: Seconds before a forked run is killed (``TimeoutError``); default none.
@@ -498,6 +344,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     data, batch_tfm = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
+    num_it, start_lr, beta, note = _sized(num_it, planned_steps, run_cores, max_share,
+                                          start_lr, end_lr, beta)
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
                   weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
                   num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
@@ -512,11 +360,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     else:
         res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
                               sim_threads=True)
-    if not math.isfinite(res.suggestion):
-        res.warning = (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too "
-                       f"early for a suggestion; lower start_lr ({start_lr:g}) or check the data")
-    else:
-        res.warning = assess(res.lrs, res.losses, res.smoothed, num_it=cfg.num_it)
+    res.num_it, res.note = cfg.num_it, note
+    res.warning = _doubt(res, cfg)
     if res.warning is not None:
         res.confident = False
         warnings.warn(f"LR finder: {res.warning}. The suggestion ({res.suggestion:.3g}, rule "
@@ -524,6 +369,36 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                       "yourself", RuntimeWarning, stacklevel=2)
     return res
 
+
+def _sized(num_it: int | None, planned_steps: int | None, run_cores: int,
+           max_share: float | None, start_lr: float, end_lr: float,
+           beta: float) -> tuple[int, float, float, str | None]:
+    """``(num_it, start_lr, beta, note)`` of the sweep (:func:`sweep_length`); a shortened one
+    starts at :data:`SHORT_START_LR` with the same smoothing per decade of LR as the full
+    sweep (unless ``beta`` was chosen). The note is printed here."""
+    sized, note = sweep_length(num_it, planned_steps, run_cores, max_share)
+    if num_it is None and sized < NUM_IT:
+        decades = math.log10(end_lr / start_lr)
+        start_lr = max(start_lr, min(SHORT_START_LR, end_lr / 10))
+        if beta == BETA:
+            beta = BETA ** (NUM_IT / decades * math.log10(end_lr / start_lr) / sized)
+    if note is not None:
+        print(note, flush=True)
+    return sized, start_lr, beta, note
+
+
+def _doubt(res: LRFinderResult, cfg: _Config) -> str | None:
+    """Why ``res``'s suggestion should not be trusted (None: it can be): no suggestion, a
+    flat or noisy curve (:func:`~xla_utils.lr_rules.assess`), a planned run too short."""
+    if not math.isfinite(res.suggestion):
+        return (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too early "
+                f"for a suggestion; lower start_lr ({cfg.start_lr:g}) or check the data")
+    why = assess(res.lrs, res.losses, res.smoothed, num_it=cfg.num_it)
+    if why is None and cfg.planned_steps is not None and cfg.planned_steps < SHORT_RUN:
+        why = (f"the planned run has only {cfg.planned_steps} optimizer steps, fewer than any run "
+               f"the rules were validated on ({SHORT_RUN}+, docs/BENCHMARKS.md): a run that "
+               "short barely leaves its warm-up")
+    return why
 
 
 def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:
@@ -540,15 +415,45 @@ def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:
     return spec.feed(data), batch_tfm
 
 
-def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num_it: int,
+def sweep_length(num_it: int | None, planned_steps: int | None, run_cores: int = 1,
+                 max_share: float | None = None) -> tuple[int, str | None]:
+    """``(steps, note)``: how long :func:`lr_find` sweeps. ``num_it`` when given; else
+    :data:`NUM_IT` (100), unless that costs more than ``max_share`` of the planned run
+    (``planned_steps`` optimizer steps shared by ``run_cores`` cores, so a sweep step costs
+    ``run_cores`` run steps): then as many steps as ``max_share`` allows, never fewer than
+    :data:`MIN_NUM_IT` (50), from :data:`SHORT_START_LR` (1e-5), and ``note`` says so (None
+    when nothing was shortened)."""
+    if num_it is not None or max_share is None or planned_steps is None:
+        return (NUM_IT if num_it is None else num_it), None
+    share = NUM_IT * run_cores / planned_steps
+    if share <= max_share:
+        return NUM_IT, None
+    allowed = int(max_share * planned_steps / run_cores)
+    n = max(MIN_NUM_IT, allowed)
+    cores = f"{run_cores} cores" if run_cores > 1 else "one core"
+    note = (f"lr_find: a sweep of {NUM_IT} steps would take about {share:.2g}x as long as the "
+            f"planned run ({planned_steps} steps on {cores}); sweeping {n} steps from LR "
+            f"{SHORT_START_LR:g} instead")
+    if n > allowed:
+        cost = n * run_cores / planned_steps
+        note += f", the fewest that give a curve (about {cost:.2g}x the run)"
+        if cost >= 1:
+            note += "; for a run this short a fixed max_lr may serve as well"
+    else:
+        note += f" (at most {max_share:.0%} of the run)"
+    return n, note + (". To choose the length: trainer.find_lr(num_it=...) (or lr_find(num_it=...)), "
+                      "then fit(max_lr=trainer.lr_finder_result.suggestion).")
+
+
+def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num_it: int | None,
                  accum_steps: int, beta: float, diverge_factor: float, rule: str,
                  planned_steps: int | None, epochs: int | None) -> int | None:
     """Refuse invalid :func:`lr_find` arguments (``ValueError``); return the planned
     optimizer steps (from ``epochs`` over ``data`` when given)."""
     if not 0 < start_lr < end_lr:
         raise ValueError(f"need 0 < start_lr < end_lr, got {start_lr!r}, {end_lr!r}")
-    if num_it < 2:
-        raise ValueError(f"num_it must be >= 2, got {num_it!r}")
+    if num_it is not None and (not isinstance(num_it, int) or num_it < 2):
+        raise ValueError(f"num_it must be an int >= 2 (or None), got {num_it!r}")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps!r}")
     if not 0.0 <= beta < 1.0:
@@ -741,8 +646,10 @@ def _sweep(cfg: _Config, run: Any = None) -> LRFinderResult:
     record, raw, smoothed = curve.record, curve.raw, curve.smoothed
     pending: torch.Tensor | None = None  # the last step's loss, still on the device
 
-    pb = progress_bar(cfg.num_it, show=cfg.show_progress,
-                      console=runtime.backend() == "xla", leave=False)
+    where = "one core" if run is None else f"a mesh of {run.devices} devices"
+    pb = progress_bar(cfg.num_it, show=cfg.show_progress, console=runtime.backend() == "xla",
+                      title=f"lr_find: {cfg.num_it} steps x {k} micro-batch{'es' if k > 1 else ''} "
+                            f"on {where}")
     try:
         for i in pb:
             before = runtime.xla_counters()["compiles"]

@@ -5,7 +5,7 @@ when the strategy is not ``"spawn"``: where the LR sweep runs (:func:`sweep_plac
 one core, accumulating to the fit's global batch, or the mesh when one core of the target
 TPU cannot hold the model), the sweep itself (:func:`find_lr`) and the mesh half of
 ``check`` (:func:`check_on_mesh`). Imports run one way: trainer -> this module ->
-strategy, lr_finder, debug, readiness, memory (none of which imports this one).
+strategy, lr_finder, debug, readiness, findings, memory (none of which imports this one).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def sweep_placement(cfg: Any, model: torch.nn.Module, sample: Callable[[], tuple
     when the states alone do not fit) above ``HBM_USABLE`` (90%) of its HBM.
     """
     from .memory import _gib, activation_bytes, state_bytes
-    from .readiness import HBM_USABLE, resolve_tpu
+    from .findings import HBM_USABLE, resolve_tpu
 
     if cfg.strategy == "spawn" and on_mesh:
         raise ValueError("on_mesh=True sweeps as a mesh run, but strategy='spawn' has no mesh. "
@@ -92,6 +92,8 @@ def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
         plan, bs, simulate = plan_strategy(cfg, trainer.model, devices, simulate), \
             bs * devices, None
         kwargs.setdefault("accum_steps", cfg.accum_steps)
+        if "run_cores" in kwargs:  # a sweep step on the mesh costs what a run step does
+            kwargs["run_cores"] = 1
     else:
         simulate = 1 if simulate is not None else None
         if cfg.strategy != "spawn":  # one core, accumulating to the fit's global batch
@@ -106,7 +108,7 @@ def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
 
 
 def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
-                  devices: int | None) -> None:
+                  devices: int | None, make_step: Any = None) -> None:
     """The mesh half of :meth:`OneCycleTrainer.check <xla_utils.trainer.OneCycleTrainer.check>`
     under ``"spmd"``/``"fsdp"``: run the trainer's step ``steps`` times as the mesh run
     (:func:`xla_utils.debug.debug_run` with ``mesh=``) on ``devices`` XLA:CPU devices
@@ -115,11 +117,13 @@ def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
     step, CPU fallbacks), ``"recompile"`` (a step after the two warm-up steps compiled) and
     ``"cpu_fallback"``; under ``"fsdp"`` the ``"memory"`` verdict is the per-device one of
     the sharded states (:func:`_sharded_memory`). In place; the per-step counters go to
-    ``report.measurements["mesh"]``.
+    ``report.measurements["mesh"]``. ``make_step``: the trainer's step
+    (:class:`~xla_utils.steps.TrainerStepPlan`), as ``trainer.debug()`` runs it; None: a
+    plain step.
     """
     from .debug import debug_run
     from .memory import tpu_devices
-    from .readiness import Finding
+    from .findings import Finding
 
     cfg = trainer.config
     if devices is None:
@@ -129,7 +133,7 @@ def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
     rep = debug_run(trainer.model, trainer.loss, trainer.train_data, batch_size=cfg.batch_size,
                     steps=steps, optimizer=cfg.optimizer, train_step=trainer.train_step,
                     prepare=trainer._prepare(spec, train=True), eval_step=trainer.eval_step,
-                    inputs=spec, mesh=plan, print_report=False)
+                    inputs=spec, mesh=plan, print_report=False, make_step=make_step)
     per = {k: [d[k] for d in rep.per_step] for k in ("compiles", "executions", "to_device",
                                                       "to_host")}
     report.measurements["mesh"] = {"devices": devices, "per_step": rep.per_step,
@@ -166,7 +170,7 @@ def _sharded_memory(report: Any, devices: int, tpu: Any) -> None:
     import math
 
     from .memory import _gib, paper_memory
-    from .readiness import HBM_USABLE, Finding, resolve_tpu
+    from .findings import HBM_USABLE, Finding, resolve_tpu
 
     meas = report.measurements
     at = next((i for i, f in enumerate(report.findings) if f.code == "memory"), None)

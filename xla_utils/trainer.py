@@ -36,14 +36,17 @@ from .checkpoint import check_options as check_checkpoint_options
 from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
 from .ema import with_weights
+from .findings import ReadinessError
 from .history import BestTracker, History, check_monitor, check_monitor_data, epoch_files
 from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
                      require_labels, shape_mismatch)
 from .loop import scale_lr
+from .lr_finder import FIT_SHARE
 from .mixup import MixConfig, check_step_options, mix_config_for
 from .optim import resolve_optimizer
 from .simulate import resident as _resident
 from .simulate.live import live_or_launch
+from .steps import TrainerStepPlan
 from .submission import missing_note, training_multilabel
 from .suggest import unknown_keywords
 
@@ -101,12 +104,14 @@ class TrainerConfig:
         log_every: Steps between loss reads for the progress bar (default 20;
             each read waits for the device).
         num_workers: Host threads/processes assembling batches (None = automatic).
-        on_nan: What to do when the training loss read (every ``log_every``
-            steps and at each epoch end) is NaN or infinite: ``"stop"``
-            (default) stops there; the model keeps the weights of the last epoch
-            that ended finite (a host copy made at each epoch end) and
-            ``History.stop_reason`` says why. ``"continue"`` warns and trains on
-            (no checkpoint is written for a non-finite epoch).
+        on_nan: What to do when training diverges: the training loss read (every
+            ``log_every`` steps and at each epoch end) is NaN or infinite, or an epoch's
+            training or validation loss ends above ``loop.VAL_LOSS_EXPLODES`` (10) times the
+            untrained model's loss at the first step (judged at epoch ends, so never inside
+            the first epoch). ``"stop"`` (default) stops there; the model keeps the weights
+            of the last good epoch (a host copy made at each epoch end), no checkpoint is
+            written for the bad one, and ``History.stop_reason`` and one warning say why.
+            ``"continue"`` says so once and trains on (no checkpoint for a non-finite epoch).
         compile_cache: torch_xla's persistent compilation cache for ``fit``,
             ``predict``, ``evaluate``, ``find_lr`` and ``check``: ``"auto"``
             (default) on TPUs only, under a folder that survives a notebook restart
@@ -323,12 +328,12 @@ class OneCycleTrainer:
         unfreeze_trainer(self)
 
     def debug(self, steps: int = 5, simulate: int | None = None) -> DebugReport:
-        """Run a few plain training steps on ONE core and explain what XLA did.
+        """Run a few of the trainer's steps on ONE core and explain what XLA did.
 
-        :func:`xla_utils.debug.debug_run` with this trainer's model, loss,
-        training data, per-core batch size, optimizer, ``train_step``,
-        ``eval_step`` and image normalisation; labels are checked first, as in
-        :meth:`fit`. It runs in a forked child, so :meth:`fit` can launch all
+        :func:`xla_utils.debug.debug_run` with this trainer's data, per-core batch size,
+        ``eval_step`` and its own step as :meth:`fit` runs it (:mod:`xla_utils.steps`:
+        optimizer with the one-cycle LR and momentum, accumulation, bf16, EMA, mixing);
+        labels are checked first. It runs in a forked child, so :meth:`fit` can launch all
         cores afterwards. Under ``strategy="spmd"``/``"fsdp"`` the same steps run as
         the mesh run (``report.devices``, ``report.strategy``).
 
@@ -338,19 +343,25 @@ class OneCycleTrainer:
                 this TPU's devices, else 8 simulated ones.
 
         Returns:
-            The :class:`~xla_utils.debug.DebugReport` (also printed).
+            The :class:`~xla_utils.debug.DebugReport`, printed once (as :meth:`check`).
         """
-        return self._debug(self._check_inputs()["train"][1], steps, simulate)
+        return self._debug(self._check_inputs()["train"], steps, simulate)
 
-    def _debug(self, spec: InputSpec, steps: int = 5, simulate: int | None = None) -> DebugReport:
-        cfg = self.config
+    def _debug(self, train: tuple[Any, InputSpec], steps: int = 5,
+               simulate: int | None = None) -> DebugReport:
+        cfg, spec = self.config, train[1]
         sim = 8 if simulate is None and not runtime._tpu_present() else simulate
         plan = (None if cfg.strategy == "spawn" else
                 _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
-                         prepare=self._prepare(spec, train=False),
-                         eval_step=self.eval_step, inputs=spec, mesh=plan)
+                         prepare=self._prepare(spec, train=False), eval_step=self.eval_step,
+                         inputs=spec, mesh=plan, make_step=self._step_plan(train))
+
+    def _step_plan(self, train: tuple[Any, InputSpec]) -> TrainerStepPlan:
+        """This trainer's step as ``fit`` runs it, for check() and debug() (:mod:`xla_utils.steps`)."""
+        return TrainerStepPlan(self.config, train[0], self.train_step, self.loss, train[1],
+                               self._mix_config(train), self._lr_groups)
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
@@ -395,12 +406,12 @@ class OneCycleTrainer:
         cfg = self.config
         runtime._prestart_simulation(simulate)
         inputs = self._check_inputs()
-        if check:
-            self._check_before_fit()
+        if check and (report := self.check()).errors:
+            raise ReadinessError(report)
         if debug:
             warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
                           "the same DebugReport", DeprecationWarning, stacklevel=2)
-            return self._debug(inputs["train"][1])
+            return self._debug(inputs["train"])
         check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
                            bool(getattr(self.train_data, "multilabel", False)),
                            getattr(self.train_data, "num_classes", None))
@@ -489,19 +500,12 @@ class OneCycleTrainer:
         # itself, or sweeps on the mesh): no scaling rule on top of the finder's rule.
         extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
         res = self.find_lr(simulate=simulate, epochs=cfg.epochs, cores=1 if world == 1 else "all",
-                           **extra)
+                           max_share=FIT_SHARE, run_cores=world, **extra)
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
             raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); pass "
                                "max_lr=<number> or look at trainer.lr_finder_result.plot()")
-        on = "one core" if res.strategy is None else f"a mesh of {res.devices} devices"
-        print(f"lr_find suggests max_lr {base_lr:.3g} for the global batch "
-              f"{res.batch_size} ({res.micro_batch_size} x {res.accum_steps} micro-batches on "
-              f"{on}, rule {res.rule}, run of {res.planned_steps} steps).", flush=True)
-        if not res.confident:
-            warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
-                          f"{base_lr:.3g} anyway; check trainer.lr_finder_result.plot() "
-                          "and pass fit(max_lr=<number>)", RuntimeWarning, stacklevel=3)
+        print(res.summary(), flush=True)  # says whether it is confident, and why not
         return base_lr, world * cfg.accum_steps
 
     def predict(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
@@ -640,12 +644,13 @@ class OneCycleTrainer:
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
               timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
-        """:func:`xla_utils.check` with this trainer's model, loss, optimizer, ``train_step``,
-        bf16, normalisation (and flips) on the first ``batch_size`` batch of ``train_data``;
-        ``measure_loader`` (default True) compares the loader's samples/s with the TPU's step
-        rate; ``tpu`` as in :func:`xla_utils.check` (default this TPU, else v5e). Under
-        ``"spmd"``/``"fsdp"`` the sharded step also runs on ``devices`` devices (default: the
-        slice ``tpu`` names, else 8): :func:`xla_utils.mesh_tasks.check_on_mesh`."""
+        """:func:`xla_utils.check` of this trainer's own step as :meth:`fit` runs it (as
+        :meth:`debug`) on the first ``batch_size`` batch of ``train_data``; prints the
+        report once and returns it (as :meth:`debug`). ``measure_loader`` (default True)
+        compares the loader's samples/s with the TPU's step rate; ``tpu`` as in
+        :func:`xla_utils.check` (default this TPU, else v5e). Under ``"spmd"``/``"fsdp"`` the
+        sharded step also runs on ``devices`` devices (default: the slice ``tpu`` names,
+        else 8): :func:`xla_utils.mesh_tasks.check_on_mesh`."""
         from .readiness import check as readiness_check
 
         cfg = self.config
@@ -657,22 +662,18 @@ class OneCycleTrainer:
                                             num_workers=0)))
         loader = (iterate_batches(data, cfg.batch_size, seed=cfg.seed,
                                   num_workers=cfg.num_workers) if measure_loader else None)
+        step = self._step_plan((data, spec))
         report = readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
                                  optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
                                  prepare=self._prepare(spec, train=True),
                                  train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
-                                 inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache)
+                                 inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache,
+                                 make_step=step, print_report=False)
         if cfg.strategy != "spawn":
-            _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices)
-        return report
-
-    def _check_before_fit(self) -> None:
-        from .readiness import ReadinessError
-
-        report = self.check()
+            _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices,
+                                      make_step=step)
         print(report, flush=True)
-        if report.errors:
-            raise ReadinessError(report)
+        return report
 
     # ------------------------------------------------------------- replica
     def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str,
@@ -706,6 +707,8 @@ class OneCycleTrainer:
             s.history.append(record)
             if mb is not None:
                 mb.write(loop.epoch_line(record))
+            if state.stop_reason is not None:  # the epoch's loss exploded: no checkpoint for it
+                break
             self._end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss))
             if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir):
                 break
@@ -742,8 +745,7 @@ class OneCycleTrainer:
 
     def _epoch_record(self, epoch: int, s: loop.Setup, state: loop.TrainState,
                       res: loop.EpochResult, val: tuple[Any, InputSpec] | None) -> dict[str, Any]:
-        """The history record of a finished epoch (validation included), warning
-        once per key when a loss explodes."""
+        """The finished epoch's history record (validation included; :func:`loop.explosion`)."""
         cfg = self.config
         record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
         if val is not None:
@@ -751,16 +753,12 @@ class OneCycleTrainer:
                                     cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
                                     autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed)
             record.update({"val_loss": metrics.pop("loss")}, **metrics)
-        for key in ("train_loss", "val_loss"):
-            msg = loop.exploded(key, record.get(key), state.initial_loss, epoch + 1)
-            if msg and not state.diverged and not any(w.startswith(key) for w in state.warnings):
-                runtime.master_print(msg)
-                state.warnings.append(msg)
         record.update(lr_max=s.max_lr, lr_last=res.lr_last,
                       images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
                       / res.seconds,
                       compiles=runtime.xla_counters()["compiles"],
                       host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
+        loop.explosion(record, state, cfg, s, epoch)
         return record
 
     def _end_epoch(self, epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str,
