@@ -219,7 +219,7 @@ def test_check_and_debug_report_the_input_layout(capsys):
     rep = t.check(steps=3, measure_loader=False)
     assert rep.inputs == ("inputs: uint8 [B,3,8,8] channels-first images (torch.Tensor), "
                           "normalised and flipped on the device")
-    assert rep.inputs in str(rep)
+    assert rep.inputs in rep.report
     dbg = t.debug(steps=3)  # the trainer's own step: flips as fit does
     assert dbg.inputs == ("inputs: uint8 [B,3,8,8] channels-first images (torch.Tensor), "
                           "normalised and flipped on the device")

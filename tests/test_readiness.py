@@ -97,7 +97,7 @@ def _codes(report: ReadinessReport) -> set[str]:
 
 def _finding(report: ReadinessReport, code: str) -> Finding:
     found = [f for f in report.findings if f.code == code]
-    assert len(found) == 1, (code, str(report))
+    assert len(found) == 1, (code, report.report)
     return found[0]
 
 
@@ -139,10 +139,11 @@ def test_report_ok_and_text():
     assert r.ok and r.verdict == "READY, could be faster (2 suggestions)"
     assert str(r).startswith("xla_utils.check for TPU v5e: READY, could be faster (2 suggestions)")
     assert [f.code for f in r.suggestions] == ["padding", "input_bound"]
-    assert "READY, could be faster" in repr(r) and "print(report)" in repr(r)
+    assert "READY, could be faster" in repr(r) and "print(report.report)" in repr(r)
     r = ReadinessReport([Finding("recompile", "error", "every step compiles", "fix shapes"),
                          Finding("padding", "warning", "130 wide", "use 128")], tpu="v5e")
-    text = str(r)
+    text = r.report
+    assert str(r) == "xla_utils.check for TPU v5e: NOT READY (1 error, 1 warning)"
     assert not r.ok and "NOT READY (1 error, 1 warning)" in text
     assert "[error] recompile: every step compiles" in text and "fix: fix shapes" in text
     assert [f.code for f in r.errors] == ["recompile"]
@@ -211,8 +212,8 @@ def test_input_bound_fix_fits_the_data_it_saw():
 def test_clean_model_gets_none_of_the_static_codes():
     x, y = _digits()
     r = xla_utils.check(_clean(), (x, y), verbose=False)
-    assert not (_codes(r) & STATIC_CODES), str(r)
-    assert r.ok, str(r)
+    assert not (_codes(r) & STATIC_CODES), r.report
+    assert r.ok, r.report
     assert r.steps == 4 and len(r.per_step) == 4 and len(r.losses) == 4
     assert all(np.isfinite(r.losses))
     # steps 1-2 warm up (SGD's momentum buffers appear in step 1's outputs), as in fit
@@ -227,7 +228,7 @@ def test_clean_model_gets_none_of_the_static_codes():
     fwd = 2 * 16 * (64 * 128 + 128 * 256 + 256 * 10)
     assert m["flops"] == 3 * fwd - 2 * 16 * 64 * 128
     assert m["activation_bytes"] >= 4 * 16 * (128 + 256)  # at least the two hidden activations
-    assert r.verdict == "READY" and "steps 3.. reused the compiled graph" in str(r)
+    assert r.verdict == "READY" and "steps 3.. reused the compiled graph" in r.report
     assert "constant LR 0.001" in r.step
 
 
@@ -420,6 +421,11 @@ def test_trainer_check_and_debug_run_the_same_step_and_print_once(capsys):
     out = capsys.readouterr().out
     assert out.count("xla_utils.check for TPU v5e: NOT READY (1 error)") == 1, out
     assert out.count("debug_run on xla device") == 1, out
+    print(r)  # the user's print(trainer.check()) / print(trainer.debug()): the verdict line only
+    print(d)
+    again = capsys.readouterr().out.splitlines()
+    assert again == [str(r), str(d)] and "compiles per step" not in again[0], again
+    assert again[1].startswith("xla_utils.debug on xla: 4 steps, compiles per step")
     assert "every step from 3 on compiled a new XLA graph" in _finding(r, "recompile").message
     assert "Steps [3, 4] compiled again after warm-up" in d.report
     assert r.step == d.step and r.step.startswith("the trainer's: Adam, one-cycle LR")
@@ -468,7 +474,7 @@ def test_stock_resnet18_on_a_cache_is_ready_and_check_agrees_with_debug(tmp_path
     r = t.check()
     d = t.debug(steps=4)
     out = capsys.readouterr().out
-    assert "NOT READY" not in r.verdict and r.ok, str(r)
+    assert "NOT READY" not in r.verdict and r.ok, r.report
     assert "recompile" not in r.codes and "Steps 3.. reused the compiled graph" in d.report
     assert [s["compiles"] for s in r.per_step] == [s["compiles"] for s in d.per_step], (
         r.per_step, d.per_step)
@@ -522,7 +528,7 @@ def test_resnet18_batch8_report():
     seconds = time.perf_counter() - t0
     print(f"resnet18 batch 8 at 224x224: check took {seconds:.0f} s")
     assert r.batch_size == 8 and len(r.per_step) == 4
-    assert not (_codes(r) & {"recompile", "host_sync", "cpu_fallback", "dynamic_shape", "f64", "f16"}), str(r)
+    assert not (_codes(r) & {"recompile", "host_sync", "cpu_fallback", "dynamic_shape", "f64", "f16"}), r.report
     m = r.measurements
     # ResNet-18: ~1.8 GFLOPs (multiply-adds x 2 = 3.6 GFLOPs) forward per 224x224 image
     assert 8e9 < m["flops"] / 8 < 13e9, m["flops"]

@@ -37,7 +37,8 @@ class DebugReport:
         per_step: The counter deltas (``compiles``, ``executions``,
             ``to_device``, ``to_host``) of every step.
         fallback_ops: ``{"aten::op": count}`` run on the host CPU.
-        report: The explanation as text (also ``str(report)``).
+        report: The explanation as text (:func:`debug_run` prints it once; ``str()`` is a
+            one-line summary, so ``print(trainer.debug())`` does not show it twice).
         inputs: The input layout seen and what was done with it, in words
             (``"inputs: uint8 [B,3,32,32] channels-first images (torch.Tensor),
             normalised on the device"``); also a line of ``report``.
@@ -58,11 +59,12 @@ class DebugReport:
     step: str = ""
 
     def __str__(self) -> str:
-        return self.report
+        return (f"xla_utils.debug on {self.backend}: {self.steps} steps, compiles per step "
+                f"{[s['compiles'] for s in self.per_step]}")
 
-    def __repr__(self) -> str:  # the report itself is printed by debug_run; str() gives it again
+    def __repr__(self) -> str:  # the report itself is printed by debug_run
         return (f"<DebugReport on {self.backend}: {self.steps} steps, compiles per step "
-                f"{[s['compiles'] for s in self.per_step]}; print(report) for the report>")
+                f"{[s['compiles'] for s in self.per_step]}; print(report.report) for the report>")
 
 
 def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable, data,

@@ -127,7 +127,9 @@ class Finding:
 
 @dataclass
 class ReadinessReport:
-    """What :func:`check` returns; ``print(report)`` shows the verdict and the findings.
+    """What :func:`check` returns. :func:`check` prints :attr:`report` (the verdict and the
+    findings) once when it is ready; ``str(report)`` is the one-line verdict, so
+    ``print(xla_utils.check(...))`` does not show the report twice.
 
     Attributes:
         findings: the :class:`Finding` list, errors first.
@@ -193,6 +195,11 @@ class ReadinessReport:
         return "READY"
 
     def __str__(self) -> str:
+        return f"xla_utils.check for TPU {self.tpu}: {self.verdict}"
+
+    @property
+    def report(self) -> str:
+        """The whole report as text: the verdict, what ran and every finding."""
         losses = ""
         if self.losses:
             losses = f"; loss {self.losses[0]:.4g} -> {self.losses[-1]:.4g}"
@@ -212,9 +219,9 @@ class ReadinessReport:
         lines += [textwrap.indent(str(f), "  ") for f in self.findings]
         return "\n".join(lines)
 
-    def __repr__(self) -> str:  # the report itself is printed by check(); str() gives it again
+    def __repr__(self) -> str:  # the report itself is printed by check()
         return (f"<ReadinessReport for TPU {self.tpu}: {self.verdict}; codes {self.codes}; "
-                "print(report) for the findings>")
+                "print(report.report) for the findings>")
 
 
 def _count(n: int, what: str) -> str:
@@ -233,7 +240,7 @@ class ReadinessError(RuntimeError):
         errors = "\n".join(textwrap.indent(str(f), "  ") for f in report.errors)
         super().__init__(  # check() printed the whole report already: the errors only
             f"xla_utils.check found errors that would waste TPU time ({codes}):\n{errors}\n"
-            "Fix them (the whole report is printed above and in error.report), or call "
+            "Fix them (the whole report is printed above and in error.report.report), or call "
             "fit(check=False) to train anyway.")
 
 

@@ -152,7 +152,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
                              losses=meas["losses"], seconds=seconds, measurements=meas,
                              inputs=inputs or "", step=meas["step"])
     if print_report:
-        print(report, flush=True)
+        print(report.report, flush=True)
     return report
 
 

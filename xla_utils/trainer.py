@@ -672,7 +672,7 @@ class OneCycleTrainer:
         if cfg.strategy != "spawn":
             _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices,
                                       make_step=step)
-        print(report, flush=True)
+        print(report.report, flush=True)
         return report
 
     # ------------------------------------------------------------- replica
