@@ -489,6 +489,79 @@ def test_dataset_sources(tmp_path):
     np.testing.assert_array_equal(ds.labels, [[1, 0, 0], [1, 0, 1], [1, 0, 0], [1, 0, 1]])
 
 
+TORCH_DATASET_BUILD = r"""
+import sys
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from xla_utils.cache import build_cache
+
+torch.set_num_threads(2)  # an OpenMP team of two, as on any multi-core host
+digits = load_digits()
+
+
+class Digits224(torch.utils.data.Dataset):  # digits rendered at 224x224x3 by a parallel torch op
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        img = torch.from_numpy(digits.images[i]).repeat_interleave(28, 0).repeat_interleave(28, 1)
+        img = (img[..., None].expand(224, 224, 3) * (255 / 16)).clamp(0, 255).to(torch.uint8)
+        return img.numpy(), int(digits.target[i])
+
+
+build_cache(Digits224(), sys.argv[1], size=32, workers=2, shard_size=16384, verbose=False)
+"""
+
+
+def test_torch_dataset_with_parallel_ops_builds_on_several_workers(tmp_path):
+    """The workers fork from a caller whose thread owns an OpenMP team (reading the dataset's item 0
+    ran a parallel op): without the workers' one-thread limit their first parallel op hangs."""
+    script = tmp_path / "torch_dataset_build.py"
+    script.write_text(TORCH_DATASET_BUILD)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "c")], env=ENV, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert verify_cache(tmp_path / "c").ok and read_manifest(tmp_path / "c")["num_shards"] >= 2  # a pool ran
+
+
+FORK_WARNINGS = r"""
+import multiprocessing, sys, threading, time, warnings
+import numpy as np
+from PIL import Image
+from pathlib import Path
+from xla_utils.cache import build_cache
+
+root = Path(sys.argv[1])
+for c in range(2):
+    (root / "img" / str(c)).mkdir(parents=True)
+    for i in range(4):
+        Image.fromarray(np.full((20, 20, 3), 20 * i + c, np.uint8)).save(root / "img" / str(c) / f"{i}.png")
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a multi-threaded caller
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    build_cache(root / "img", root / "cache", size=16, workers=2, verbose=False)
+    build_cache(root / "img", root / "dry", size=16, workers=2, verbose=False, dry_run=True)
+    print("builder", sum("multi-threaded" in str(w.message) for w in seen))
+    p = multiprocessing.get_context("fork").Process(target=print)
+    p.start(), p.join()
+    print("other", sum("multi-threaded" in str(w.message) for w in seen))
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python warns about forking threads since 3.12")
+def test_only_the_builders_own_forks_are_quiet(tmp_path):
+    """The pool's workers fork without Python's multi-threaded-fork DeprecationWarning (their hazard is
+    handled, see the torch dataset test above); any other fork in the same process still warns."""
+    script = tmp_path / "fork_warnings.py"
+    script.write_text(FORK_WARNINGS)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path)], env=ENV, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["builder", "0", "other", "1"], p.stdout
+
+
 def test_flat_folder_is_unlabelled_and_classes_can_be_fixed(folder, tmp_path):
     from xla_utils.data import CachedImageDataset
 

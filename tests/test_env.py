@@ -567,6 +567,52 @@ def test_cli_human_report(tmp_path):
     assert out.strip().splitlines()[-1].startswith("next step: ")
 
 
+def _fake_dists(site: Path, **dists: str) -> Path:
+    """Package metadata only (``name-version.dist-info``): what ``importlib.metadata`` reads first
+    when ``site`` leads ``PYTHONPATH``."""
+    for name, version in dists.items():
+        d = site / f"{name}-{version}.dist-info"
+        d.mkdir(parents=True)
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site
+
+
+def test_cli_warns_about_libtpu_not_known_to_work_with_torch_xla_28(tmp_path):
+    """Kaggle's torch_xla 2.8 with a libtpu other than 0.0.17: the report names the pair and the fix."""
+    root, environ, _ = make_machine(tmp_path, "kaggle-v5e-8")
+    site = _fake_dists(tmp_path / "site", torch="2.8.0", torchvision="0.23.0", torch_xla="2.8.0",
+                       libtpu="0.0.21")
+    env = _clean_env(**{k: v for k, v in environ.items() if k != "PATH"})
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
+    out = _cli("--root", root, "--no-import-check", env=env)
+    warning = [ln for ln in out.splitlines() if ln.startswith("  warning: libtpu 0.0.21 ")]
+    assert len(warning) == 1, out
+    assert "with torch_xla 2.8.0, which is known to work with libtpu 0.0.17" in warning[0]
+    assert warning[0].endswith(": pip install libtpu==0.0.17")
+    # the known pair: no such warning
+    _fake_dists(tmp_path / "site2", torch="2.8.0", torchvision="0.23.0", torch_xla="2.8.0", libtpu="0.0.17")
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(site), str(tmp_path / "site2"))
+    assert "libtpu 0.0.17 is installed" not in _cli("--root", root, "--no-import-check", env=env)
+
+
+@pytest.mark.parametrize("vers, fix", [
+    ({"torch_xla": "2.9.0", "libtpu": "0.0.17"}, "pip install libtpu==0.0.21.1"),
+    ({"torch_xla": "2.8.0", "libtpu__nightly": "0.1.dev20250101"},
+     "pip uninstall -y libtpu-nightly && pip install libtpu==0.0.17"),
+    ({"torch_xla": "2.9.0", "libtpu": "0.0.21.1"}, None),
+    ({"torch_xla": "2.9.0", "libtpu": "0.0.21"}, None),
+    ({"torch_xla": "2.8.0"}, None),  # no libtpu: the install-libtpu advice, not this warning
+])
+def test_libtpu_pairing_warning(tmp_path, vers, fix):
+    minor = vers["torch_xla"].split(".")[1]
+    info, *_ = detect_on(tmp_path, "colab-v5e-1",
+                         vers={"torch": vers["torch_xla"], "torchvision": f"0.{int(minor) + 15}.0", **vers})
+    pairing = [w for w in info.warnings if "is known to work with libtpu" in w]
+    assert len(pairing) == (0 if fix is None else 1), info.warnings
+    if fix:
+        assert pairing[0].endswith(fix) and f"warning: {pairing[0]}" in xenv.report(info)
+
+
 def test_pjrt_cpu_on_tpu_warns(tmp_path):
     info, *_ = detect_on(tmp_path, "tpu-vm-v4-8", extra_env={"PJRT_DEVICE": "CPU"})
     assert any("host CPU, not the TPU" in w for w in info.warnings)

@@ -388,6 +388,8 @@ def _raise_in_rank_1():
     return 0
 
 
+# the fork stands for a cache-build worker's, which forks without Python 3.12+'s warning
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 def test_a_failed_launch_leaves_nothing_that_crashes_a_later_fork():
     # A failed launch's frame becomes cyclic garbage (exception <-> traceback).
     # A full-suite run once segfaulted in a cache-build worker forked later while

@@ -49,6 +49,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
+from .libtpu_pairs import libtpu_warning
+
 __all__ = [
     "EnvInfo",
     "Advice",
@@ -549,7 +551,8 @@ def _detect_hardware(root: str, env: Mapping[str, str], mods: Mapping[str, Any],
 def _detect_versions(vof: VersionOf, warnings: list[str]) -> dict[str, Any]:
     """Installed versions of torch, torchvision, torch_xla and libtpu, and
     whether torch and torch_xla are a pair; a torchvision that does not match
-    torch is added to ``warnings``.
+    torch, and a libtpu other than the one known to work with the torch_xla
+    (:mod:`xla_utils.libtpu_pairs`), are added to ``warnings``.
 
     Returns:
         The :class:`EnvInfo` fields ``torch``, ``torchvision``, ``torch_xla``,
@@ -561,6 +564,9 @@ def _detect_versions(vof: VersionOf, warnings: list[str]) -> dict[str, Any]:
         if libtpu:
             break
     torch_v, xla_v = vof("torch"), vof("torch_xla")
+    pairing = libtpu_warning(xla_v, libtpu, dist)
+    if pairing:
+        warnings.append(pairing)
     tmm, xmm = _major_minor(torch_v), _major_minor(xla_v)
     tv = vof("torchvision")
     tvmm = _major_minor(tv)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.context as mp_ctx
 import os
 import sys
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
@@ -48,12 +50,30 @@ def run_shards(engine: str, src: Source, cfg: CacheConfig, out: Store, todo: lis
         run_local(src, cfg, out, todo, per_shard, total, workers, strict, verbose, record, save)
 
 
+class _WorkerProcess(mp_ctx.ForkProcess):
+    """A pool worker forked without Python 3.12+'s DeprecationWarning about forking a
+    multi-threaded process (every process that imported numpy is: its BLAS pool). For these
+    workers the warning's hazard is handled: the forking thread's OpenMP team is the one
+    state a worker would wait on, and init_worker limits the worker to one OpenMP/MKL thread
+    (tests/test_cache.py builds a torch dataset that hung without it). Every other fork in
+    the process still warns."""
+
+    def start(self) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r"This process .* is multi-threaded, use of fork\(\)",
+                                    DeprecationWarning)
+            super().start()
+
+
+class _WorkerForkContext(mp_ctx.ForkContext):
+    Process = _WorkerProcess
+
+
 def mp_context() -> Any:
     """The multiprocessing context of the local pool: fork on Linux, else spawn."""
-    # fork works from notebooks and with datasets defined in __main__; workers only
-    # use PIL/numpy, so forking a parent that has torch threads is safe here.
+    # fork works from notebooks and with datasets defined in __main__
     if sys.platform == "linux" and "fork" in mp.get_all_start_methods():
-        return mp.get_context("fork")
+        return _WorkerForkContext()
     return mp.get_context("spawn")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from ..runtime import forksafe
 from .config import CacheConfig
 from .errors import BadImageError, Cancelled, describe
 from .format import jpeg_shard_chunks, npy_header, shard_name
@@ -46,6 +47,11 @@ def init_worker(src: Source, cfg: CacheConfig, out: Store, strict: bool, counter
         with contextlib.suppress(Exception):  # die with the coordinator (SIGKILL included)
             import ctypes
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # A forked worker's one thread is a copy of the caller's, which owns an OpenMP team once it ran a
+    # parallel torch op (it has, for a torch dataset: resolving the source reads item 0); the
+    # worker's first parallel op would wait forever for that team's threads. One OpenMP/MKL thread
+    # per worker cannot hang, and the pool's processes are the parallelism.
+    forksafe.limit_openmp_to_one_thread()
     set_state(src, cfg, out, strict, counter, stop_at)
 
 
