@@ -276,7 +276,7 @@ def test_bigger_than_one_core_blocks(capsys):
     exec(compile(mem, "README:memory", "exec"), ns)
     out = capsys.readouterr().out
     assert "fsdp: params" in out and "(measured)" in out and "(paper)" in out, out[-2000:]
-    assert 'strategy="fsdp"' in str(ns["report"]), ns["report"]
+    assert 'strategy="fsdp"' in ns["report"].report, ns["report"]
 
     lm = _block("python", "def step(model, batch, loss_fn)")
     ns = dict(xla_utils=xla_utils, torch=torch, Block=GPTBlock, train=TokenWindows(stdlib_bytes(20_000), 32),
