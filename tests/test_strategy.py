@@ -390,7 +390,7 @@ def test_fsdp_on_torch_xla_without_spmd_names_the_fix():
     assert "cannot run SPMD/FSDPv2" in why and "strategy='spawn'" in why
 
 
-@pytest.mark.skipif(runtime._tpu_present(), reason="a TPU host has the devices")
+@pytest.mark.skipif(runtime.tpu_present(), reason="a TPU host has the devices")
 def test_mesh_strategy_without_tpu_or_simulate_names_the_fix():
     tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), batch_size=8,
                          strategy="fsdp", compile_cache=None)

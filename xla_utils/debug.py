@@ -109,8 +109,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
 
     check_targets(module, loss, data, "data", to_input, eval_step or default_eval_step)
     step_fn = train_step or default_train_step
-    simulate = None if runtime._tpu_present() else 1
-    if simulate is not None and not runtime._xla_installed():
+    simulate = None if runtime.tpu_present() else 1
+    if simulate is not None and not runtime.xla_installed():
         simulate = None  # no torch_xla: the same loop on plain torch (the zygote imports it)
 
     def job() -> DebugReport:
@@ -123,8 +123,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         rep = launch(_mesh_debug_steps, (module, loss, data, step_fn, to_input, optimizer, lr,
                                          batch_size, steps), mesh, None)
     else:
-        rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None,
-                              sim_threads=True)
+        rep = runtime.launch_job(job, (), cores=1, simulate=simulate, timeout=None,
+                                 sim_threads=True)
     rep.inputs = spec.describe(flip=False)
     head, _, rest = rep.report.partition("\n")
     rep.report = "\n".join([head, rep.inputs] + ([rest] if rest else []))

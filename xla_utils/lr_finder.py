@@ -493,8 +493,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     optimizer = resolve_optimizer(optimizer)  # a typo fails here, not inside a replica
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    runtime._check_compile_cache_option(compile_cache)
-    runtime._prestart_simulation(simulate)
+    runtime.check_compile_cache_option(compile_cache)
+    runtime.prestart_simulation(simulate)
     data, batch_tfm = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
@@ -510,8 +510,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
 
         res = strategy.launch(_mesh_replica, (cfg,), mesh, timeout)
     else:
-        res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
-                              sim_threads=True)
+        res = runtime.launch_job(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
+                                 sim_threads=True)
     if not math.isfinite(res.suggestion):
         res.warning = (f"the sweep stopped ({res.stop_reason}) after {len(res.lrs)} steps, too "
                        f"early for a suggestion; lower start_lr ({start_lr:g}) or check the data")
@@ -578,7 +578,7 @@ def _replica(cfg: _Config) -> LRFinderResult:
     saved = _CallerState.take(cfg.model if isinstance(cfg.model, torch.nn.Module) else None) \
         if in_process else None
     try:
-        runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
+        runtime.enable_compile_cache(cfg.compile_cache)  # before anything compiles
         # (autograd after fork is handled by runtime.launch for every replica)
         return _sweep(cfg)
     finally:

@@ -124,7 +124,7 @@ def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
     cfg = trainer.config
     if devices is None:
         devices = (tpu_devices(tpu) if isinstance(tpu, str) else None) or \
-            (planned_world_size("all", None) if runtime._tpu_present() else 8)
+            (planned_world_size("all", None) if runtime.tpu_present() else 8)
     plan = plan_strategy(cfg, trainer.model, devices, devices)
     rep = debug_run(trainer.model, trainer.loss, trainer.train_data, batch_size=cfg.batch_size,
                     steps=steps, optimizer=cfg.optimizer, train_step=trainer.train_step,

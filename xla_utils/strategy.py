@@ -165,7 +165,7 @@ def plan_strategy(cfg: Any, model: torch.nn.Module, devices: int,
     why = spmd_support()
     if why is not None:
         raise ValueError(f"strategy={cfg.strategy!r}: {why}")
-    if simulate is None and not runtime._tpu_present():
+    if simulate is None and not runtime.tpu_present():
         raise ValueError(f"strategy={cfg.strategy!r} needs the devices of a TPU, and this machine "
                          "has none. Fix: pass simulate=8 (8 XLA:CPU devices) to try it here")
     check_global_batch(cfg.batch_size * devices, devices)
@@ -336,7 +336,7 @@ def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
     """First thing in the SPMD process: compile cache, ``use_spmd``, mesh."""
     from .runtime import spmd
 
-    cache = runtime._enable_compile_cache(compile_cache)  # before anything compiles
+    cache = runtime.enable_compile_cache(compile_cache)  # before anything compiles
     spmd.enable_spmd()
     n = spmd.device_count()
     if n != plan.devices:

@@ -191,7 +191,7 @@ class TrainerConfig:
                              f"kept), got {self.keep_checkpoints!r}")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
-        runtime._check_compile_cache_option(self.compile_cache)
+        runtime.check_compile_cache_option(self.compile_cache)
         check_step_options(self)
         check_monitor(self.monitor, self.patience)
         _strategy.check_config(self)
@@ -271,7 +271,7 @@ class OneCycleTrainer:
         self._ckpt_extra: dict[str, Any] | None = None
         # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
         # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
-        runtime._prestart_if_simulation_likely()
+        runtime.prestart_if_simulation_likely()
 
     # ------------------------------------------------------------------ API
     def find_lr(self, simulate: int | None = None, *, on_mesh: bool | None = None,
@@ -342,7 +342,7 @@ class OneCycleTrainer:
 
     def _debug(self, spec: InputSpec, steps: int = 5, simulate: int | None = None) -> DebugReport:
         cfg = self.config
-        sim = 8 if simulate is None and not runtime._tpu_present() else simulate
+        sim = 8 if simulate is None and not runtime.tpu_present() else simulate
         plan = (None if cfg.strategy == "spawn" else
                 _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
@@ -391,7 +391,7 @@ class OneCycleTrainer:
                 ``TypeError`` naming its type, shape, dtype and the fix).
         """
         cfg = self.config
-        runtime._prestart_simulation(simulate)
+        runtime.prestart_simulation(simulate)
         inputs = self._check_inputs()
         if check:
             self._check_before_fit()
@@ -423,7 +423,7 @@ class OneCycleTrainer:
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         args = (float(base_lr), lr_world, ckpt, run_id, inputs)
         if cfg.strategy == "spawn":
-            out = runtime._launch(self._replica, args, cores=cores, simulate=simulate,
+            out = runtime.launch_job(self._replica, args, cores=cores, simulate=simulate,
                                   timeout=timeout, sim_threads=True)
         else:
             out = _strategy.launch(_strategy.fit_replica, (self, *args), plan, timeout)
@@ -542,7 +542,7 @@ class OneCycleTrainer:
             ~xla_utils.inputs.InputRefused: before any device time, a sample the
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
-        runtime._prestart_simulation(simulate)
+        runtime.prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         return self._launch_inference(plan, cores, simulate)
 
@@ -560,7 +560,7 @@ class OneCycleTrainer:
         averaged prediction.
         """
         require_labels(data, "data", action="evaluate")
-        runtime._prestart_simulation(simulate)
+        runtime.prestart_simulation(simulate)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
         return self._launch_inference(plan, cores, simulate)
@@ -627,7 +627,7 @@ class OneCycleTrainer:
 
     def _inference_replica(self, plan: loop.InferencePlan):
         """One replica of :meth:`predict` / :meth:`evaluate` (see :func:`loop.inference_pass`)."""
-        runtime._enable_compile_cache(self.config.compile_cache)  # before anything compiles
+        runtime.enable_compile_cache(self.config.compile_cache)  # before anything compiles
         ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
         model = (_resident.replica_model(plan.model, dev, rk) if _resident.in_live_job()
                  else loop.replica_model(plan.model, dev)).eval()  # a live job keeps device copies
@@ -682,7 +682,7 @@ class OneCycleTrainer:
         (``strategy``: the one SPMD process of ``"spmd"``/``"fsdp"``)."""
         cfg = self.config
         train_data, spec = inputs["train"]
-        cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
+        cache = runtime.enable_compile_cache(cfg.compile_cache)  # before anything compiles
         counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
                         ckpt=ckpt, mix=self._mix, lr_groups=self._lr_groups,
@@ -725,7 +725,7 @@ class OneCycleTrainer:
                        monitor=cfg.monitor, best_epoch=best and best.best_epoch,
                        best_score=best and best.best_score,
                        warnings=state.warnings, run_id=run_id,
-                       compile_cache=runtime._compile_cache_summary(cache, counters0,
+                       compile_cache=runtime.compile_cache_summary(cache, counters0,
                                                                     runtime.xla_counters()),
                        ema_state_dict={} if s.ema is None else s.ema.state_dict())
 

@@ -71,10 +71,10 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
             initialised the XLA runtime and can no longer fork replicas.
         XLAUnavailableError: ``simulate`` without a working torch_xla.
     """
-    return _launch(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
+    return launch_job(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
 
 
-def _prestart_simulation(simulate: int | None) -> None:
+def prestart_simulation(simulate: int | None) -> None:
     """Start the simulation's clean interpreter in the background when a launch
     with ``simulate`` is coming (see :func:`xla_utils.simulate.prestart`)."""
     if simulate is not None and xla_installed():
@@ -83,7 +83,7 @@ def _prestart_simulation(simulate: int | None) -> None:
         sim.prestart()
 
 
-def _prestart_if_simulation_likely() -> None:
+def prestart_if_simulation_likely() -> None:
     """Start the simulation's clean interpreter in the background when simulated
     cores are the only way this host runs XLA (torch_xla installed, no TPU), so that
     a later ``predict``/``evaluate``/``fit`` with ``simulate`` does not wait for it.
@@ -97,8 +97,8 @@ def _prestart_if_simulation_likely() -> None:
     sim.prestart()
 
 
-def _launch(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
-            timeout: float | None, sim_threads: bool) -> Any:
+def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
+               timeout: float | None, sim_threads: bool) -> Any:
     """:func:`launch`; ``sim_threads=True`` simulates cores as threads of one
     process (xla_utils' own loops, which synchronise only through :func:`sync`;
     see :mod:`xla_utils.runtime`)."""
