@@ -52,13 +52,15 @@ Layout
               thing in every replica of the entry points (``compile_cache=``).
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
-``launcher``  ``launch``: TPU jobs, simulated jobs (through
-              :mod:`xla_utils.simulate`, imported lazily), or in-process.
+``launcher``  ``launch``: TPU jobs, simulated jobs (through the launcher
+              :mod:`xla_utils.simulate` registers, :func:`.launcher.register_simulator`),
+              or in-process.
 The names in :data:`INTERNAL_API` (``launch_job``, ``prestart_simulation``,
 ``enable_compile_cache``, ``tpu_present``, ...) are this package's API for the rest of
 xla_utils: public, so no other module reaches for a private name, but not for users
-(not in ``__all__``). Dependencies run down this list, and ``simulate`` sits between ``replica`` and
-``launcher``: it never imports the launcher. Progress bars are :mod:`xla_utils.progress`.
+(not in ``__all__``). Dependencies run down this list; :mod:`xla_utils.simulate` sits above
+this package (it calls ``replica`` and registers itself with ``launcher``), and nothing here
+imports it. Progress bars are :mod:`xla_utils.progress`.
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ from .. import progress as _progress
 from .compile_cache import (CompileCacheOption, check_compile_cache_option, compile_cache_summary,
                             default_compile_cache_root, enable_compile_cache)
 from .counters import xla_counters, xla_counters_report
-from .launcher import launch, launch_job, prestart_if_simulation_likely, prestart_simulation
+from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
+                       register_simulator)
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .transfer import device_prefetch, to_device
@@ -125,6 +128,7 @@ INTERNAL_API = (
     "xla_installed",
     "xla_runtime_initialized",
     "load_xla",
+    "register_simulator",
 )
 
 
