@@ -148,9 +148,9 @@ def _mesh_debug_steps(plan: Any, module: torch.nn.Module, loss: Callable, data, 
                       to_input: Callable, optimizer: Any, lr: float, batch_size: int,
                       steps: int) -> DebugReport:
     """:func:`debug_run`'s steps in the SPMD process, on ``plan``'s mesh."""
-    from .strategy import _enter
+    from .strategy import enter_mesh
 
-    _, run = _enter(plan, None)
+    _, run = enter_mesh(plan, None)
     return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
                         batch_size=batch_size, steps=steps, mesh=run)
 

@@ -30,7 +30,8 @@ from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer
 from .schedule import OneCycleSchedule
 
-__all__ = ["default_train_step", "default_eval_step", "prepare_input", "replica_model", "loader",
+__all__ = ["default_train_step", "default_eval_step", "prepare_input", "input_preparer",
+           "replica_model", "loader",
            "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch", "evaluate",
            "metric_accumulator", "exploded", "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
            "InferencePlan", "activate", "inference_pass", "gather_predictions", "inference_metrics"]
@@ -57,6 +58,13 @@ def prepare_input(x: torch.Tensor, cfg: Any, train: bool, inputs: Any) -> torch.
     uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
     (and flipped when ``train and cfg.flip``); other inputs are returned unchanged."""
     return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip)
+
+
+def input_preparer(cfg: Any, inputs: Any, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> model input`` for batches of a dataset described by ``inputs``:
+    :func:`prepare_input` with ``cfg`` and ``train`` bound (what ``check``, ``debug`` and
+    ``find_lr`` are given)."""
+    return lambda x: prepare_input(x, cfg, train, inputs)
 
 
 def replica_model(model: torch.nn.Module, dev: torch.device | None,

@@ -588,9 +588,9 @@ def _replica(cfg: _Config) -> LRFinderResult:
 
 def _mesh_replica(plan: Any, cfg: _Config) -> LRFinderResult:
     """The sweep in the SPMD process, on ``plan``'s mesh (the caller's model is a copy)."""
-    from .strategy import _enter
+    from .strategy import enter_mesh
 
-    _, run = _enter(plan, cfg.compile_cache)
+    _, run = enter_mesh(plan, cfg.compile_cache)
     return _sweep(cfg, run)
 
 

@@ -520,9 +520,9 @@ def mix_config_for(cfg: Any, loss: Callable, model: torch.nn.Module, data, spec:
     """
     if not (cfg.mixup > 0 or cfg.cutmix > 0 or cfg.label_smoothing > 0):
         return None
-    from .inputs import _output_width, _targets_of
+    from .inputs import output_width, targets_of
 
-    targets, _ = _targets_of(data)
+    targets, _ = targets_of(data)
     kind = "other"
     if targets is not None and targets.dtype.kind in "iu" and targets.ndim == 1:
         kind = "index"
@@ -530,7 +530,7 @@ def mix_config_for(cfg: Any, loss: Callable, model: torch.nn.Module, data, spec:
         kind = "multihot"
     shape = getattr(spec, "shape", None)
     check_mix_loss(loss, kind, shape, cfg.cutmix)
-    width = targets.shape[1] if kind == "multihot" else _output_width(model, data, prepare,
+    width = targets.shape[1] if kind == "multihot" else output_width(model, data, prepare,
                                                                       eval_step)
     if width is None:
         width = getattr(data, "num_classes", None)

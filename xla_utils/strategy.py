@@ -46,7 +46,8 @@ from .data import iterate_batches
 
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
-           "load_sharded_checkpoint", "planned_world_size", "fit_replica", "inference_replica"]
+           "load_sharded_checkpoint", "planned_world_size", "enter_mesh", "fit_replica",
+           "inference_replica"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
 AXIS = {"spmd": "data", "fsdp": "fsdp"}
@@ -332,8 +333,9 @@ def load_sharded_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer |
         opt.load_state_dict(state["optim"])
 
 
-def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
-    """First thing in the SPMD process: compile cache, ``use_spmd``, mesh."""
+def enter_mesh(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
+    """First thing in the SPMD process: compile cache, ``use_spmd``, mesh. Returns
+    ``(compile cache status, the plan's MeshRun)``."""
     from .runtime import spmd
 
     cache = runtime.enable_compile_cache(compile_cache)  # before anything compiles
@@ -356,7 +358,7 @@ def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
 def fit_replica(plan: StrategyPlan, trainer: Any, *args: Any) -> Any:
     """:meth:`OneCycleTrainer._replica <xla_utils.trainer.OneCycleTrainer._replica>`
     in the SPMD process, on the plan's mesh."""
-    _, run = _enter(plan, trainer.config.compile_cache)
+    _, run = enter_mesh(plan, trainer.config.compile_cache)
     return trainer._replica(*args, strategy=run)
 
 
@@ -364,7 +366,7 @@ def inference_replica(plan: StrategyPlan, trainer: Any, iplan: Any) -> Any:
     """``predict`` / ``evaluate`` in the SPMD process: global batches split over the mesh."""
     from . import loop
 
-    _, run = _enter(plan, trainer.config.compile_cache)
+    _, run = enter_mesh(plan, trainer.config.compile_cache)
     dev = runtime.device()
     model = run.wrap(loop.replica_model(iplan.model, None)).eval()
     iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)

@@ -634,4 +634,4 @@ class OneCycleTrainer:
 
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
-        return lambda x, cfg=self.config: loop.prepare_input(x, cfg, train, spec)
+        return loop.input_preparer(self.config, spec, train)
