@@ -1,9 +1,9 @@
 """The training loop as plain functions with explicit arguments (as timm's ``train.py``).
 
-:meth:`OneCycleTrainer.fit <xla_utils.trainer.OneCycleTrainer.fit>` runs, in every
-replica, :func:`set_up`, then per epoch :func:`train_one_epoch`, :func:`evaluate`
-and :func:`~xla_utils.checkpoint.save_checkpoint`; ``predict`` and ``evaluate``
-share :func:`replica_model`, :func:`prepare_input`, :func:`loader` and
+:meth:`OneCycleTrainer.fit <xla_utils.trainer.OneCycleTrainer.fit>`'s replicas
+(:func:`xla_utils.replica_loops.fit_replica`) run :func:`set_up`, then per epoch
+:func:`train_one_epoch`, :func:`evaluate` and :func:`~xla_utils.checkpoint.save_checkpoint`;
+``predict`` and ``evaluate`` (:func:`~xla_utils.replica_loops.inference_replica`) share :func:`replica_model`, :func:`prepare_input`, :func:`loader` and
 :func:`metric_accumulator` with it.
 
 Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
@@ -474,7 +474,8 @@ def epoch_line(r: dict[str, Any]) -> str:
 
 @dataclass
 class InferencePlan:
-    """What one :func:`inference_pass` runs (built and checked on the host by the trainer).
+    """What one inference run does in every replica (built and checked on the host by the
+    trainer; :func:`xla_utils.replica_loops.inference_replica` runs it).
 
     Attributes:
         data: The dataset (a cache, or ``(x, y)`` pairs) as the loader collates it.
@@ -486,6 +487,9 @@ class InferencePlan:
         model: The model to run (the trainer's, or one with other weights).
         labelled: Compute metrics (``evaluate``) instead of predictions.
         tta: Number of views averaged.
+        config: The trainer's configuration (normalisation, bf16, metrics, workers).
+        eval_step: ``eval_step(model, (x, y)) -> outputs``.
+        loss: The loss the metrics report (``evaluate``).
     """
 
     data: Any
@@ -497,6 +501,9 @@ class InferencePlan:
     model: torch.nn.Module
     labelled: bool
     tta: int
+    config: Any
+    eval_step: Callable
+    loss: Callable
 
 
 def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:

@@ -27,14 +27,15 @@ the model goes from the host straight into its shards, one parameter at a time
 (:func:`xla_utils.runtime.spmd.shard_to_device`): no device ever holds it whole. The
 EMA copy (``ema=``) is placed like the model's parameters.
 
-This module plans on the host (every check before device time) and runs the SPMD
-process's side (:func:`fit_replica`, :func:`inference_replica`) through
+This module plans on the host (every check before device time), launches a callable it
+is given in the SPMD process (:func:`launch`) and enters the mesh there
+(:func:`enter_mesh`); the SPMD process's side of ``fit`` / ``predict`` / ``evaluate`` is
+:func:`xla_utils.replica_loops.fit_on_mesh` / ``inference_on_mesh``, which run
 :mod:`xla_utils.loop` with a :class:`MeshRun`. Every torch_xla call is
 :mod:`xla_utils.runtime.spmd`'s.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -46,8 +47,7 @@ from .data import iterate_batches
 
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
-           "load_sharded_checkpoint", "planned_world_size", "enter_mesh", "fit_replica",
-           "inference_replica"]
+           "load_sharded_checkpoint", "planned_world_size", "enter_mesh"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
 AXIS = {"spmd": "data", "fsdp": "fsdp"}
@@ -353,27 +353,3 @@ def enter_mesh(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
         + (f"; FSDPv2 units: {units}" + (", activation checkpointing" if plan.checkpointing else "")
            if plan.strategy == "fsdp" else "; model replicated, batch split"))
     return cache, run
-
-
-def fit_replica(plan: StrategyPlan, trainer: Any, *args: Any) -> Any:
-    """:meth:`OneCycleTrainer._replica <xla_utils.trainer.OneCycleTrainer._replica>`
-    in the SPMD process, on the plan's mesh."""
-    _, run = enter_mesh(plan, trainer.config.compile_cache)
-    return trainer._replica(*args, strategy=run)
-
-
-def inference_replica(plan: StrategyPlan, trainer: Any, iplan: Any) -> Any:
-    """``predict`` / ``evaluate`` in the SPMD process: global batches split over the mesh."""
-    from . import loop
-
-    _, run = enter_mesh(plan, trainer.config.compile_cache)
-    dev = runtime.device()
-    model = run.wrap(loop.replica_model(iplan.model, None)).eval()
-    iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)
-    acc, targets = loop.inference_pass(model, iplan, cfg=trainer.config,
-                                       eval_step=trainer.eval_step, world_size=1, rank=0,
-                                       dev=dev, feed=run.feed)
-    if iplan.labelled:
-        return loop.inference_metrics(acc, targets, iplan, cfg=trainer.config,
-                                      loss_fn=trainer.loss, dev=dev)
-    return loop.gather_predictions(acc, iplan, world_size=1, rank=0, dev=dev)

@@ -8,8 +8,9 @@ every optimizer step, and returns a :class:`History` to the notebook.
 
 This module holds the API and the host-side planning (checks, LR, resume); its
 configuration is :class:`~xla_utils.config.TrainerConfig` (also importable from here); each
-replica's work is the plain functions of :mod:`xla_utils.loop` (set-up, one
-training epoch, evaluation, inference), checkpoints are :mod:`xla_utils.checkpoint`,
+replica's work is :mod:`xla_utils.replica_loops` (given a plan, not the trainer), built from
+the plain functions of :mod:`xla_utils.loop` (set-up, one training epoch, evaluation,
+inference); checkpoints are :mod:`xla_utils.checkpoint`,
 the input checks :mod:`xla_utils.inputs` and the single-core debug loop
 (:meth:`OneCycleTrainer.debug`) :mod:`xla_utils.debug`.
 """
@@ -21,7 +22,6 @@ import os
 import secrets
 import time
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -31,17 +31,17 @@ from . import loop, runtime
 from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
-                         resolve_resume, save_checkpoint, sharded_meta)
+                         resolve_resume)
 from .config import TrainerConfig
 from .data import CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
 from .ema import with_weights
-from .history import BestTracker, History, check_monitor_data, epoch_files
+from .history import History, check_monitor_data
 from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
                      require_labels, shape_mismatch)
 from .loop import scale_lr
 from .mixup import MixConfig, mix_config_for
-from .simulate import resident as _resident
+from .replica_loops import FitPlan, fit_on_mesh, fit_replica, inference_on_mesh, inference_replica
 from .simulate.live import live_or_launch
 
 if TYPE_CHECKING:
@@ -103,7 +103,6 @@ class OneCycleTrainer:
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
         self.ema_state: dict[str, torch.Tensor] | None = None  # EMA weights of the last fit
-        self._mix = None  # the fit run's MixConfig (set by fit on the host)
         # Set by fine_tune for one phase's fit: layer-group LRs, and what its
         # checkpoints record beside the run's state (the phase).
         self._lr_groups: Callable[..., Any] | None = None
@@ -243,7 +242,7 @@ class OneCycleTrainer:
                            getattr(self.train_data, "num_classes", None))
         world = _strategy.planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
-        self._mix = self._mix_config(inputs["train"])
+        mix = self._mix_config(inputs["train"])
         if cfg.strategy != "spawn":
             plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
         ckpt = None
@@ -260,12 +259,15 @@ class OneCycleTrainer:
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-        args = (float(base_lr), lr_world, ckpt, run_id, inputs)
+        fit_plan = FitPlan(model=self.model, loss=self.loss, config=cfg,
+                           train_step=self.train_step, eval_step=self.eval_step, inputs=inputs,
+                           base_lr=float(base_lr), lr_world=lr_world, ckpt=ckpt, run_id=run_id,
+                           mix=mix, lr_groups=self._lr_groups, ckpt_extra=self._ckpt_extra)
         if cfg.strategy == "spawn":
-            out = runtime.launch_job(self._replica, args, cores=cores, simulate=simulate,
-                                  timeout=timeout, sim_threads=True)
+            out = runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
+                                     timeout=timeout, sim_threads=True)
         else:
-            out = _strategy.launch(_strategy.fit_replica, (self, *args), plan, timeout)
+            out = _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
         if out.state_dict:  # empty when no epoch of this fit ended with finite weights
             self.model.load_state_dict(out.state_dict)
             self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
@@ -408,10 +410,10 @@ class OneCycleTrainer:
                           simulate: int | None) -> Any:
         """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
         if self.config.strategy == "spawn":
-            return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
+            return live_or_launch(self, inference_replica, (plan,), cores, simulate)
         world = _strategy.planned_world_size(cores, simulate)
         splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
-        return _strategy.launch(_strategy.inference_replica, (self, plan), splan, None)
+        return _strategy.launch(inference_on_mesh, (plan,), splan, None)
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
@@ -443,7 +445,8 @@ class OneCycleTrainer:
         fed = spec.feed(data)
         return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
-                                  activation=activation, model=model, labelled=labelled, tta=tta)
+                                  activation=activation, model=model, labelled=labelled, tta=tta,
+                                  config=self.config, eval_step=self.eval_step, loss=self.loss)
 
     def _tta_views(self, data, tta: int, shape) -> list[tuple[int, bool]]:
         """The (stored variant, mirrored) pair of each TTA view, in order (see :meth:`predict`)."""
@@ -463,19 +466,6 @@ class OneCycleTrainer:
                              f"test cache with more variants (build_cache(..., variants={tta}, "
                              "unlabeled=True)) or lower tta")
         return views[:tta]
-
-    def _inference_replica(self, plan: loop.InferencePlan):
-        """One replica of :meth:`predict` / :meth:`evaluate` (see :func:`loop.inference_pass`)."""
-        runtime.enable_compile_cache(self.config.compile_cache)  # before anything compiles
-        ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
-        model = (_resident.replica_model(plan.model, dev, rk) if _resident.in_live_job()
-                 else loop.replica_model(plan.model, dev)).eval()  # a live job keeps device copies
-        acc, targets = loop.inference_pass(model, plan, cfg=self.config, eval_step=self.eval_step,
-                                           world_size=ws, rank=rk, dev=dev)
-        if plan.labelled:
-            return loop.inference_metrics(acc, targets, plan, cfg=self.config, loss_fn=self.loss,
-                                          dev=dev)
-        return loop.gather_predictions(acc, plan, world_size=ws, rank=rk, dev=dev)
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
               timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
@@ -512,120 +502,6 @@ class OneCycleTrainer:
         print(report, flush=True)
         if report.errors:
             raise ReadinessError(report)
-
-    # ------------------------------------------------------------- replica
-    def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str,
-                 inputs: dict[str, tuple[Any, InputSpec] | None],
-                 strategy: _strategy.MeshRun | None = None) -> History:
-        """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint
-        (``strategy``: the one SPMD process of ``"spmd"``/``"fsdp"``)."""
-        cfg = self.config
-        train_data, spec = inputs["train"]
-        cache = runtime.enable_compile_cache(cfg.compile_cache)  # before anything compiles
-        counters0 = runtime.xla_counters()
-        s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                        ckpt=ckpt, mix=self._mix, lr_groups=self._lr_groups,
-                        strategy=strategy)
-        state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
-                                initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
-        master_bar, progress_bar = runtime.progress_bars()
-        epochs = range(s.start_epoch, cfg.epochs)
-        best = BestTracker.resume(cfg.monitor, cfg.patience, s.history) if cfg.monitor else None
-        mb = master_bar(epochs) if runtime.is_master() else None
-        for epoch in (mb if mb is not None else epochs):
-            pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
-                              parent=mb) if mb is not None else None
-            batches = s.batches(train_data, cfg, epoch, train=True)
-            res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
-                                       train_step=self.train_step, loss_fn=self.loss,
-                                       inputs=spec, progress=pb)
-            if state.stop_reason is not None:
-                break
-            record = self._epoch_record(epoch, s, state, res, inputs["val"])
-            s.history.append(record)
-            if mb is not None:
-                mb.write(loop.epoch_line(record))
-            self._end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss))
-            if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir):
-                break
-        if state.stop_reason is not None:
-            final = state.finite_state or {}
-        else:
-            final = state.finite_state if state.finite_state is not None else s.state_dict()
-            final = best.best_state if best is not None and best.best_state else final
-            if cfg.checkpoint_dir is not None:
-                self._save_final(s, final, best is not None and bool(best.best_state))
-        return History(epochs=s.history, world_size=s.world_size,
-                       global_batch=s.world_size * cfg.batch_size * s.accum_steps,
-                       base_lr=s.base_lr,
-                       max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
-                       backend=runtime.backend(), state_dict=final,
-                       stop_reason=state.stop_reason or (best and best.stop_reason),
-                       monitor=cfg.monitor, best_epoch=best and best.best_epoch,
-                       best_score=best and best.best_score,
-                       warnings=state.warnings, run_id=run_id,
-                       compile_cache=runtime.compile_cache_summary(cache, counters0,
-                                                                    runtime.xla_counters()),
-                       ema_state_dict={} if s.ema is None else s.ema.state_dict())
-
-    def _save_final(self, s: loop.Setup, final: dict[str, torch.Tensor], is_best: bool) -> None:
-        """``final.pt``: the weights ``predict`` uses (the best epoch's, else the EMA
-        ones when ``ema`` is set, else ``final``); with EMA also ``final_raw.pt``
-        (the last epoch's trained weights). Every rank calls (the master writes)."""
-        folder = Path(self.config.checkpoint_dir)
-        if s.ema is None:
-            runtime.save(final, folder / "final.pt")
-            return
-        runtime.save(final if is_best else s.ema.state_dict(), folder / "final.pt")
-        runtime.save(s.state_dict(), folder / "final_raw.pt")
-
-    def _epoch_record(self, epoch: int, s: loop.Setup, state: loop.TrainState,
-                      res: loop.EpochResult, val: tuple[Any, InputSpec] | None) -> dict[str, Any]:
-        """The history record of a finished epoch (validation included), warning
-        once per key when a loss explodes."""
-        cfg = self.config
-        record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
-        if val is not None:
-            metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
-                                    cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
-                                    autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed)
-            record.update({"val_loss": metrics.pop("loss")}, **metrics)
-        for key in ("train_loss", "val_loss"):
-            msg = loop.exploded(key, record.get(key), state.initial_loss, epoch + 1)
-            if msg and not state.diverged and not any(w.startswith(key) for w in state.warnings):
-                runtime.master_print(msg)
-                state.warnings.append(msg)
-        record.update(lr_max=s.max_lr, lr_last=res.lr_last,
-                      images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
-                      / res.seconds,
-                      compiles=runtime.xla_counters()["compiles"],
-                      host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
-        return record
-
-    def _end_epoch(self, epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str,
-                   finite: bool) -> None:
-        """Keep a host copy of finite weights (master, ``on_nan="stop"``) and
-        write the epoch checkpoint when configured and the loss is finite."""
-        cfg = self.config
-        if finite and cfg.on_nan == "stop" and runtime.is_master():
-            state.finite_state = loop.host_copy(s.state_dict())
-        if cfg.checkpoint_dir is None:
-            return
-        if finite:
-            written = save_checkpoint(
-                s.model, s.opt, cfg, epoch=epoch + 1, history=s.history, base_lr=s.base_lr,
-                lr_world=s.lr_world, world_size=s.world_size, steps_per_epoch=s.steps_per_epoch,
-                run_id=run_id, host_state=state.finite_state if state.finite_state is not None
-                else s.state_dict(), initial_loss=state.initial_loss,
-                ema=None if s.ema is None else s.ema.state_dict(),
-                extra=self._ckpt_extra)
-            if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
-                s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
-                                    cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
-                                    ema=s.ema)
-        else:
-            runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
-                                 "(non-finite loss); older checkpoints are kept")
 
     def eval_weights(self) -> dict[str, torch.Tensor]:
         """The weights ``evaluate``/``predict`` use: the last fit's EMA weights when
