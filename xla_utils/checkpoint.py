@@ -11,11 +11,14 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import runtime
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
 
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
            "model_with_weights", "sharded_meta"]
@@ -147,7 +150,7 @@ def _ckpt_optimizer(ckpt: dict) -> str | None:
     return None
 
 
-def check_resume(path: Path, ckpt: dict, cfg: Any, model: torch.nn.Module,
+def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Module,
                   max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> None:
     """Compare a checkpoint with the new run before anything is loaded; refuse
     (one error listing every difference) what would not continue exactly, and
@@ -240,7 +243,8 @@ def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch
     return net
 
 
-def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any, *, epoch: int,
+def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: TrainerConfig, *,
+                    epoch: int,
                     history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
                     steps_per_epoch: int, run_id: str, host_state: dict | None,
                     initial_loss: float | None, ema: dict | None = None,
@@ -253,7 +257,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
 
     Args:
         model, opt: The replica's model and optimizer.
-        cfg: The trainer's :class:`~xla_utils.trainer.TrainerConfig`.
+        cfg: The run's :class:`~xla_utils.config.TrainerConfig`.
         epoch: Epochs completed (1-based number of the epoch just ended).
         history: The per-epoch records so far.
         base_lr: ``max_lr`` for ``lr_world`` cores, as given or found.

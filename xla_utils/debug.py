@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -18,6 +18,9 @@ from .data import IMAGENET_MEAN, IMAGENET_STD
 from .inputs import InputSpec, check_targets, inspect_inputs
 from .loop import default_eval_step, default_train_step
 from .optim import make_optimizer, resolve_optimizer
+
+if TYPE_CHECKING:
+    from .strategy import StrategyPlan
 
 __all__ = ["DebugReport", "debug_run"]
 
@@ -59,7 +62,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
               train_step: Callable | None = None, prepare: Callable | None = None,
               print_report: bool = True, eval_step: Callable | None = None,
-              inputs: InputSpec | None = None, mesh: Any = None) -> DebugReport:
+              inputs: InputSpec | None = None, mesh: StrategyPlan | None = None) -> DebugReport:
     """Run a few plain training steps on ONE core and explain what XLA did.
 
     A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
@@ -144,7 +147,7 @@ def _passes(loader: Any) -> Any:
             return
 
 
-def _mesh_debug_steps(plan: Any, module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
+def _mesh_debug_steps(plan: StrategyPlan, module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                       to_input: Callable, optimizer: Any, lr: float, batch_size: int,
                       steps: int) -> DebugReport:
     """:func:`debug_run`'s steps in the SPMD process, on ``plan``'s mesh."""
@@ -157,7 +160,7 @@ def _mesh_debug_steps(plan: Any, module: torch.nn.Module, loss: Callable, data, 
 
 def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                  to_input: Callable, *, optimizer: Any, lr: float, batch_size: int,
-                 steps: int, mesh: Any = None) -> DebugReport:
+                 steps: int, mesh: StrategyPlan | None = None) -> DebugReport:
     """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each
     (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices)."""
     dev = runtime.device()

@@ -19,7 +19,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -29,6 +29,13 @@ from .data import iterate_batches
 from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer
 from .schedule import OneCycleSchedule
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+    from .ema import DeviceEMA
+    from .inputs import InputSpec
+    from .mixup import DeviceMix, MixConfig
+    from .strategy import MeshRun
 
 __all__ = ["default_train_step", "default_eval_step", "prepare_input", "input_preparer",
            "replica_model", "loader",
@@ -52,7 +59,8 @@ def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return model(x)
 
 
-def prepare_input(x: torch.Tensor, cfg: Any, train: bool, inputs: Any) -> torch.Tensor:
+def prepare_input(x: torch.Tensor, cfg: TrainerConfig, train: bool, inputs: InputSpec
+                  ) -> torch.Tensor:
     """Model input from a device batch of a dataset whose inputs are described by
     ``inputs`` (its :class:`~xla_utils.inputs.InputSpec`, decided once on the host):
     uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
@@ -60,7 +68,8 @@ def prepare_input(x: torch.Tensor, cfg: Any, train: bool, inputs: Any) -> torch.
     return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip)
 
 
-def input_preparer(cfg: Any, inputs: Any, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def input_preparer(cfg: TrainerConfig, inputs: InputSpec, train: bool
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> model input`` for batches of a dataset described by ``inputs``:
     :func:`prepare_input` with ``cfg`` and ``train`` bound (what ``check``, ``debug`` and
     ``find_lr`` are given)."""
@@ -83,7 +92,7 @@ def replica_model(model: torch.nn.Module, dev: torch.device | None,
     return model if dev is None else model.to(dev)
 
 
-def loader(data, cfg: Any, *, world_size: int, rank: int, epoch: int, train: bool):
+def loader(data, cfg: TrainerConfig, *, world_size: int, rank: int, epoch: int, train: bool):
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
     ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
     ``cfg.val_batch_size`` otherwise."""
@@ -149,11 +158,11 @@ class Setup:
     history: list[dict[str, Any]]
     autocast: Any
     accum_steps: int = 1
-    ema: Any = None
-    mix: Any = None
-    mesh: Any = None
+    ema: DeviceEMA | None = None
+    mix: DeviceMix | None = None
+    mesh: MeshRun | None = None
 
-    def batches(self, data, cfg: Any, epoch: int, train: bool):
+    def batches(self, data, cfg: TrainerConfig, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
         if self.mesh is not None:
             return self.mesh.loader(data, cfg, epoch, train)
@@ -193,14 +202,14 @@ class TrainState:
     warnings: list[str] = field(default_factory=list)
 
 
-def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
-           ckpt: dict | None, mix: Any = None, lr_groups: Callable | None = None,
-           strategy: Any = None) -> Setup:
+def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: float,
+           lr_world: int, ckpt: dict | None, mix: MixConfig | None = None,
+           lr_groups: Callable | None = None, strategy: MeshRun | None = None) -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
 
     Args:
         model: The trainer's model (copied where replicas share objects).
-        cfg: The trainer's :class:`~xla_utils.trainer.TrainerConfig`.
+        cfg: The run's :class:`~xla_utils.config.TrainerConfig`.
         train_data: The training dataset (sets the steps per epoch).
         base_lr: ``max_lr`` for ``lr_world`` cores.
         lr_world: The global-batch multiple ``base_lr`` is meant for (1, or the
@@ -291,8 +300,8 @@ class EpochResult:
     seconds: float
 
 
-def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *, cfg: Any,
-                    train_step: Callable, loss_fn: Callable, inputs: Any,
+def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *,
+                    cfg: TrainerConfig, train_step: Callable, loss_fn: Callable, inputs: InputSpec,
                     progress: Any = None) -> EpochResult:
     """Run one training epoch in this replica.
 
@@ -376,7 +385,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                        seconds=time.perf_counter() - t0)
 
 
-def divergence_message(cfg: Any, value: float, epoch: int, step: int, s: Setup, lr: float,
+def divergence_message(cfg: TrainerConfig, value: float, epoch: int, step: int, s: Setup, lr: float,
                        kept_finite: bool) -> str:
     """The warning for a non-finite training loss read at ``step`` of ``epoch``
     (0-based), saying what happens next and how to fix it."""
@@ -409,9 +418,9 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
     return MetricAccumulator(resolved, loss_fn, dev)
 
 
-def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Callable,
+def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, loss_fn: Callable,
              eval_step: Callable, autocast: Any, dev: torch.device,
-             inputs: Any, feed: Callable | None = None) -> dict[str, float]:
+             inputs: InputSpec, feed: Callable | None = None) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
     reduced over all replicas.
 
@@ -493,7 +502,7 @@ class InferencePlan:
     """
 
     data: Any
-    inputs: Any
+    inputs: InputSpec
     n: int
     views: list[tuple[int, bool]]
     batch_size: int
@@ -501,7 +510,7 @@ class InferencePlan:
     model: torch.nn.Module
     labelled: bool
     tta: int
-    config: Any
+    config: TrainerConfig
     eval_step: Callable
     loss: Callable
 
@@ -515,7 +524,8 @@ def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
     return torch.softmax(out, dim=1)
 
 
-def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eval_step: Callable,
+def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerConfig,
+                   eval_step: Callable,
                    world_size: int, rank: int, dev: torch.device, feed: Callable | None = None
                    ) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run every TTA view of ``plan`` over this rank's share of the data.
@@ -598,7 +608,7 @@ def gather_predictions(acc: list[torch.Tensor], plan: InferencePlan, *, world_si
 
 
 def inference_metrics(acc: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]],
-                      plan: InferencePlan, *, cfg: Any, loss_fn: Callable,
+                      plan: InferencePlan, *, cfg: TrainerConfig, loss_fn: Callable,
                       dev: torch.device) -> dict[str, float]:
     """Loss and metrics of the (TTA-averaged) predictions ``acc`` against ``targets``.
 

@@ -26,7 +26,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ import torch
 from . import runtime
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
 from .progress import progress_bar
+
+if TYPE_CHECKING:
+    from .strategy import MeshRun, StrategyPlan
 
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
@@ -404,7 +407,7 @@ class _Config:
     show_progress: bool
     parent_pid: int
     compile_cache: Any = "auto"
-    mesh: Any = None  # a strategy.StrategyPlan: sweep on that mesh
+    mesh: StrategyPlan | None = None  # sweep on that mesh
 
 
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
@@ -418,7 +421,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
             timeout: float | None = None, compile_cache: Any = "auto",
-            mesh: Any = None) -> LRFinderResult:
+            mesh: StrategyPlan | None = None) -> LRFinderResult:
     """LR range test on one core; returns an :class:`LRFinderResult`.
 
     Args:
@@ -586,7 +589,7 @@ def _replica(cfg: _Config) -> LRFinderResult:
             saved.restore()
 
 
-def _mesh_replica(plan: Any, cfg: _Config) -> LRFinderResult:
+def _mesh_replica(plan: StrategyPlan, cfg: _Config) -> LRFinderResult:
     """The sweep in the SPMD process, on ``plan``'s mesh (the caller's model is a copy)."""
     from .strategy import enter_mesh
 
@@ -701,7 +704,7 @@ class _Curve:
         return False
 
 
-def _placed(cfg: _Config, run: Any, dev: torch.device) -> tuple[torch.nn.Module, Iterator]:
+def _placed(cfg: _Config, run: MeshRun | None, dev: torch.device) -> tuple[torch.nn.Module, Iterator]:
     """The sweep's model on the device(s) and its device micro-batches: on one core,
     or (``run``: a :class:`~xla_utils.strategy.MeshRun`) placed and split as the mesh run."""
     model = cfg.model if isinstance(cfg.model, torch.nn.Module) else cfg.model()
@@ -724,7 +727,7 @@ def _mesh_shardings(model: torch.nn.Module, x: torch.Tensor) -> dict[str, str]:
             "batch": sharding_spec(x) or "{replicated}"}
 
 
-def _sweep(cfg: _Config, run: Any = None) -> LRFinderResult:
+def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
     dev = runtime.device()
     runtime.set_seed(cfg.seed)
     model, batches = _placed(cfg, run, dev)

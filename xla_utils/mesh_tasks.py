@@ -9,7 +9,7 @@ strategy, loop, inputs, lr_finder, debug, readiness, memory (none of which impor
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -19,10 +19,15 @@ from .inputs import inspect_inputs, require_labels
 from .loop import input_preparer
 from .strategy import plan_strategy, planned_world_size
 
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+    from .readiness import ReadinessReport
+    from .trainer import OneCycleTrainer
+
 __all__ = ["sweep_placement", "find_lr", "check_on_mesh"]
 
 
-def sweep_placement(cfg: Any, model: torch.nn.Module, sample: Callable[[], tuple], *,
+def sweep_placement(cfg: TrainerConfig, model: torch.nn.Module, sample: Callable[[], tuple], *,
                     step: Callable, loss: Callable, devices: int, on_mesh: bool | None,
                     tpu: Any = None) -> tuple[bool, str]:
     """Where ``OneCycleTrainer.find_lr`` sweeps under ``cfg.strategy``: ``(on_mesh, why)``.
@@ -64,14 +69,14 @@ def sweep_placement(cfg: Any, model: torch.nn.Module, sample: Callable[[], tuple
                    "micro-batches are accumulated to the fit's global batch")
 
 
-def _sample(trainer: Any, spec: Any, n: int) -> tuple[torch.Tensor, Any]:
+def _sample(trainer: OneCycleTrainer, spec: InputSpec, n: int) -> tuple[torch.Tensor, Any]:
     """The first ``n`` training samples as a prepared host batch ``(x, y)``."""
     x, y, _ = next(iter(iterate_batches(spec.feed(trainer.train_data), n, shuffle=False,
                                         drop_last=True, num_workers=0)))
     return input_preparer(trainer.config, spec, train=False)(x), y
 
 
-def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
+def find_lr(trainer: OneCycleTrainer, simulate: int | None, on_mesh: bool | None, tpu: Any,
             kwargs: dict, devices: int) -> Any:
     """:meth:`OneCycleTrainer.find_lr <xla_utils.trainer.OneCycleTrainer.find_lr>`: place
     the sweep (:func:`sweep_placement`), size its batch for the global batch of a fit on
@@ -106,7 +111,8 @@ def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
     return res
 
 
-def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
+def check_on_mesh(trainer: OneCycleTrainer, report: ReadinessReport, *, spec: InputSpec,
+                  steps: int, tpu: Any,
                   devices: int | None) -> None:
     """The mesh half of :meth:`OneCycleTrainer.check <xla_utils.trainer.OneCycleTrainer.check>`
     under ``"spmd"``/``"fsdp"``: run the trainer's step ``steps`` times as the mesh run
@@ -160,7 +166,7 @@ def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
         _sharded_memory(report, devices, tpu)
 
 
-def _sharded_memory(report: Any, devices: int, tpu: Any) -> None:
+def _sharded_memory(report: ReadinessReport, devices: int, tpu: Any) -> None:
     """Replace ``report``'s one-core memory verdict by FSDPv2's per-device one: the states
     sharded by the rules of :func:`xla_utils.memory.paper_memory`, activations as measured
     at the per-device batch (each device runs ``batch_size`` samples, as one core does)."""

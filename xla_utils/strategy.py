@@ -38,12 +38,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from . import runtime
 from .data import iterate_batches
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
 
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
@@ -53,7 +56,7 @@ STRATEGIES = ("spawn", "spmd", "fsdp")
 AXIS = {"spmd": "data", "fsdp": "fsdp"}
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: TrainerConfig) -> None:
     """Refuse a bad ``strategy`` / ``fsdp_wrap`` / ``activation_checkpointing`` (no device time).
 
     Raises:
@@ -153,7 +156,7 @@ class StrategyPlan:
         return AXIS[self.strategy]
 
 
-def plan_strategy(cfg: Any, model: torch.nn.Module, devices: int,
+def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
                   simulate: int | None) -> StrategyPlan:
     """Check everything ``cfg.strategy`` needs before any device time; return the plan.
 
@@ -239,7 +242,7 @@ class MeshRun:
 
         return shard_to_device(module, self.mesh)
 
-    def loader(self, data, cfg: Any, epoch: int, train: bool):
+    def loader(self, data, cfg: TrainerConfig, epoch: int, train: bool):
         """Global batches (``batch_size``, validation ``val_batch_size``, x devices): one
         process feeds every device."""
         bs = cfg.batch_size if train else cfg.val_batch_size(len(data), self.devices)
