@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .config import TrainerConfig
 
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
-           "model_with_weights", "sharded_meta"]
+           "model_with_weights", "sharded_meta", "check_extra", "RESERVED_KEYS"]
 
 
 class CheckpointError(ValueError):
@@ -33,6 +33,12 @@ class ResumeError(ValueError):
 
 
 _CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size", "steps_per_epoch"}
+
+
+# What an epoch checkpoint (or a .dcp twin's meta) holds itself: extra fields may not reuse them.
+RESERVED_KEYS = ("model", "optimizer", "epoch", "history", "base_lr", "lr_world", "world_size",
+                 "steps_per_epoch", "run_id", "initial_loss", "optimizer_name", "config", "ema",
+                 "optimizer_devices", "sharded_strategy", "sharded")
 
 
 # Config fields the optimizer state and the one-cycle schedule depend on: a
@@ -217,6 +223,27 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
           "its schedule, "
           "optimizer state and history"
           + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
+
+
+def check_extra(extra: Any) -> None:
+    """Refuse extra checkpoint fields (``fit(checkpoint_extra=...)``) that are not a dict
+    with str keys, or that reuse a key the checkpoint holds itself (:data:`RESERVED_KEYS`),
+    before any device time.
+
+    Raises:
+        TypeError: not a dict, or a key that is not a str.
+        ValueError: a reserved key, named with the fix.
+    """
+    if extra is None:
+        return
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError(f"checkpoint_extra must be a dict with str keys (stored beside the run's "
+                        f"state in every epoch checkpoint), got {extra!r}")
+    taken = sorted(k for k in extra if k in RESERVED_KEYS)
+    if taken:
+        raise ValueError(f"checkpoint_extra uses {taken}, which every epoch checkpoint holds "
+                         f"itself ({', '.join(RESERVED_KEYS)}). Fix: choose other keys, e.g. "
+                         f"{{'my_{taken[0]}': ...}}")
 
 
 def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:

@@ -30,8 +30,8 @@ import torch
 from . import loop, runtime
 from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
-from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
-                         resolve_resume)
+from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
+                         model_with_weights, resolve_resume)
 from .config import TrainerConfig
 from .data import CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
@@ -42,6 +42,7 @@ from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_i
 from .loop import scale_lr
 from .mixup import MixConfig, mix_config_for
 from .replica_loops import FitPlan, fit_on_mesh, fit_replica, inference_on_mesh, inference_replica
+from .schedule import OneCycleSchedule
 from .simulate.live import live_or_launch
 
 if TYPE_CHECKING:
@@ -103,10 +104,8 @@ class OneCycleTrainer:
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
         self.ema_state: dict[str, torch.Tensor] | None = None  # EMA weights of the last fit
-        # Set by fine_tune for one phase's fit: layer-group LRs, and what its
-        # checkpoints record beside the run's state (the phase).
+        # Layer-group LRs of later fits (trainable parameters only), set by freeze().
         self._lr_groups: Callable[..., Any] | None = None
-        self._ckpt_extra: dict[str, Any] | None = None
         # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
         # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
         runtime.prestart_if_simulation_likely()
@@ -148,15 +147,21 @@ class OneCycleTrainer:
         return fine_tune(self, epochs, freeze_epochs, **kwargs)
 
     def freeze(self, head: Any = None, train_bn: bool = True) -> list[str]:
-        """Freeze all but the head (normalisation layers stay trainable with
-        ``train_bn``); :func:`xla_utils.finetune.freeze_trainer`. Returns the head's names."""
-        from .finetune import freeze_trainer
-        return freeze_trainer(self, head, train_bn)
+        """Freeze all but the head (normalisation layers stay trainable with ``train_bn``;
+        :func:`xla_utils.finetune.freeze`); later :meth:`fit` calls give the optimizer the
+        trainable parameters only. Returns the head's names."""
+        from .finetune import freeze, layer_group_lrs
+
+        heads = freeze(self.model, head, train_bn)
+        self._lr_groups = layer_group_lrs([[n for n, _ in self.model.named_parameters()]], [1.0])
+        return heads
 
     def unfreeze(self) -> None:
-        """Train every parameter again (:func:`xla_utils.finetune.unfreeze_trainer`)."""
-        from .finetune import unfreeze_trainer
-        unfreeze_trainer(self)
+        """Train every parameter again, at one LR (:func:`xla_utils.finetune.unfreeze`)."""
+        from .finetune import unfreeze
+
+        unfreeze(self.model)
+        self._lr_groups = None
 
     def debug(self, steps: int = 5, simulate: int | None = None) -> DebugReport:
         """Run a few plain training steps on ONE core and explain what XLA did.
@@ -190,30 +195,44 @@ class OneCycleTrainer:
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
-            debug: bool = False, timeout: float | None = None,
-            check: bool = False) -> "History | DebugReport":
+            debug: bool = False, timeout: float | None = None, check: bool = False,
+            epochs: int | None = None, pct_start: float | None = None,
+            div_factor: float | None = None, final_div_factor: float | None = None,
+            lr_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+            checkpoint_extra: dict[str, Any] | None = None,
+            warn_if_trained: bool = True) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
-        Labels are checked against the model's output width and the dataset's
-        classes before anything runs. ``self.model`` receives the weights only
-        after the run: the final ones, or after a stop on a non-finite loss
-        (``on_nan="stop"``) those of the last epoch that ended finite.
+        Labels are checked against the model's output width and the dataset's classes
+        before anything runs. ``self.model`` receives the weights only after the run: the
+        final ones, or after a stop on a non-finite loss (``on_nan="stop"``) those of the
+        last epoch that ended finite. The schedule arguments override the configuration
+        for this run only (fastai's ``fit_one_cycle(n_epoch, pct_start=...)``).
 
         Args:
             cores: ``"all"`` (default) or 1.
             simulate: Run N simulated XLA:CPU cores (no TPU needed); default None.
             max_lr: Overrides the configured one (``"find"`` runs the LR finder
                 first); default None: the configured ``max_lr``.
-            resume: Continue an earlier run exactly at its next epoch: an epoch
-                checkpoint file, a folder (its newest good ``epoch_*.pt``) or
-                ``"last"`` (the newest in ``checkpoint_dir``). The checkpoint's
-                configuration is compared with this one first; anything the
-                schedule or optimizer state depends on (optimizer, batch size,
-                epochs, max_lr, cores, steps per epoch, ...) must match.
-            debug: Deprecated: use :meth:`debug` (returns its report instead of
-                training).
+            resume: Continue an earlier run exactly at its next epoch: an epoch checkpoint
+                file, a folder (its newest good ``epoch_*.pt``) or ``"last"`` (the newest in
+                ``checkpoint_dir``). Its configuration is compared with this run's (with the
+                overrides below) first: anything the schedule or optimizer state depends on
+                (optimizer, batch size, epochs, pct_start, max_lr, cores, ...) must match.
+            debug: Deprecated: use :meth:`debug` (returns its report instead of training).
             timeout: Seconds after which the replicas are killed (default none).
             check: First run :meth:`check` and print its report; default False.
+            epochs, pct_start, div_factor, final_div_factor: This run's one-cycle length
+                and shape instead of the configured ones (default None: configured).
+            lr_groups: ``lr_groups(model) -> param-group dicts`` (each with ``lr_mult``, the
+                group's share of the scheduled LR) for discriminative LRs and frozen layers
+                (:func:`xla_utils.finetune.layer_group_lrs`); default None: every parameter
+                at one LR (after :meth:`freeze`, the trainable ones).
+            checkpoint_extra: Fields every epoch checkpoint of this run records beside its
+                state (``fine_tune`` records its phase); default None.
+            warn_if_trained: Warn when an earlier fit trained this model and this run starts
+                a new schedule from its weights (default True; ``fine_tune``'s phases pass
+                False).
 
         Returns:
             The run's :class:`History`.
@@ -221,14 +240,15 @@ class OneCycleTrainer:
         Raises:
             ResumeError: ``resume`` cannot continue exactly; lists every difference.
             CheckpointError: A corrupt checkpoint; names the newest good one beside it.
-            ~xla_utils.readiness.ReadinessError: ``check=True`` found errors (before
-                any training or TPU time; warnings only print).
-            ValueError: Labels outside the model's outputs, unlabelled data, or a
-                training set smaller than one global batch.
-            ~xla_utils.inputs.InputRefused: A sample the trainer cannot feed (a
-                ``TypeError`` naming its type, shape, dtype and the fix).
+            ~xla_utils.readiness.ReadinessError: ``check=True`` found errors (before any
+                training or TPU time; warnings only print).
+            ValueError: Labels outside the model's outputs, unlabelled data, a training set
+                smaller than one global batch, or a bad schedule override.
+            ~xla_utils.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
+                naming its type, shape, dtype and the fix).
         """
-        cfg = self.config
+        cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
+                               final_div_factor=final_div_factor)
         runtime.prestart_simulation(simulate)
         inputs = self._check_inputs()
         if check:
@@ -237,12 +257,56 @@ class OneCycleTrainer:
             warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
                           "the same DebugReport", DeprecationWarning, stacklevel=2)
             return self._debug(inputs["train"][1])
+        fit_plan, plan = self._plan_fit(cfg, inputs, cores, simulate, max_lr, resume, lr_groups,
+                                        checkpoint_extra, warn_if_trained)
+        if plan is None:
+            out = runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
+                                     timeout=timeout, sim_threads=True)
+        else:
+            out = _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
+        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
+            self.model.load_state_dict(out.state_dict)
+            self._epochs_trained = len(out.epochs) + (0 if fit_plan.ckpt is not None
+                                                      else self._epochs_trained)
+            self.ema_state = out.ema_state_dict or None
+        for w in out.warnings:
+            warnings.warn(w, RuntimeWarning, stacklevel=2)
+        return out
+
+    def _run_config(self, **overrides: Any) -> TrainerConfig:
+        """This fit run's configuration: ``self.config`` with ``fit``'s schedule overrides
+        (None: the configured value), checked before any device time."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if not given:
+            return self.config
+        try:
+            cfg = dataclasses.replace(self.config, **given)
+            OneCycleSchedule(total_steps=1, max_lr=1.0, pct_start=cfg.pct_start,
+                             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
+        except (TypeError, ValueError) as exc:
+            args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ValueError(f"fit({args}): {exc}") from None
+        return cfg
+
+    def _plan_fit(self, cfg: TrainerConfig, inputs: dict[str, tuple[Any, InputSpec] | None],
+                  cores: int | str, simulate: int | None, max_lr: float | str | None,
+                  resume: str | os.PathLike | None, lr_groups: Callable[..., Any] | None,
+                  checkpoint_extra: dict[str, Any] | None, warn_if_trained: bool
+                  ) -> tuple[FitPlan, _strategy.StrategyPlan | None]:
+        """Every check and decision of a fit run, here on the host before any device time:
+        the replicas' :class:`~xla_utils.replica_loops.FitPlan` and the mesh plan (None
+        under ``"spawn"``)."""
+        if lr_groups is not None and not callable(lr_groups):
+            raise TypeError(f"lr_groups must be a callable model -> param-group dicts (e.g. "
+                            f"xla_utils.finetune.layer_group_lrs(...)) or None, got {lr_groups!r}")
+        check_extra(checkpoint_extra)
         check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
                            bool(getattr(self.train_data, "multilabel", False)),
                            getattr(self.train_data, "num_classes", None))
         world = _strategy.planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
         mix = self._mix_config(inputs["train"])
+        plan = None
         if cfg.strategy != "spawn":
             plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
         ckpt = None
@@ -255,27 +319,15 @@ class OneCycleTrainer:
                          len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps)
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
         else:
-            base_lr, lr_world = self._new_run_lr(max_lr, simulate, world)
+            base_lr, lr_world = self._new_run_lr(cfg, max_lr, simulate, world, warn_if_trained)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-        fit_plan = FitPlan(model=self.model, loss=self.loss, config=cfg,
-                           train_step=self.train_step, eval_step=self.eval_step, inputs=inputs,
-                           base_lr=float(base_lr), lr_world=lr_world, ckpt=ckpt, run_id=run_id,
-                           mix=mix, lr_groups=self._lr_groups, ckpt_extra=self._ckpt_extra)
-        if cfg.strategy == "spawn":
-            out = runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
-                                     timeout=timeout, sim_threads=True)
-        else:
-            out = _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
-        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
-            self.model.load_state_dict(out.state_dict)
-            self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
-                                                      else self._epochs_trained)
-            self.ema_state = out.ema_state_dict or None
-        for w in out.warnings:
-            warnings.warn(w, RuntimeWarning, stacklevel=2)
-        return out
+        lr_groups = self._lr_groups if lr_groups is None else lr_groups
+        return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
+                       eval_step=self.eval_step, inputs=inputs, base_lr=float(base_lr),
+                       lr_world=lr_world, ckpt=ckpt, run_id=run_id, mix=mix, lr_groups=lr_groups,
+                       ckpt_extra=checkpoint_extra), plan
 
     def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
         """The fit run's :class:`~xla_utils.mixup.MixConfig` (None: no mixing or smoothing)
@@ -305,13 +357,13 @@ class OneCycleTrainer:
         host, when the trainer cannot feed them)."""
         return inspect_inputs(data, name, need_target=need_target, verb=verb, mean=self.config.mean)
 
-    def _new_run_lr(self, max_lr: float | str | None, simulate: int | None,
-                    world: int) -> tuple[float | str, int]:
-        """``(base_lr, lr_world)`` of a run that does not resume: the configured or
-        given ``max_lr`` for one core, or ``lr_find``'s answer for ``world`` cores."""
-        cfg = self.config
+    def _new_run_lr(self, cfg: TrainerConfig, max_lr: float | str | None, simulate: int | None,
+                    world: int, warn_if_trained: bool = True) -> tuple[float | str, int]:
+        """``(base_lr, lr_world)`` of a run (configured as ``cfg``) that does not resume: the
+        configured or given ``max_lr`` for one core, or ``lr_find``'s answer for ``world``
+        cores."""
         base_lr = cfg.max_lr if max_lr is None else max_lr
-        if self._epochs_trained:
+        if self._epochs_trained and warn_if_trained:
             warnings.warn(
                 f"this trainer's model was already trained by an earlier fit() "
                 f"({self._epochs_trained} epoch(s)); this fit starts a new one-cycle schedule "
@@ -319,7 +371,7 @@ class OneCycleTrainer:
                 + (" (the model factory is called once, in OneCycleTrainer(...), not per fit)"
                    if self._from_factory else "")
                 + ". For a fresh start create a new OneCycleTrainer; to continue a run "
-                "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=3)
+                "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=4)
         if base_lr != "find":
             return base_lr, 1
         # Measure at the run's own global batch: k accumulated micro-batches of the per-core
@@ -339,7 +391,7 @@ class OneCycleTrainer:
         if not res.confident:
             warnings.warn(f"fit(max_lr='find'): {res.warning}. Training with max_lr "
                           f"{base_lr:.3g} anyway; check trainer.lr_finder_result.plot() "
-                          "and pass fit(max_lr=<number>)", RuntimeWarning, stacklevel=3)
+                          "and pass fit(max_lr=<number>)", RuntimeWarning, stacklevel=4)
         return base_lr, world * cfg.accum_steps
 
     def predict(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
