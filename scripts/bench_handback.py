@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--cores", type=int, default=8)
     args = p.parse_args()
     _components(args.mb, args.reps)
-    launcher._launch(_state, (1, True), cores="all", simulate=args.cores, timeout=600,
+    launcher.launch_job(_state, (1, True), cores="all", simulate=args.cores, timeout=600,
                      sim_threads=True)  # start the zygote
     for threads in (False, True):
         kind = "threads" if threads else "processes"
@@ -74,7 +74,7 @@ def main() -> None:
             times = {}
             for give in (True, False):
                 t0 = time.perf_counter()
-                out = launcher._launch(_state, (args.mb, give), cores="all", simulate=args.cores,
+                out = launcher.launch_job(_state, (args.mb, give), cores="all", simulate=args.cores,
                                        timeout=600, sim_threads=threads)
                 times[give] = time.perf_counter() - t0
                 if give:

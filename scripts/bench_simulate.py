@@ -51,7 +51,11 @@ tr = OneCycleTrainer(make_cnn, torch.nn.CrossEntropyLoss(), train, val, batch_si
 t0 = time.perf_counter()
 if sys.argv[4] == "processes":
     from xla_utils import runtime
-    h = runtime.launch(tr._replica, 3e-3, 1, None, "bench", simulate=cores)
+    from xla_utils.replica_loops import FitPlan, fit_replica
+    plan = FitPlan(model=tr.model, loss=tr.loss, config=tr.config, train_step=tr.train_step,
+                   eval_step=tr.eval_step, inputs=tr._check_inputs(), base_lr=3e-3, lr_world=1,
+                   ckpt=None, run_id="bench")
+    h = runtime.launch(fit_replica, plan, simulate=cores)
 else:
     h = tr.fit(simulate=cores, max_lr=3e-3)
 wall = time.perf_counter() - t0

@@ -224,8 +224,7 @@ def _same_job_runner(name: str):
                                 batch_size=batch, epochs=epochs, optimizer="sgd", max_lr=0.01,
                                 seed=0, **({} if variant == "plain" else OPTIONS[name]))
             inputs = t._check_inputs()  # as fit() does on the host before its job
-            t._mix = t._mix_config(inputs["train"])
-            trainers.append((variant, t, inputs["train"]))
+            trainers.append((variant, t, inputs["train"], t._mix_config(inputs["train"])))
         return runtime.launch(_alternate_epochs, trainers, epochs, batch, simulate=1)
     return run
 
@@ -235,8 +234,8 @@ def _alternate_epochs(trainers: list, epochs: int, batch: int) -> dict:
     from xla_utils import loop
 
     runs = []
-    for variant, t, (data, spec) in trainers:
-        s = loop.set_up(t.model, t.config, data, base_lr=0.01, lr_world=1, ckpt=None, mix=t._mix)
+    for variant, t, (data, spec), mix in trainers:
+        s = loop.set_up(t.model, t.config, data, base_lr=0.01, lr_world=1, ckpt=None, mix=mix)
         runs.append((variant, t, data, spec, s, loop.TrainState(step=0, initial_loss=None)))
     rates: dict[str, list[float]] = {variant: [] for variant, *_ in runs}
     for epoch in range(epochs):
@@ -302,7 +301,7 @@ def run_lr_find(batch: int, epochs: int) -> dict:
     from xla_utils import runtime
 
     t0 = time.perf_counter()
-    runtime._launch(_handover, (model, make_data()), cores=1, simulate=1, timeout=None,
+    runtime.launch_job(_handover, (model, make_data()), cores=1, simulate=1, timeout=None,
                     sim_threads=True)
     return {"steps": len(res.lrs), "seconds": seconds, "job_fixed_s": time.perf_counter() - t0}
 

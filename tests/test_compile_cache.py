@@ -81,7 +81,7 @@ def _probe_replica(folder: str):
     """A launch(simulate=N) replica: set the cache up, compute, report what it saw."""
     import torch_xla.runtime as xr
 
-    status = runtime._enable_compile_cache(folder)
+    status = runtime.enable_compile_cache(folder)
     x = torch.ones(4, device=runtime.device()) * (runtime.rank() + 1)
     runtime.sync()
     total = float(runtime.all_reduce(x).sum().cpu())

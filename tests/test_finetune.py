@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from xla_utils import OneCycleTrainer
-from xla_utils.finetune import (even_mults, find_head, freeze, layer_groups, load_pretrained,
-                                unfreeze)
+from xla_utils.finetune import (even_mults, find_head, freeze, layer_group_lrs, layer_groups,
+                                load_pretrained, unfreeze)
 from xla_utils.optim import make_optimizer, set_hparams
 
 
@@ -84,10 +84,8 @@ def test_freeze_keeps_batchnorm_trainable_and_groups():
 def test_discriminative_lrs_reach_the_param_groups():
     assert even_mults(100, 3) == pytest.approx([0.01, 0.1, 1.0])
     m = Net()
-    from xla_utils.finetune import _param_groups
-
     groups = layer_groups(m, n_groups=3)
-    opt = make_optimizer("adamw", _param_groups(m, groups, even_mults(100, 3)), lr=1e-3)
+    opt = make_optimizer("adamw", layer_group_lrs(groups, even_mults(100, 3))(m), lr=1e-3)
     set_hparams(opt, 2e-3, 0.9)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([2e-5, 2e-4, 2e-3])
     assert all(g["betas"][0] == 0.9 for g in opt.param_groups)
@@ -123,6 +121,23 @@ def test_fine_tune_refuses_bad_values_before_device_time():
         t.fine_tune(1, max_lr=1e-3)
     with pytest.raises(ValueError, match="needs checkpoint_dir"):
         t.fine_tune(1, resume="last")
+
+
+def test_fine_tune_without_a_frozen_phase_and_the_trainer_untouched(recwarn):
+    """freeze_epochs=0 runs the unfrozen phase alone (on the torch backend, in-process), as
+    one fit with its own schedule: the trainer's configuration stays as it was, and no
+    "already trained" warning comes from the phases."""
+    train, val = _digits()
+    t = OneCycleTrainer(Net, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=3,
+                        max_lr=1e-2, seed=0)
+    t.fit(epochs=1)
+    h = t.fine_tune(1, freeze_epochs=0, pct_start=0.25)
+    assert [e["phase"] for e in h.epochs] == ["unfrozen"] and h.epochs[0]["epoch"] == 1
+    assert h.epochs[0]["lr_max"] == pytest.approx(1e-2 / 2)
+    assert t.config.epochs == 3 and t.config.pct_start == 0.3 and t.config.div_factor == 25.0
+    assert not [w for w in recwarn if "already trained" in str(w.message)]
+    with pytest.warns(UserWarning, match="already trained"):  # a plain second fit still warns
+        t.fit(epochs=1)
 
 
 @pytest.mark.parametrize("simulate", [1, pytest.param(2, marks=pytest.mark.multicore)])

@@ -182,17 +182,32 @@ def test_type_checking_imports_match_the_lazy_exports():
 
 
 def test_simulate_is_a_package_whose_protocol_stands_alone():
-    # runtime/ never imports simulate at import time (launcher imports it lazily, when a
-    # simulated launch happens), the replica side never at all; simulate's protocol
-    # module, which both sides of a simulated job share, imports nothing of xla_utils.
-    eager = _graph(import_time_only=True)
+    # runtime/ never imports simulate, not even inside a function: simulate sits above it
+    # and registers its launcher with runtime.launcher when imported, which the package
+    # face does; simulate's protocol module, which both sides of a simulated job share,
+    # imports nothing of xla_utils.
     lazy = _graph(import_time_only=False)
     assert (PKG / "simulate" / "__init__.py").is_file() and not (PKG / "simulate.py").exists()
-    for mod, deps in eager.items():
+    for mod, deps in lazy.items():
         if mod.startswith("xla_utils.runtime"):
             assert not [d for d in deps if d.startswith("xla_utils.simulate")], mod
-    assert not [d for d in lazy["xla_utils.runtime.replica"] if d.startswith("xla_utils.simulate")]
+    assert "xla_utils.runtime.launcher" in lazy["xla_utils.simulate"]
+    assert "xla_utils.simulate" in _graph(import_time_only=True)["xla_utils"]
     assert lazy["xla_utils.simulate.protocol"] == set()
     for name in ("CollectiveError", "run_script", "simulated_spawn", "main", "run_replicas",
                  "prestart", "COLLECTIVE_TIMEOUT_S"):
         assert name in __import__("xla_utils.simulate", fromlist=["x"]).__all__
+
+
+def test_runtime_alone_gets_the_simulated_launcher_registered():
+    # a script that imports only xla_utils.runtime still launches simulated jobs: the
+    # package face imported simulate, which registered itself (no torch imported for it)
+    code = ("import sys, xla_utils.runtime.launcher as launcher; "
+            "from xla_utils.simulate import prestart, run_replicas; "
+            "sim = launcher._simulator(); "
+            "assert sim.run_replicas is run_replicas and sim.prestart is prestart; "
+            "print(sorted(m for m in ('torch', 'torch_xla') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), cwd=str(REPO), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

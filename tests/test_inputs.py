@@ -129,7 +129,7 @@ def no_launch(monkeypatch):
     def launched(*a, **k):
         raise AssertionError("a launch started: the input was not refused before device time")
 
-    monkeypatch.setattr(runtime, "_launch", launched)
+    monkeypatch.setattr(runtime, "launch_job", launched)
 
 
 @pytest.mark.parametrize("sample, match", [

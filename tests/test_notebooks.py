@@ -202,7 +202,7 @@ def test_notebook_runs_in_tiny_mode(path, kernel_env, monkeypatch, tmp_path):
         f"assert os.path.realpath(sys.executable) == {os.path.realpath(sys.executable)!r}, sys.executable\n"
         "assert os.environ['XLA_UTILS_NOTEBOOK_TINY'] == '1'"))
     nb.cells.append(nbformat.v4.new_code_cell(CHECKS[path.name]
-                                              + "\nassert not xla_utils.runtime._xla_runtime_initialized()"
+                                              + "\nassert not xla_utils.runtime.xla_runtime_initialized()"
                                               + "\nprint('notebook checks passed')"))
     client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=420,
                                      resources={"metadata": {"path": str(tmp_path)}})

@@ -363,7 +363,7 @@ def test_caller_model_optimizer_and_rng_unchanged():
     assert random.getstate() == rng[0]
     assert np.array_equal(np.random.get_state()[1], rng[1])
     assert torch.equal(torch.get_rng_state(), rng[2])
-    assert not runtime._xla_runtime_initialized()
+    assert not runtime.xla_runtime_initialized()
 
 
 def test_optimizer_over_other_parameters_is_refused():
@@ -376,7 +376,7 @@ def test_optimizer_over_other_parameters_is_refused():
 def test_all_cores_can_launch_after_check():
     r = xla_utils.check(ItemInForward(), _digits(), verbose=False)
     assert "host_sync" in r.codes
-    assert not runtime._xla_runtime_initialized()
+    assert not runtime.xla_runtime_initialized()
 
     def job():
         t = runtime.all_reduce(torch.ones(()).to(runtime.device()))

@@ -347,7 +347,7 @@ def test_function_and_model_defined_in_main_work():
         ref = net(torch.ones(1, 3)) * scale
         print("OK", out[1], torch.allclose(out[0], ref.detach()), out[0].device)
         import torch_xla.runtime as xr
-        print("caller initialised XLA:", rt._xla_runtime_initialized())
+        print("caller initialised XLA:", rt.xla_runtime_initialized())
     """)], capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert "OK 2 True cpu" in p.stdout, p.stderr[-3000:]
     assert "caller initialised XLA: False" in p.stdout

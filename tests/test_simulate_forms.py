@@ -121,7 +121,7 @@ def test_spmd_script_via_run_script_4_devices(capfd):
 
 
 def test_form_detection_reads_code_not_comments(tmp_path):
-    from xla_utils.simulate.spmd import detect_form
+    from xla_utils.simulate.forms import detect_form
 
     spawn = tmp_path / "spawn.py"
     spawn.write_text("# no xr.use_spmd() here\ns = 'mark_sharding'\nimport torch_xla\n")
@@ -245,7 +245,7 @@ def _calls_spmd_helper():
 
 
 def test_spmd_function_detection_follows_user_helpers_not_library_code():
-    from xla_utils.simulate.spmd_fn import fn_uses_spmd
+    from xla_utils.simulate.forms import fn_uses_spmd
 
     assert "`use_spmd`" in fn_uses_spmd(_calls_spmd_helper)
     assert fn_uses_spmd(_rank_dependent_groups) is None

@@ -39,7 +39,7 @@ def no_leaked_folders():
 
 def _launch(fn, *args, n: int, threads: bool):
     """A process job (launch(fn, simulate=n)) or a thread job (what fit/predict run)."""
-    return launcher._launch(fn, args, cores="all", simulate=n, timeout=300, sim_threads=threads)
+    return launcher.launch_job(fn, args, cores="all", simulate=n, timeout=300, sim_threads=threads)
 
 
 def _big_result(nbytes: int):

@@ -189,10 +189,10 @@ def _inspect_fsdp_shards(tmp):
     """In the 8-device SPMD process: wrap Net under FSDPv2, run one step, read shardings."""
     from xla_utils import loop
     from xla_utils.runtime import spmd
-    from xla_utils.strategy import _enter, load_sharded_checkpoint
+    from xla_utils.strategy import enter_mesh, load_sharded_checkpoint
 
     plan = StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block,))
-    _, run = _enter(plan, None)
+    _, run = enter_mesh(plan, None)
     model = run.wrap(loop.replica_model(Net(), runtime.device()))
     x, y = next(iter(run.feed([(torch.randn(64, 64), torch.randint(0, 10, (64,)))])))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -267,9 +267,9 @@ def _setup_peak_memory():
     import torch_xla.distributed.spmd as xs
 
     from xla_utils.runtime import spmd
-    from xla_utils.strategy import MeshRun, _enter
+    from xla_utils.strategy import MeshRun, enter_mesh
 
-    _, run = _enter(StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block,)), None)
+    _, run = enter_mesh(StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block,)), None)
     total = sum(t.numel() * t.element_size() for t in [*Tower().parameters(), *Tower().buffers()])
     whole, peak = Tower(), [0]
     for name, p in list(whole.named_parameters()):  # nn.Module.to, one tensor at a time
@@ -390,7 +390,7 @@ def test_fsdp_on_torch_xla_without_spmd_names_the_fix():
     assert "cannot run SPMD/FSDPv2" in why and "strategy='spawn'" in why
 
 
-@pytest.mark.skipif(runtime._tpu_present(), reason="a TPU host has the devices")
+@pytest.mark.skipif(runtime.tpu_present(), reason="a TPU host has the devices")
 def test_mesh_strategy_without_tpu_or_simulate_names_the_fix():
     tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), batch_size=8,
                          strategy="fsdp", compile_cache=None)

@@ -340,6 +340,55 @@ def test_resume_last_and_directory_pick_newest_good_checkpoint(tmp_path, capsys)
         OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64).fit(resume="last")
 
 
+def test_fit_overrides_the_schedule_for_one_run_and_resume_passes_them_again(tmp_path):
+    """fit(epochs=, pct_start=, div_factor=, final_div_factor=) runs that one-cycle without
+    changing the trainer's configuration; the epoch checkpoints record the run's schedule and
+    checkpoint_extra, so resuming needs the same overrides (and is refused without them)."""
+    from xla_utils.schedule import OneCycleSchedule
+
+    train, _ = _digits(n_train=256)
+    ck = tmp_path / "ck"
+    base = dict(batch_size=64, epochs=1, max_lr=1e-2, optimizer="sgd", checkpoint_dir=str(ck),
+                keep_checkpoints=3)
+    over = dict(epochs=3, pct_start=0.5, div_factor=10.0, final_div_factor=100.0)
+    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **base)
+    h = t.fit(**over, checkpoint_extra={"note": "run A"})
+    assert [e["epoch"] for e in h.epochs] == [1, 2, 3]
+    assert (t.config.epochs, t.config.pct_start, t.config.div_factor) == (1, 0.3, 25.0)
+    sched = OneCycleSchedule(total_steps=12, max_lr=1e-2, pct_start=0.5, div_factor=10.0,
+                             final_div_factor=100.0)  # 4 steps per epoch on one core
+    assert [e["lr_last"] for e in h.epochs] == pytest.approx([sched.lr(s) for s in (3, 7, 11)])
+    path = ck / f"epoch_002-{h.run_id}.pt"
+    ckpt = torch.load(path, weights_only=False)
+    assert {k: ckpt["config"][k] for k in over} == over and ckpt["note"] == "run A"
+
+    with pytest.raises(ResumeError, match="epochs: 3 in the checkpoint, 1 now"):
+        OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **base).fit(resume=path)
+    r = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **base).fit(resume=path, **over)
+    assert [e["epoch"] for e in r.epochs] == [1, 2, 3] and r.epochs[:2] == h.epochs[:2]
+    for k, v in h.state_dict.items():
+        torch.testing.assert_close(r.state_dict[k], v)
+
+
+def test_fit_lr_groups_reach_the_optimizer_and_bad_overrides_are_refused():
+    from xla_utils.finetune import layer_group_lrs
+
+    train, _ = _digits(n_train=256)
+    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, max_lr=1e-2)
+    first, last = t.model[0].weight.clone(), t.model[2].weight.clone()
+    t.fit(lr_groups=layer_group_lrs([["2.weight", "2.bias"]], [1.0]))  # the last layer only
+    assert torch.equal(t.model[0].weight, first) and not torch.equal(t.model[2].weight, last)
+    for kw, err, match in [
+            (dict(pct_start=1.5), ValueError, r"fit\(pct_start=1.5\): pct_start must be in \[0, 1\]"),
+            (dict(epochs=0), ValueError, r"fit\(epochs=0\): epochs must be a positive int"),
+            (dict(div_factor=-1.0), ValueError, "div_factor and final_div_factor must be positive"),
+            (dict(checkpoint_extra={"model": 1}), ValueError, r"checkpoint_extra uses \['model'\]"),
+            (dict(checkpoint_extra=["x"]), TypeError, "checkpoint_extra must be a dict"),
+            (dict(lr_groups=[1.0]), TypeError, "lr_groups must be a callable")]:
+        with pytest.raises(err, match=match):
+            t.fit(**kw, warn_if_trained=False)
+
+
 # ----------------------------------------------------------------------------- 6: corrupt
 def test_corrupt_checkpoints_name_the_file_and_the_newest_good_one(tmp_path):
     train, _ = _digits(n_train=256)
@@ -404,6 +453,10 @@ def test_second_fit_says_it_continues_from_trained_weights():
     with pytest.warns(UserWarning, match=r"already trained by an earlier fit\(\) \(1 epoch.*"
                                          r"factory is called once"):
         t.fit()
+    with warnings.catch_warnings(record=True) as planned:  # a deliberate continuation
+        warnings.simplefilter("always")
+        t.fit(warn_if_trained=False)
+    assert not [w for w in planned if "already trained" in str(w.message)]
 
 
 def test_tiny_dataset_error_names_trainer_fix_not_drop_last():

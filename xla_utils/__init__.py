@@ -1,14 +1,17 @@
 """xla_utils: fast, painless PyTorch/XLA training on Kaggle and Colab TPUs.
 
 Importing the package is cheap: it imports neither torch nor torch_xla. Each
-public name is loaded from its module on first use.
+public name is loaded from its module on first use. The one thing wired at import:
+:mod:`xla_utils.simulate` registers the simulated launcher with :mod:`xla_utils.runtime`
+(which sits below it and never imports it), so ``runtime.launch(fn, simulate=N)``
+works however ``runtime`` was imported.
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads these lazily
     from . import runtime
@@ -69,3 +72,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+# Last, once the names above exist: registers simulated launches with runtime's launcher.
+from . import simulate as _simulate  # noqa: E402,F401

@@ -18,16 +18,19 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import runtime
 from .cache.space import fmt_bytes
 
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
            "model_with_weights", "sharded_meta", "check_options", "run_files", "prune_runs",
-           "earlier_runs_note", "checkpoint_listing"]
+           "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS"]
 
 
 class CheckpointError(ValueError):
@@ -39,6 +42,12 @@ class ResumeError(ValueError):
 
 
 _CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size", "steps_per_epoch"}
+
+
+# What an epoch checkpoint (or a .dcp twin's meta) holds itself: extra fields may not reuse them.
+RESERVED_KEYS = ("model", "optimizer", "epoch", "history", "base_lr", "lr_world", "world_size",
+                 "steps_per_epoch", "run_id", "initial_loss", "optimizer_name", "config", "ema",
+                 "optimizer_devices", "sharded_strategy", "sharded")
 
 
 # Config fields the optimizer state and the one-cycle schedule depend on: a
@@ -275,7 +284,7 @@ def _ckpt_optimizer(ckpt: dict) -> str | None:
     return None
 
 
-def check_resume(path: Path, ckpt: dict, cfg: Any, model: torch.nn.Module,
+def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Module,
                   max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> None:
     """Compare a checkpoint with the new run before anything is loaded; refuse
     (one error listing every difference) what would not continue exactly, and
@@ -344,6 +353,27 @@ def check_resume(path: Path, ckpt: dict, cfg: Any, model: torch.nn.Module,
           + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
 
 
+def check_extra(extra: Any) -> None:
+    """Refuse extra checkpoint fields (``fit(checkpoint_extra=...)``) that are not a dict
+    with str keys, or that reuse a key the checkpoint holds itself (:data:`RESERVED_KEYS`),
+    before any device time.
+
+    Raises:
+        TypeError: not a dict, or a key that is not a str.
+        ValueError: a reserved key, named with the fix.
+    """
+    if extra is None:
+        return
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError(f"checkpoint_extra must be a dict with str keys (stored beside the run's "
+                        f"state in every epoch checkpoint), got {extra!r}")
+    taken = sorted(k for k in extra if k in RESERVED_KEYS)
+    if taken:
+        raise ValueError(f"checkpoint_extra uses {taken}, which every epoch checkpoint holds "
+                         f"itself ({', '.join(RESERVED_KEYS)}). Fix: choose other keys, e.g. "
+                         f"{{'my_{taken[0]}': ...}}")
+
+
 def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     """A copy of ``model`` with the weights of ``final.pt`` or an epoch checkpoint (its EMA
     weights when it has them: a run with ``ema`` set)."""
@@ -369,7 +399,8 @@ def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch
     return net
 
 
-def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any, *, epoch: int,
+def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: TrainerConfig, *,
+                    epoch: int,
                     history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
                     steps_per_epoch: int, run_id: str, host_state: dict | None,
                     initial_loss: float | None, ema: dict | None = None,
@@ -384,7 +415,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Any
 
     Args:
         model, opt: The replica's model and optimizer.
-        cfg: The trainer's :class:`~xla_utils.trainer.TrainerConfig`.
+        cfg: The run's :class:`~xla_utils.config.TrainerConfig`.
         epoch: Epochs completed (1-based number of the epoch just ended).
         history: The per-epoch records so far.
         base_lr: ``max_lr`` for ``lr_world`` cores, as given or found.

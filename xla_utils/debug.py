@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,6 +22,9 @@ from .inputs import InputSpec, check_targets, inspect_inputs
 from .loop import default_eval_step, default_train_step
 from .optim import make_optimizer, resolve_optimizer
 from .steps import PlainStep
+
+if TYPE_CHECKING:
+    from .strategy import MeshRun, StrategyPlan
 
 __all__ = ["DebugReport", "debug_run"]
 
@@ -71,7 +74,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
               train_step: Callable | None = None, prepare: Callable | None = None,
               print_report: bool = True, eval_step: Callable | None = None,
-              inputs: InputSpec | None = None, mesh: Any = None,
+              inputs: InputSpec | None = None, mesh: StrategyPlan | None = None,
               make_step: Callable | None = None) -> DebugReport:
     """Run a few training steps on ONE core and explain what XLA did.
 
@@ -125,8 +128,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
 
     check_targets(module, loss, data, "data", to_input, eval_step or default_eval_step)
     step_fn = train_step or default_train_step
-    simulate = None if runtime._tpu_present() else 1
-    if simulate is not None and not runtime._xla_installed():
+    simulate = None if runtime.tpu_present() else 1
+    if simulate is not None and not runtime.xla_installed():
         simulate = None  # no torch_xla: the same loop on plain torch (the zygote imports it)
 
     def job() -> DebugReport:
@@ -139,8 +142,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         rep = launch(_mesh_debug_steps, (module, loss, data, step_fn, to_input, optimizer, lr,
                                          batch_size, steps, make_step), mesh, None)
     else:
-        rep = runtime._launch(job, (), cores=1, simulate=simulate, timeout=None,
-                              sim_threads=True)
+        rep = runtime.launch_job(job, (), cores=1, simulate=simulate, timeout=None,
+                                 sim_threads=True)
     rep.inputs = spec.describe(flip=bool(getattr(make_step, "flip", False)))
     head, _, rest = rep.report.partition("\n")
     rep.report = "\n".join([head, rep.inputs] + ([rest] if rest else []))
@@ -160,20 +163,20 @@ def _passes(loader: Any) -> Any:
             return
 
 
-def _mesh_debug_steps(plan: Any, module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
+def _mesh_debug_steps(plan: StrategyPlan, module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                       to_input: Callable, optimizer: Any, lr: float, batch_size: int,
                       steps: int, make_step: Callable | None) -> DebugReport:
     """:func:`debug_run`'s steps in the SPMD process, on ``plan``'s mesh."""
-    from .strategy import _enter
+    from .strategy import enter_mesh
 
-    _, run = _enter(plan, None)
+    _, run = enter_mesh(plan, None)
     return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
                         batch_size=batch_size, steps=steps, mesh=run, make_step=make_step)
 
 
 def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                  to_input: Callable, *, optimizer: Any, lr: float, batch_size: int,
-                 steps: int, mesh: Any = None, make_step: Callable | None = None) -> DebugReport:
+                 steps: int, mesh: MeshRun | None = None, make_step: Callable | None = None) -> DebugReport:
     """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each
     (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices)."""
     dev = runtime.device()

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .history import History
     from .trainer import OneCycleTrainer
 
-__all__ = ["find_head", "freeze", "unfreeze", "layer_groups", "load_pretrained", "fine_tune"]
+__all__ = ["find_head", "freeze", "unfreeze", "layer_groups", "layer_group_lrs", "load_pretrained",
+           "fine_tune"]
 
 HEAD_NAMES = ("fc", "classifier", "heads", "head")
 BN_TYPES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm, torch.nn.LayerNorm)
@@ -160,20 +161,13 @@ def unfreeze(model: torch.nn.Module) -> None:
         p.requires_grad_(True)
 
 
-def freeze_trainer(trainer: "OneCycleTrainer", head: HeadSpec = None,
-                   train_bn: bool = True) -> list[str]:
-    """``trainer.freeze()``: :func:`freeze` its model; later :meth:`fit` calls give the
-    optimizer the trainable parameters only. Returns the head's names."""
-    heads = freeze(trainer.model, head, train_bn)
-    names = [n for n, _ in trainer.model.named_parameters()]
-    trainer._lr_groups = functools.partial(_param_groups, groups=[names], mults=[1.0])
-    return heads
-
-
-def unfreeze_trainer(trainer: "OneCycleTrainer") -> None:
-    """``trainer.unfreeze()``: every parameter trains again, at one LR."""
-    unfreeze(trainer.model)
-    trainer._lr_groups = None
+def layer_group_lrs(groups: list[list[str]], mults: list[float]
+                    ) -> Callable[[torch.nn.Module], list[dict[str, Any]]]:
+    """``fit(lr_groups=...)`` for the layer groups ``groups`` (parameter names, e.g. of
+    :func:`layer_groups`): ``model -> param-group dicts``, each group's trainable parameters
+    with its LR multiplier ``mults[i]`` (``lr_mult``: the group trains at the scheduled LR
+    times it). Picklable, for the replicas."""
+    return functools.partial(_param_groups, groups=groups, mults=mults)
 
 
 def load_pretrained(model: torch.nn.Module, source: str | os.PathLike | Callable[[], torch.nn.Module]
@@ -274,13 +268,13 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
         load_pretrained(model, weights, head)
     base = cfg.max_lr if base_lr is None else base_lr
     phases: list[tuple[str, "History"]] = []
-    frozen_cfg = dataclasses.replace(cfg, epochs=freeze_epochs, pct_start=0.99)
-    unfrozen_cfg = dataclasses.replace(cfg, epochs=epochs, pct_start=pct_start, div_factor=div)
+    frozen = dict(epochs=freeze_epochs, pct_start=0.99)  # fit's per-run schedule of each phase
+    unfrozen = dict(epochs=epochs, pct_start=pct_start, div_factor=div)
     try:
         if freeze_epochs and resumed.get("phase") != "unfrozen":
             freeze(model, head, train_bn)
             mults = [0.1] * (len(groups) - 1) + [1.0]
-            h1 = _phase(trainer, groups, mults, frozen_cfg, base, fit_kwargs, "frozen", [], path, [])
+            h1 = _phase(trainer, groups, mults, frozen, base, fit_kwargs, "frozen", [], path, [])
             phases.append(("frozen", h1))
             base, path = h1.base_lr, None
             if h1.stop_reason and not h1.stop_reason.startswith("early stop"):
@@ -291,14 +285,13 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
         else:
             phase2_lr = "find" if base == "find" else float(base) / 2
         done = list(phases[0][1].epochs) if phases else []
-        h2 = _phase(trainer, groups, even_mults(lr_mult, len(groups)), unfrozen_cfg, phase2_lr,
+        h2 = _phase(trainer, groups, even_mults(lr_mult, len(groups)), unfrozen, phase2_lr,
                     fit_kwargs, "unfrozen", done, path, resumed.get("before", []))
         if not phases and h2.epochs and h2.epochs[0].get("phase") == "frozen":
             return h2  # resumed: the frozen epochs came back from the checkpoint
         phases.append(("unfrozen", h2))
     finally:
-        unfreeze(model)
-        trainer.config = cfg
+        trainer.unfreeze()
     return _merge(phases)
 
 
@@ -336,24 +329,18 @@ def _resume_phase(resume: Any, checkpoint_dir: Any) -> tuple[Path | None, dict[s
     return path, {**info, "base_lr": float(ckpt["base_lr"])}
 
 
-def _phase(trainer: "OneCycleTrainer", groups: list[list[str]], mults: list[float], cfg: Any,
-           max_lr: float | str, fit_kwargs: dict[str, Any], name: str,
+def _phase(trainer: OneCycleTrainer, groups: list[list[str]], mults: list[float],
+           schedule: dict[str, Any], max_lr: float | str, fit_kwargs: dict[str, Any], name: str,
            before: list[dict[str, Any]], resume: Path | None,
-           resumed_before: list[dict[str, Any]]) -> "History":
-    """One phase: ``fit`` with ``cfg`` and layer-group LRs, counted as a fresh run; its
-    checkpoints record ``name`` and the earlier phase's epochs (``before``). A resumed
-    unfrozen phase returns the merged history (``resumed_before``: the frozen epochs
-    its checkpoint recorded)."""
-    trained = trainer._epochs_trained
-    trainer.config, trainer._epochs_trained = cfg, 0
-    trainer._lr_groups = functools.partial(_param_groups, groups=groups, mults=mults)
-    trainer._ckpt_extra = {"fine_tune": {"phase": name, "before": before}}
-    try:
-        h = trainer.fit(max_lr=max_lr, resume=resume, **fit_kwargs)
-    finally:
-        trainer._lr_groups = None
-        trainer._ckpt_extra = None
-        trainer._epochs_trained += trained
+           resumed_before: list[dict[str, Any]]) -> History:
+    """One phase: ``fit`` with the phase's ``schedule`` (``epochs``, ``pct_start``, ...: fit's
+    per-run overrides) and layer-group LRs, a planned continuation of the trained weights
+    (no warning about them); its checkpoints record ``name`` and the earlier phase's epochs
+    (``before``). A resumed unfrozen phase returns the merged history (``resumed_before``:
+    the frozen epochs its checkpoint recorded)."""
+    h = trainer.fit(max_lr=max_lr, resume=resume, lr_groups=layer_group_lrs(groups, mults),
+                    checkpoint_extra={"fine_tune": {"phase": name, "before": before}},
+                    warn_if_trained=False, **schedule, **fit_kwargs)
     if resume is not None and name == "unfrozen" and resumed_before:
         return _merge([("frozen", dataclasses.replace(h, epochs=list(resumed_before))),
                        ("unfrozen", h)])

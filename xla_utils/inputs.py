@@ -29,7 +29,7 @@ from .data import IMAGE_CHANNELS, CachedImageDataset, image_layout, images_to_fl
 
 __all__ = ["check_batches", "check_targets", "require_labels", "shape_mismatch",
            "AsPairs", "InputSpec", "InputRefused", "inspect_inputs", "HostFeed", "pil_array",
-           "INPUT_KEYS", "TARGET_KEYS"]
+           "INPUT_KEYS", "TARGET_KEYS", "targets_of", "output_width"]
 
 # Keys of dict samples (Hugging Face ``datasets`` style) taken as input and target, first found wins
 # (``input_ids``/``labels``: token sequences of a language model, fed unchanged).
@@ -57,7 +57,7 @@ def check_batches(data, batch_size: int, world: int) -> None:
                f"at least {world} training samples (one per core), or fit(cores=1)."))
 
 
-def _targets_of(data) -> tuple[np.ndarray | None, np.ndarray | None]:
+def targets_of(data) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``(targets, sample index of each)`` without decoding inputs where possible:
     a label array for cached data, ``TensorDataset`` and torchvision datasets;
     otherwise a bounded, evenly spread scan (index array given)."""
@@ -66,7 +66,7 @@ def _targets_of(data) -> tuple[np.ndarray | None, np.ndarray | None]:
     if isinstance(data, CachedImageDataset):
         return np.asarray(data.labels), None
     if isinstance(data, torch.utils.data.Subset):
-        inner, where = _targets_of(data.dataset)
+        inner, where = targets_of(data.dataset)
         if inner is not None and where is None:
             return inner[np.asarray(data.indices)], None
     if isinstance(data, torch.utils.data.TensorDataset) and len(data.tensors) >= 2:
@@ -99,7 +99,7 @@ def _targets_of(data) -> tuple[np.ndarray | None, np.ndarray | None]:
     return np.stack(found), np.asarray(idx)
 
 
-def _output_width(model: torch.nn.Module, data, prepare: Callable, eval_step: Callable) -> int | None:
+def output_width(model: torch.nn.Module, data, prepare: Callable, eval_step: Callable) -> int | None:
     """Width of the model's 2-D output for two samples, from one CPU forward in
     eval mode (None when that is not possible: the forward is then left to fit)."""
     params = list(model.parameters())
@@ -128,7 +128,7 @@ def check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
                    prepare: Callable, eval_step: Callable) -> None:
     """Check class-index targets (or multi-hot widths) of ``data`` against the
     model's output width and the dataset's classes, before any training."""
-    targets, where = _targets_of(data)
+    targets, where = targets_of(data)
     if targets is None or targets.size == 0:
         return
     int_labels = targets.dtype.kind in "iu" and targets.ndim == 1
@@ -138,7 +138,7 @@ def check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
     classes = getattr(data, "num_classes", None)
     if classes is None and isinstance(getattr(data, "classes", None), (list, tuple)):
         classes = len(data.classes)
-    width = _output_width(model, data, prepare, eval_step)
+    width = output_width(model, data, prepare, eval_step)
     scope = "" if where is None else f" (checked {len(where)} evenly spread samples)"
     if multi_hot:
         if width is not None and targets.shape[1] != width:

@@ -1,9 +1,9 @@
 """The training loop as plain functions with explicit arguments (as timm's ``train.py``).
 
-:meth:`OneCycleTrainer.fit <xla_utils.trainer.OneCycleTrainer.fit>` runs, in every
-replica, :func:`set_up`, then per epoch :func:`train_one_epoch`, :func:`evaluate`
-and :func:`~xla_utils.checkpoint.save_checkpoint`; ``predict`` and ``evaluate``
-share :func:`replica_model`, :func:`prepare_input`, :func:`loader` and
+:meth:`OneCycleTrainer.fit <xla_utils.trainer.OneCycleTrainer.fit>`'s replicas
+(:func:`xla_utils.replica_loops.fit_replica`) run :func:`set_up`, then per epoch
+:func:`train_one_epoch`, :func:`evaluate` and :func:`~xla_utils.checkpoint.save_checkpoint`;
+``predict`` and ``evaluate`` (:func:`~xla_utils.replica_loops.inference_replica`) share :func:`replica_model`, :func:`prepare_input`, :func:`loader` and
 :func:`metric_accumulator` with it.
 
 Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
@@ -19,7 +19,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -30,7 +30,15 @@ from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer
 from .schedule import OneCycleSchedule
 
-__all__ = ["default_train_step", "default_eval_step", "prepare_input", "replica_model", "loader",
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+    from .ema import DeviceEMA
+    from .inputs import InputSpec
+    from .mixup import DeviceMix, MixConfig
+    from .strategy import MeshRun
+
+__all__ = ["default_train_step", "default_eval_step", "prepare_input", "input_preparer",
+           "replica_model", "loader",
            "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
            "begin_epoch", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
            "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
@@ -53,12 +61,21 @@ def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return model(x)
 
 
-def prepare_input(x: torch.Tensor, cfg: Any, train: bool, inputs: Any) -> torch.Tensor:
+def prepare_input(x: torch.Tensor, cfg: TrainerConfig, train: bool, inputs: InputSpec
+                  ) -> torch.Tensor:
     """Model input from a device batch of a dataset whose inputs are described by
     ``inputs`` (its :class:`~xla_utils.inputs.InputSpec`, decided once on the host):
     uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
     (and flipped when ``train and cfg.flip``); other inputs are returned unchanged."""
     return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip)
+
+
+def input_preparer(cfg: TrainerConfig, inputs: InputSpec, train: bool
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> model input`` for batches of a dataset described by ``inputs``:
+    :func:`prepare_input` with ``cfg`` and ``train`` bound (what ``check``, ``debug`` and
+    ``find_lr`` are given)."""
+    return lambda x: prepare_input(x, cfg, train, inputs)
 
 
 def replica_model(model: torch.nn.Module, dev: torch.device | None,
@@ -77,7 +94,7 @@ def replica_model(model: torch.nn.Module, dev: torch.device | None,
     return model if dev is None else model.to(dev)
 
 
-def loader(data, cfg: Any, *, world_size: int, rank: int, epoch: int, train: bool):
+def loader(data, cfg: TrainerConfig, *, world_size: int, rank: int, epoch: int, train: bool):
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
     ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
     ``cfg.val_batch_size`` otherwise."""
@@ -143,11 +160,11 @@ class Setup:
     history: list[dict[str, Any]]
     autocast: Any
     accum_steps: int = 1
-    ema: Any = None
-    mix: Any = None
-    mesh: Any = None
+    ema: DeviceEMA | None = None
+    mix: DeviceMix | None = None
+    mesh: MeshRun | None = None
 
-    def batches(self, data, cfg: Any, epoch: int, train: bool):
+    def batches(self, data, cfg: TrainerConfig, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
         if self.mesh is not None:
             return self.mesh.loader(data, cfg, epoch, train)
@@ -189,14 +206,14 @@ class TrainState:
     warnings: list[str] = field(default_factory=list)
 
 
-def set_up(model: torch.nn.Module, cfg: Any, train_data, *, base_lr: float, lr_world: int,
-           ckpt: dict | None, mix: Any = None, lr_groups: Callable | None = None,
-           strategy: Any = None) -> Setup:
+def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: float,
+           lr_world: int, ckpt: dict | None, mix: MixConfig | None = None,
+           lr_groups: Callable | None = None, strategy: MeshRun | None = None) -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
 
     Args:
         model: The trainer's model (copied where replicas share objects).
-        cfg: The trainer's :class:`~xla_utils.trainer.TrainerConfig`.
+        cfg: The run's :class:`~xla_utils.config.TrainerConfig`.
         train_data: The training dataset (sets the steps per epoch).
         base_lr: ``max_lr`` for ``lr_world`` cores.
         lr_world: The global-batch multiple ``base_lr`` is meant for (1, or the
@@ -287,8 +304,8 @@ class EpochResult:
     seconds: float
 
 
-def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *, cfg: Any,
-                    train_step: Callable, loss_fn: Callable, inputs: Any,
+def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *,
+                    cfg: TrainerConfig, train_step: Callable, loss_fn: Callable, inputs: InputSpec,
                     progress: Any = None) -> EpochResult:
     """Run one training epoch in this replica.
 
@@ -357,7 +374,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                        seconds=time.perf_counter() - t0)
 
 
-def begin_epoch(s: Setup, cfg: Any, epoch: int) -> None:
+def begin_epoch(s: Setup, cfg: TrainerConfig, epoch: int) -> None:
     """What every epoch starts with in every replica: its RNG seeds (data order, device
     RNG: flips, dropout), its mixing draws (exact resume) and train mode."""
     runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
@@ -366,8 +383,9 @@ def begin_epoch(s: Setup, cfg: Any, epoch: int) -> None:
     s.model.train()
 
 
-def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: Any, train_step: Callable,
-               loss_fn: Callable, inputs: Any) -> tuple[torch.Tensor, float | None]:
+def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfig,
+               train_step: Callable,
+               loss_fn: Callable, inputs: InputSpec | None) -> tuple[torch.Tensor, float | None]:
     """Micro-batch ``m`` (0-based, counted from the epoch's start) of the run's optimizer step
     ``step``, as ``fit`` runs it, up to the step boundary (the caller calls
     ``runtime.sync()``): mixing, the input's device preparation, at a step's first
@@ -409,14 +427,14 @@ def _kept(s: Setup, epoch: int, kept_finite: bool) -> str:
     return "is unchanged (no epoch ended good)"
 
 
-def _fix(cfg: Any, s: Setup) -> str:
+def _fix(cfg: TrainerConfig, s: Setup) -> str:
     return (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
             "fit(max_lr='find') pick it; check inputs, targets and the loss for "
             "inf/NaN (log of 0, division by 0)"
             + ("; with bf16=True try bf16=False" if cfg.bf16 else "") + ".")
 
 
-def divergence_message(cfg: Any, value: float, epoch: int, step: int, s: Setup, lr: float,
+def divergence_message(cfg: TrainerConfig, value: float, epoch: int, step: int, s: Setup, lr: float,
                        kept_finite: bool) -> str:
     """The warning for a non-finite training loss read at ``step`` of ``epoch``
     (0-based), saying what happens next and how to fix it."""
@@ -439,9 +457,9 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
     return MetricAccumulator(resolved, loss_fn, dev)
 
 
-def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: Any, loss_fn: Callable,
+def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, loss_fn: Callable,
              eval_step: Callable, autocast: Any, dev: torch.device,
-             inputs: Any, feed: Callable | None = None) -> dict[str, float]:
+             inputs: InputSpec, feed: Callable | None = None) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
     reduced over all replicas.
 
@@ -488,7 +506,8 @@ def exploded(key: str, value: float | None, initial: float | None, epoch: int) -
     return None
 
 
-def explosion(record: dict[str, Any], state: TrainState, cfg: Any, s: Setup, epoch: int) -> None:
+def explosion(record: dict[str, Any], state: TrainState, cfg: TrainerConfig, s: Setup,
+              epoch: int) -> None:
     """At the end of epoch ``epoch`` (0-based, its ``record`` complete): when its training or
     validation loss exploded (:func:`exploded`), record one message per run in
     ``state.warnings`` and, with ``cfg.on_nan == "stop"``, in ``state.stop_reason``: the
@@ -525,7 +544,8 @@ def epoch_line(r: dict[str, Any]) -> str:
 
 @dataclass
 class InferencePlan:
-    """What one :func:`inference_pass` runs (built and checked on the host by the trainer).
+    """What one inference run does in every replica (built and checked on the host by the
+    trainer; :func:`xla_utils.replica_loops.inference_replica` runs it).
 
     Attributes:
         data: The dataset (a cache, or ``(x, y)`` pairs) as the loader collates it.
@@ -537,10 +557,13 @@ class InferencePlan:
         model: The model to run (the trainer's, or one with other weights).
         labelled: Compute metrics (``evaluate``) instead of predictions.
         tta: Number of views averaged.
+        config: The trainer's configuration (normalisation, bf16, metrics, workers).
+        eval_step: ``eval_step(model, (x, y)) -> outputs``.
+        loss: The loss the metrics report (``evaluate``).
     """
 
     data: Any
-    inputs: Any
+    inputs: InputSpec
     n: int
     views: list[tuple[int, bool]]
     batch_size: int
@@ -548,6 +571,9 @@ class InferencePlan:
     model: torch.nn.Module
     labelled: bool
     tta: int
+    config: TrainerConfig
+    eval_step: Callable
+    loss: Callable
 
 
 def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -559,7 +585,8 @@ def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
     return torch.softmax(out, dim=1)
 
 
-def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: Any, eval_step: Callable,
+def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerConfig,
+                   eval_step: Callable,
                    world_size: int, rank: int, dev: torch.device, feed: Callable | None = None
                    ) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run every TTA view of ``plan`` over this rank's share of the data.
@@ -645,7 +672,7 @@ def gather_predictions(acc: list[torch.Tensor], plan: InferencePlan, *, world_si
 
 
 def inference_metrics(acc: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]],
-                      plan: InferencePlan, *, cfg: Any, loss_fn: Callable,
+                      plan: InferencePlan, *, cfg: TrainerConfig, loss_fn: Callable,
                       dev: torch.device) -> dict[str, float]:
     """Loss and metrics of the (TTA-averaged) predictions ``acc`` against ``targets``.
 

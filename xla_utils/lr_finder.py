@@ -26,7 +26,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from .lr_rules import (BETA, BUDGET_POWER, BUDGET_STEPS, DEFAULT_RULE, DESCENT_F
                        suggest_steep, suggest_valley)
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
 from .progress import progress_bar
+
+if TYPE_CHECKING:
+    from .strategy import MeshRun, StrategyPlan
 
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
@@ -242,7 +245,7 @@ class _Config:
     show_progress: bool
     parent_pid: int
     compile_cache: Any = "auto"
-    mesh: Any = None  # a strategy.StrategyPlan: sweep on that mesh
+    mesh: StrategyPlan | None = None  # sweep on that mesh
 
 
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
@@ -257,7 +260,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
             timeout: float | None = None, compile_cache: Any = "auto",
-            mesh: Any = None) -> LRFinderResult:
+            mesh: StrategyPlan | None = None) -> LRFinderResult:
     """LR range test on one core; returns an :class:`LRFinderResult`.
 
     Args:
@@ -339,8 +342,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     optimizer = resolve_optimizer(optimizer)  # a typo fails here, not inside a replica
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    runtime._check_compile_cache_option(compile_cache)
-    runtime._prestart_simulation(simulate)
+    runtime.check_compile_cache_option(compile_cache)
+    runtime.prestart_simulation(simulate)
     data, batch_tfm = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
@@ -358,8 +361,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
 
         res = strategy.launch(_mesh_replica, (cfg,), mesh, timeout)
     else:
-        res = runtime._launch(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
-                              sim_threads=True)
+        res = runtime.launch_job(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
+                                 sim_threads=True)
     res.num_it, res.note = cfg.num_it, note
     res.warning = _doubt(res, cfg)
     if res.warning is not None:
@@ -483,7 +486,7 @@ def _replica(cfg: _Config) -> LRFinderResult:
     saved = _CallerState.take(cfg.model if isinstance(cfg.model, torch.nn.Module) else None) \
         if in_process else None
     try:
-        runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
+        runtime.enable_compile_cache(cfg.compile_cache)  # before anything compiles
         # (autograd after fork is handled by runtime.launch for every replica)
         return _sweep(cfg)
     finally:
@@ -491,11 +494,11 @@ def _replica(cfg: _Config) -> LRFinderResult:
             saved.restore()
 
 
-def _mesh_replica(plan: Any, cfg: _Config) -> LRFinderResult:
+def _mesh_replica(plan: StrategyPlan, cfg: _Config) -> LRFinderResult:
     """The sweep in the SPMD process, on ``plan``'s mesh (the caller's model is a copy)."""
-    from .strategy import _enter
+    from .strategy import enter_mesh
 
-    _, run = _enter(plan, cfg.compile_cache)
+    _, run = enter_mesh(plan, cfg.compile_cache)
     return _sweep(cfg, run)
 
 
@@ -606,7 +609,7 @@ class _Curve:
         return False
 
 
-def _placed(cfg: _Config, run: Any, dev: torch.device) -> tuple[torch.nn.Module, Iterator]:
+def _placed(cfg: _Config, run: MeshRun | None, dev: torch.device) -> tuple[torch.nn.Module, Iterator]:
     """The sweep's model on the device(s) and its device micro-batches: on one core,
     or (``run``: a :class:`~xla_utils.strategy.MeshRun`) placed and split as the mesh run."""
     model = cfg.model if isinstance(cfg.model, torch.nn.Module) else cfg.model()
@@ -629,7 +632,7 @@ def _mesh_shardings(model: torch.nn.Module, x: torch.Tensor) -> dict[str, str]:
             "batch": sharding_spec(x) or "{replicated}"}
 
 
-def _sweep(cfg: _Config, run: Any = None) -> LRFinderResult:
+def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
     dev = runtime.device()
     runtime.set_seed(cfg.seed)
     model, batches = _placed(cfg, run, dev)

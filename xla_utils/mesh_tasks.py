@@ -5,22 +5,30 @@ when the strategy is not ``"spawn"``: where the LR sweep runs (:func:`sweep_plac
 one core, accumulating to the fit's global batch, or the mesh when one core of the target
 TPU cannot hold the model), the sweep itself (:func:`find_lr`) and the mesh half of
 ``check`` (:func:`check_on_mesh`). Imports run one way: trainer -> this module ->
-strategy, lr_finder, debug, readiness, findings, memory (none of which imports this one).
+strategy, loop, inputs, lr_finder, debug, readiness, findings, memory (none of which imports
+this one).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from . import runtime
 from .data import iterate_batches
+from .inputs import inspect_inputs, require_labels
+from .loop import input_preparer
 from .strategy import plan_strategy, planned_world_size
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+    from .readiness import ReadinessReport
+    from .trainer import OneCycleTrainer
 
 __all__ = ["sweep_placement", "find_lr", "check_on_mesh"]
 
 
-def sweep_placement(cfg: Any, model: torch.nn.Module, sample: Callable[[], tuple], *,
+def sweep_placement(cfg: TrainerConfig, model: torch.nn.Module, sample: Callable[[], tuple], *,
                     step: Callable, loss: Callable, devices: int, on_mesh: bool | None,
                     tpu: Any = None) -> tuple[bool, str]:
     """Where ``OneCycleTrainer.find_lr`` sweeps under ``cfg.strategy``: ``(on_mesh, why)``.
@@ -34,7 +42,7 @@ def sweep_placement(cfg: Any, model: torch.nn.Module, sample: Callable[[], tuple
     ``sample()``'s few rows, scaled; skipped
     when the states alone do not fit) above ``HBM_USABLE`` (90%) of its HBM.
     """
-    from .memory import _gib, activation_bytes, state_bytes
+    from .memory import format_gib, activation_bytes, state_bytes
     from .findings import HBM_USABLE, resolve_tpu
 
     if cfg.strategy == "spawn" and on_mesh:
@@ -53,35 +61,34 @@ def sweep_placement(cfg: Any, model: torch.nn.Module, sample: Callable[[], tuple
         x, y = sample()
         act = activation_bytes(model, x, y, step=step, loss=loss, batch_size=cfg.batch_size,
                                bf16=cfg.bf16)
-    need = (f"parameters + gradients + optimizer state {_gib(states)}"
-            + (f" + activations at batch {cfg.batch_size} {_gib(act)}" if act else "")
-            + f" = {_gib(states + act)}; {_gib(usable)} usable of {_gib(chip.hbm_per_device)}")
+    need = (f"parameters + gradients + optimizer state {format_gib(states)}"
+            + (f" + activations at batch {cfg.batch_size} {format_gib(act)}" if act else "")
+            + f" = {format_gib(states + act)}; {format_gib(usable)} usable of {format_gib(chip.hbm_per_device)}")
     if states + act > usable:
         return True, f"{mesh}: one {chip.name} core cannot hold the model whole ({need})"
     return False, (f"on one core: the model fits one {chip.name} core ({need}); its "
                    "micro-batches are accumulated to the fit's global batch")
 
 
-def _sample(trainer: Any, spec: Any, n: int) -> tuple[torch.Tensor, Any]:
+def _sample(trainer: OneCycleTrainer, spec: InputSpec, n: int) -> tuple[torch.Tensor, Any]:
     """The first ``n`` training samples as a prepared host batch ``(x, y)``."""
     x, y, _ = next(iter(iterate_batches(spec.feed(trainer.train_data), n, shuffle=False,
                                         drop_last=True, num_workers=0)))
-    return trainer._prepare(spec, train=False)(x), y
+    return input_preparer(trainer.config, spec, train=False)(x), y
 
 
-def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
+def find_lr(trainer: OneCycleTrainer, simulate: int | None, on_mesh: bool | None, tpu: Any,
             kwargs: dict, devices: int) -> Any:
     """:meth:`OneCycleTrainer.find_lr <xla_utils.trainer.OneCycleTrainer.find_lr>`: place
     the sweep (:func:`sweep_placement`), size its batch for the global batch of a fit on
     ``devices`` devices under a mesh strategy, run :func:`xla_utils.lr_find` there;
     returns its result."""
-    from .inputs import require_labels
     from .lr_finder import lr_find
 
     cfg = trainer.config
     require_labels(trainer.train_data, "train_data")
-    spec = trainer._inspect(trainer.train_data, "train_data", "lr_find")
-    kwargs.setdefault("batch_tfm", trainer._prepare(spec, train=False))
+    spec = inspect_inputs(trainer.train_data, "train_data", verb="lr_find", mean=cfg.mean)
+    kwargs.setdefault("batch_tfm", input_preparer(cfg, spec, train=False))
     kwargs.setdefault("compile_cache", cfg.compile_cache)
     mesh, placement = sweep_placement(
         cfg, trainer.model, lambda: _sample(trainer, spec, min(2, cfg.batch_size)),
@@ -107,8 +114,9 @@ def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
     return res
 
 
-def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
-                  devices: int | None, make_step: Any = None) -> None:
+def check_on_mesh(trainer: OneCycleTrainer, report: ReadinessReport, *, spec: InputSpec,
+                  steps: int, tpu: Any, devices: int | None,
+                  make_step: Callable | None = None) -> None:
     """The mesh half of :meth:`OneCycleTrainer.check <xla_utils.trainer.OneCycleTrainer.check>`
     under ``"spmd"``/``"fsdp"``: run the trainer's step ``steps`` times as the mesh run
     (:func:`xla_utils.debug.debug_run` with ``mesh=``) on ``devices`` XLA:CPU devices
@@ -128,11 +136,11 @@ def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
     cfg = trainer.config
     if devices is None:
         devices = (tpu_devices(tpu) if isinstance(tpu, str) else None) or \
-            (planned_world_size("all", None) if runtime._tpu_present() else 8)
+            (planned_world_size("all", None) if runtime.tpu_present() else 8)
     plan = plan_strategy(cfg, trainer.model, devices, devices)
     rep = debug_run(trainer.model, trainer.loss, trainer.train_data, batch_size=cfg.batch_size,
                     steps=steps, optimizer=cfg.optimizer, train_step=trainer.train_step,
-                    prepare=trainer._prepare(spec, train=True), eval_step=trainer.eval_step,
+                    prepare=input_preparer(cfg, spec, train=True), eval_step=trainer.eval_step,
                     inputs=spec, mesh=plan, print_report=False, make_step=make_step)
     per = {k: [d[k] for d in rep.per_step] for k in ("compiles", "executions", "to_device",
                                                       "to_host")}
@@ -163,13 +171,13 @@ def check_on_mesh(trainer: Any, report: Any, *, spec: Any, steps: int, tpu: Any,
         _sharded_memory(report, devices, tpu)
 
 
-def _sharded_memory(report: Any, devices: int, tpu: Any) -> None:
+def _sharded_memory(report: ReadinessReport, devices: int, tpu: Any) -> None:
     """Replace ``report``'s one-core memory verdict by FSDPv2's per-device one: the states
     sharded by the rules of :func:`xla_utils.memory.paper_memory`, activations as measured
     at the per-device batch (each device runs ``batch_size`` samples, as one core does)."""
     import math
 
-    from .memory import _gib, paper_memory
+    from .memory import format_gib, paper_memory
     from .findings import HBM_USABLE, Finding, resolve_tpu
 
     meas = report.measurements
@@ -189,8 +197,8 @@ def _sharded_memory(report: Any, devices: int, tpu: Any) -> None:
     report.findings[at] = Finding(
         "memory", "info" if fits else "error",
         f"{old.message} Under strategy='fsdp' on {devices} {chip.name} devices (sharding rules "
-        f"on paper): about {_gib(row.total)} per device ({_gib(row.states)} of sharded states + "
-        f"{_gib(act)} of activations) of {_gib(usable)} usable: "
+        f"on paper): about {format_gib(row.total)} per device ({format_gib(row.states)} of sharded states + "
+        f"{format_gib(act)} of activations) of {format_gib(usable)} usable: "
         + ("it fits." if fits else "it does not fit either."),
         "" if fits else "more devices (a larger slice), bf16 weights, activation_checkpointing="
         "True or a smaller per-core batch")

@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
 
 __all__ = ["MixConfig", "check_mix_options", "check_mix_loss", "sample_gamma", "sample_beta",
            "beta_logit_johnk",
@@ -78,9 +81,9 @@ class MixConfig:
     image_hw: tuple[int, int] | None = None
 
 
-def check_step_options(cfg: Any) -> None:
+def check_step_options(cfg: TrainerConfig) -> None:
     """Refuse bad ``accum_steps``, ``ema``, ``mixup``, ``cutmix``, ``label_smoothing`` of a
-    :class:`~xla_utils.trainer.TrainerConfig` (its ``__post_init__`` calls this).
+    :class:`~xla_utils.config.TrainerConfig` (its ``__post_init__`` calls this).
 
     Raises:
         ValueError: naming the setting and the fix.
@@ -503,7 +506,7 @@ class DeviceMix:
         return self._sizes[hw]
 
 
-def mix_config_for(cfg: Any, loss: Callable, model: torch.nn.Module, data, spec: Any,
+def mix_config_for(cfg: TrainerConfig, loss: Callable, model: torch.nn.Module, data, spec: Any,
                    prepare: Callable, eval_step: Callable) -> MixConfig | None:
     """The :class:`MixConfig` of a fit run (None when mixup, cutmix and label smoothing
     are off), found and checked on the host before any device time.
@@ -520,9 +523,9 @@ def mix_config_for(cfg: Any, loss: Callable, model: torch.nn.Module, data, spec:
     """
     if not (cfg.mixup > 0 or cfg.cutmix > 0 or cfg.label_smoothing > 0):
         return None
-    from .inputs import _output_width, _targets_of
+    from .inputs import output_width, targets_of
 
-    targets, _ = _targets_of(data)
+    targets, _ = targets_of(data)
     kind = "other"
     if targets is not None and targets.dtype.kind in "iu" and targets.ndim == 1:
         kind = "index"
@@ -530,7 +533,7 @@ def mix_config_for(cfg: Any, loss: Callable, model: torch.nn.Module, data, spec:
         kind = "multihot"
     shape = getattr(spec, "shape", None)
     check_mix_loss(loss, kind, shape, cfg.cutmix)
-    width = targets.shape[1] if kind == "multihot" else _output_width(model, data, prepare,
+    width = targets.shape[1] if kind == "multihot" else output_width(model, data, prepare,
                                                                       eval_step)
     if width is None:
         width = getattr(data, "num_classes", None)

@@ -123,7 +123,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         XLAUnavailableError: torch_xla is missing or does not match torch.
         ReplicaError: the training step itself raised (its traceback included).
     """
-    runtime._check_compile_cache_option(compile_cache)
+    runtime.check_compile_cache_option(compile_cache)
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be an int >= 3 (1-2 warm up, 3.. must not compile), "
                          f"got {steps!r}")
@@ -136,13 +136,13 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     if isinstance(optimizer, torch.optim.Optimizer):
         _param_positions(module, optimizer)  # fail here, not in the child
     loss_fn, loss_name = (loss, "your loss") if loss is not None else _auto_loss(y)
-    if not runtime._xla_installed():  # without importing it here: the zygote does
-        runtime._load_xla()  # raises XLAUnavailableError with the fix
+    if not runtime.xla_installed():  # without importing it here: the zygote does
+        runtime.load_xla()  # raises XLAUnavailableError with the fix
     t0 = time.perf_counter()
     job = _Job(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)
     job.compile_cache, job.make_step = compile_cache, make_step
     with _fast_xla_cpu_compile():
-        meas = runtime._launch(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
+        meas = runtime.launch_job(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
     meas["loss"] = loss_name
     meas["param_shapes"] = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
     meas["tpu_devices"] = tpu_devices(tpu) if isinstance(tpu, str) else None  # "v5e-8" -> 8
@@ -481,7 +481,7 @@ class _Job:
         return self.prepare(x) if self.prepare is not None else x
 
     def __call__(self) -> dict[str, Any]:
-        cache = runtime._enable_compile_cache(self.compile_cache)  # before anything compiles
+        cache = runtime.enable_compile_cache(self.compile_cache)  # before anything compiles
         meas: dict[str, Any] = {"batch_rows": _rows(self.x), "compile_cache": cache.state}
         meas["input_dtypes"] = _dtype_names(self.x)
         meas["param_dtypes"] = {}

@@ -27,32 +27,36 @@ the model goes from the host straight into its shards, one parameter at a time
 (:func:`xla_utils.runtime.spmd.shard_to_device`): no device ever holds it whole. The
 EMA copy (``ema=``) is placed like the model's parameters.
 
-This module plans on the host (every check before device time) and runs the SPMD
-process's side (:func:`fit_replica`, :func:`inference_replica`) through
+This module plans on the host (every check before device time), launches a callable it
+is given in the SPMD process (:func:`launch`) and enters the mesh there
+(:func:`enter_mesh`); the SPMD process's side of ``fit`` / ``predict`` / ``evaluate`` is
+:func:`xla_utils.replica_loops.fit_on_mesh` / ``inference_on_mesh``, which run
 :mod:`xla_utils.loop` with a :class:`MeshRun`. Every torch_xla call is
 :mod:`xla_utils.runtime.spmd`'s.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from . import runtime
 from .data import iterate_batches
 
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
-           "load_sharded_checkpoint", "planned_world_size", "fit_replica", "inference_replica"]
+           "load_sharded_checkpoint", "planned_world_size", "enter_mesh"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
 AXIS = {"spmd": "data", "fsdp": "fsdp"}
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: TrainerConfig) -> None:
     """Refuse a bad ``strategy`` / ``fsdp_wrap`` / ``activation_checkpointing`` (no device time).
 
     Raises:
@@ -152,7 +156,7 @@ class StrategyPlan:
         return AXIS[self.strategy]
 
 
-def plan_strategy(cfg: Any, model: torch.nn.Module, devices: int,
+def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
                   simulate: int | None) -> StrategyPlan:
     """Check everything ``cfg.strategy`` needs before any device time; return the plan.
 
@@ -165,7 +169,7 @@ def plan_strategy(cfg: Any, model: torch.nn.Module, devices: int,
     why = spmd_support()
     if why is not None:
         raise ValueError(f"strategy={cfg.strategy!r}: {why}")
-    if simulate is None and not runtime._tpu_present():
+    if simulate is None and not runtime.tpu_present():
         raise ValueError(f"strategy={cfg.strategy!r} needs the devices of a TPU, and this machine "
                          "has none. Fix: pass simulate=8 (8 XLA:CPU devices) to try it here")
     check_global_batch(cfg.batch_size * devices, devices)
@@ -238,7 +242,7 @@ class MeshRun:
 
         return shard_to_device(module, self.mesh)
 
-    def loader(self, data, cfg: Any, epoch: int, train: bool):
+    def loader(self, data, cfg: TrainerConfig, epoch: int, train: bool):
         """Global batches (``batch_size``, validation ``val_batch_size``, x devices): one
         process feeds every device."""
         bs = cfg.batch_size if train else cfg.val_batch_size(len(data), self.devices)
@@ -332,11 +336,12 @@ def load_sharded_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer |
         opt.load_state_dict(state["optim"])
 
 
-def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
-    """First thing in the SPMD process: compile cache, ``use_spmd``, mesh."""
+def enter_mesh(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
+    """First thing in the SPMD process: compile cache, ``use_spmd``, mesh. Returns
+    ``(compile cache status, the plan's MeshRun)``."""
     from .runtime import spmd
 
-    cache = runtime._enable_compile_cache(compile_cache)  # before anything compiles
+    cache = runtime.enable_compile_cache(compile_cache)  # before anything compiles
     spmd.enable_spmd()
     n = spmd.device_count()
     if n != plan.devices:
@@ -351,27 +356,3 @@ def _enter(plan: StrategyPlan, compile_cache: Any) -> tuple[Any, MeshRun]:
         + (f"; FSDPv2 units: {units}" + (", activation checkpointing" if plan.checkpointing else "")
            if plan.strategy == "fsdp" else "; model replicated, batch split"))
     return cache, run
-
-
-def fit_replica(plan: StrategyPlan, trainer: Any, *args: Any) -> Any:
-    """:meth:`OneCycleTrainer._replica <xla_utils.trainer.OneCycleTrainer._replica>`
-    in the SPMD process, on the plan's mesh."""
-    _, run = _enter(plan, trainer.config.compile_cache)
-    return trainer._replica(*args, strategy=run)
-
-
-def inference_replica(plan: StrategyPlan, trainer: Any, iplan: Any) -> Any:
-    """``predict`` / ``evaluate`` in the SPMD process: global batches split over the mesh."""
-    from . import loop
-
-    _, run = _enter(plan, trainer.config.compile_cache)
-    dev = runtime.device()
-    model = run.wrap(loop.replica_model(iplan.model, None)).eval()
-    iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)
-    acc, targets = loop.inference_pass(model, iplan, cfg=trainer.config,
-                                       eval_step=trainer.eval_step, world_size=1, rank=0,
-                                       dev=dev, feed=run.feed)
-    if iplan.labelled:
-        return loop.inference_metrics(acc, targets, iplan, cfg=trainer.config,
-                                      loss_fn=trainer.loss, dev=dev)
-    return loop.gather_predictions(acc, iplan, world_size=1, rank=0, dev=dev)

@@ -1,4 +1,4 @@
-"""One-cycle training on every TPU core: :class:`OneCycleTrainer` and its configuration.
+"""One-cycle training on every TPU core: :class:`OneCycleTrainer`.
 
 ``OneCycleTrainer(model, loss, train_data, val_data, batch_size=32, ...).fit()``
 launches one replica per core through :func:`xla_utils.runtime.launch` (fork,
@@ -6,9 +6,11 @@ so models and functions defined in a notebook work), scales the LR by the world
 size, drives LR and momentum with :class:`~xla_utils.schedule.OneCycleSchedule`
 every optimizer step, and returns a :class:`History` to the notebook.
 
-This module holds the API and the host-side planning (checks, LR, resume); each
-replica's work is the plain functions of :mod:`xla_utils.loop` (set-up, one
-training epoch, evaluation, inference), checkpoints are :mod:`xla_utils.checkpoint`,
+This module holds the API and the host-side planning (checks, LR, resume); its
+configuration is :class:`~xla_utils.config.TrainerConfig` (also importable from here); each
+replica's work is :mod:`xla_utils.replica_loops` (given a plan, not the trainer), built from
+the plain functions of :mod:`xla_utils.loop` (set-up, one training epoch, evaluation,
+inference); checkpoints are :mod:`xla_utils.checkpoint`,
 the input checks :mod:`xla_utils.inputs` and the single-core debug loop
 (:meth:`OneCycleTrainer.debug`) :mod:`xla_utils.debug`.
 """
@@ -20,9 +22,7 @@ import os
 import secrets
 import time
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -30,21 +30,21 @@ import torch
 from . import loop, runtime
 from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
-from .checkpoint import (CheckpointError, ResumeError, check_resume, earlier_runs_note,
-                         model_with_weights, resolve_resume, save_checkpoint, sharded_meta)
-from .checkpoint import check_options as check_checkpoint_options
-from .data import IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, iterate_batches
+from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
+                         earlier_runs_note, model_with_weights, resolve_resume)
+from .config import TrainerConfig
+from .data import CachedImageDataset, iterate_batches
 from .debug import DebugReport, debug_run
 from .ema import with_weights
 from .findings import ReadinessError
-from .history import BestTracker, History, check_monitor, check_monitor_data, epoch_files
+from .history import History, check_monitor_data
 from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
                      require_labels, shape_mismatch)
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
-from .mixup import MixConfig, check_step_options, mix_config_for
-from .optim import resolve_optimizer
-from .simulate import resident as _resident
+from .mixup import MixConfig, mix_config_for
+from .replica_loops import FitPlan, fit_on_mesh, fit_replica, inference_on_mesh, inference_replica
+from .schedule import OneCycleSchedule
 from .simulate.live import live_or_launch
 from .steps import TrainerStepPlan
 from .submission import missing_note, training_multilabel
@@ -55,171 +55,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
            "scale_lr", "CheckpointError", "ResumeError"]
-
-LR_SCALING = ("linear", "sqrt", "none")
-ON_NAN = ("stop", "continue")
-
-
-@dataclass
-class TrainerConfig:
-    """Hyper-parameters of :class:`OneCycleTrainer` (all keyword arguments of it).
-
-    Attributes:
-        batch_size: Samples per core per step (global batch = batch_size x cores); default 32.
-        eval_batch_size: Samples per core per batch of ``fit``'s per-epoch validation
-            (one padded, masked shape). Default None: :meth:`val_batch_size`'s choice.
-        epochs: Passes over the training data. Default 1.
-        max_lr: Peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``),
-            or ``"find"`` to run the LR finder first. Default 1e-3.
-        optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` (any case; stored
-            lower-case) or a callable ``f(params, lr=..., weight_decay=...)``.
-            Default ``"adamw"``. An unknown name raises ``ValueError`` here.
-        weight_decay: Default 0.0 (AdamW: decoupled).
-        pct_start, div_factor, final_div_factor, moms: One-cycle shape (torch
-            ``OneCycleLR`` defaults 0.3, 25, 1e4; momentum/beta1 0.95 -> 0.85 -> 0.95).
-        lr_scaling: How ``max_lr`` grows with the number of cores k: ``"linear"``
-            (x k, Goyal et al. 2017), ``"sqrt"`` (x sqrt k) or ``"none"``. Default
-            None = linear for SGD, sqrt for Adam/AdamW and callables.
-        bf16: Run forward/backward under ``torch.autocast(dtype=bfloat16)``.
-            Default False.
-        metrics: Validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``,
-            ``"f1"``); None = accuracy (+top5 above 10 classes), F1 for
-            multi-label data.
-        checkpoint_dir: Write ``epoch_<nnn>-<run id>.pt`` after every epoch whose
-            loss is finite and ``final.pt`` (weights only) at the end of a run that
-            was not stopped: the weights ``predict`` uses (with ``ema`` the EMA
-            weights, with ``monitor`` the best epoch's), and with ``ema`` also
-            ``final_raw.pt`` (the trained, non-averaged weights of the last epoch;
-            resuming uses the epoch files, which hold both). None (default) = no files.
-        keep_checkpoints: This run's newest epoch files kept (default 2, >= 1).
-        keep_runs: Runs whose epoch files stay in ``checkpoint_dir``, this one included:
-            older runs' files are deleted once this run has written its first epoch
-            file (never this run's, nor ``final.pt``/``best.pt``). Default None: every
-            run's are kept, and ``fit`` says what earlier runs hold (count, size).
-        seed: Seeds data order and device RNG (flips, dropout). Default 0.
-        flip: Random horizontal flip of uint8 image batches on the device.
-            Default True.
-        mean, std: Per-channel normalisation of uint8 images, in 0..1 units
-            (default ImageNet's).
-        log_every: Steps between loss reads for the progress bar (default 20;
-            each read waits for the device).
-        num_workers: Host threads/processes assembling batches (None = automatic).
-        on_nan: What to do when training diverges: the training loss read (every
-            ``log_every`` steps and at each epoch end) is NaN or infinite, or an epoch's
-            training or validation loss ends above ``loop.VAL_LOSS_EXPLODES`` (10) times the
-            untrained model's loss at the first step (judged at epoch ends, so never inside
-            the first epoch). ``"stop"`` (default) stops there; the model keeps the weights
-            of the last good epoch (a host copy made at each epoch end), no checkpoint is
-            written for the bad one, and ``History.stop_reason`` and one warning say why.
-            ``"continue"`` says so once and trains on (no checkpoint for a non-finite epoch).
-        compile_cache: torch_xla's persistent compilation cache for ``fit``,
-            ``predict``, ``evaluate``, ``find_lr`` and ``check``: ``"auto"``
-            (default) on TPUs only, under a folder that survives a notebook restart
-            (``/kaggle/working/xla_compile_cache``, ``/content/xla_compile_cache``,
-            else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
-            on XLA:CPU, which writes entries but cannot load them); ``None`` off.
-            See :mod:`xla_utils.runtime.compile_cache`.
-        accum_steps: Micro-batches per optimizer step (default 1); global batch = batch_size
-            x cores x accum_steps, which scales the LR; the one-cycle counts optimizer steps.
-        ema: Decay of a device weight EMA (timm ``ModelEmaV3`` warm-up, :mod:`xla_utils.ema`)
-            that validation, ``evaluate`` and ``predict`` use; default None (off).
-        mixup, cutmix, label_smoothing: timm-style, on the device (:mod:`xla_utils.mixup`):
-            Beta alphas (usual 0.2, 1.0) and smoothing in [0, 1); default 0 (off).
-        monitor: Keep the best epoch by this record value: ``"val_loss"``,
-            ``"train_loss"`` or a validation metric (``"accuracy"``, ``"top<k>"``,
-            ``"f1"``; higher is better except for losses). The run returns (and
-            ``self.model`` gets) that epoch's weights, also written to
-            ``checkpoint_dir/best.pt``. Default None (the last epoch's weights).
-        patience: With ``monitor``: stop after this many epochs without
-            improvement (``History.stop_reason`` says so). Default None.
-        strategy: ``"spawn"`` (default: one process per core, whole model on each),
-            ``"spmd"`` (one process feeds every device, batch split over a 1-D mesh) or
-            ``"fsdp"`` (FSDPv2: parameters, gradients, optimizer state and batch sharded
-            over the mesh's ``fsdp`` axis). See :mod:`xla_utils.strategy`.
-        fsdp_wrap: ``"fsdp"`` units: module classes or class names (e.g. the
-            transformer block), a minimum parameter count per unit, or None (default:
-            the whole model as one unit).
-        activation_checkpointing: Recompute each FSDP unit's activations in the
-            backward pass (``"fsdp"`` only). Default False.
-        lr_find_on_mesh: Where ``find_lr`` / ``fit(max_lr="find")`` sweep under
-            ``"spmd"``/``"fsdp"``: None (default) on the mesh only when one core cannot
-            hold the model, True always on the mesh, False on one core.
-    """
-
-    batch_size: int = 32
-    eval_batch_size: int | None = None
-    epochs: int = 1
-    max_lr: float | str = 1e-3
-    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
-    weight_decay: float = 0.0
-    pct_start: float = 0.3
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
-    moms: tuple[float, float, float] | None = (0.95, 0.85, 0.95)
-    lr_scaling: str | None = None
-    bf16: bool = False
-    metrics: Sequence[str] | None = None
-    checkpoint_dir: str | os.PathLike | None = None
-    keep_checkpoints: int = 2
-    keep_runs: int | None = None
-    seed: int = 0
-    flip: bool = True
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-    log_every: int = 20
-    num_workers: int | None = None
-    on_nan: str = "stop"
-    compile_cache: str | os.PathLike | bool | None = "auto"
-    accum_steps: int = 1
-    ema: float | None = None
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    label_smoothing: float = 0.0
-    monitor: str | None = None
-    patience: int | None = None
-    strategy: str = "spawn"
-    fsdp_wrap: Sequence[type | str] | type | str | int | None = None
-    activation_checkpointing: bool = False
-    lr_find_on_mesh: bool | None = None
-
-    def __post_init__(self) -> None:
-        self.optimizer = resolve_optimizer(self.optimizer)
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int (per core), got {self.batch_size!r}")
-        ebs = self.eval_batch_size
-        if ebs is not None and (isinstance(ebs, bool) or not isinstance(ebs, int) or ebs < 1):
-            raise ValueError(f"eval_batch_size must be a positive int (per core) or None "
-                             f"(max(batch_size, 64)), got {ebs!r}")
-        if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
-        if self.max_lr != "find" and not (isinstance(self.max_lr, (int, float)) and self.max_lr > 0):
-            raise ValueError(f"max_lr must be a positive number or 'find', got {self.max_lr!r}")
-        if self.lr_scaling is not None and self.lr_scaling not in LR_SCALING:
-            raise ValueError(f"lr_scaling must be one of {LR_SCALING} or None, got {self.lr_scaling!r}")
-        if self.log_every < 1:
-            raise ValueError("log_every must be >= 1")
-        check_checkpoint_options(self)
-        if self.on_nan not in ON_NAN:
-            raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
-        runtime._check_compile_cache_option(self.compile_cache)
-        check_step_options(self)
-        check_monitor(self.monitor, self.patience)
-        _strategy.check_config(self)
-
-    def val_batch_size(self, samples: int, cores: int) -> int:
-        """The per-epoch validation's batch per core for ``samples`` items over ``cores``:
-        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))`` (no
-        gradients, so larger than a tiny training batch; pass ``eval_batch_size=batch_size``
-        if validation runs out of memory)."""
-        if self.eval_batch_size:
-            return self.eval_batch_size
-        return max(self.batch_size, min(64, -(-samples // cores)))
-
-    @property
-    def scaling_rule(self) -> str:
-        if self.lr_scaling is not None:
-            return self.lr_scaling
-        return "linear" if self.optimizer == "sgd" else "sqrt"
 
 
 class OneCycleTrainer:
@@ -271,14 +106,11 @@ class OneCycleTrainer:
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
         self.ema_state: dict[str, torch.Tensor] | None = None  # EMA weights of the last fit
-        self._mix = None  # the fit run's MixConfig (set by fit on the host)
-        # Set by fine_tune for one phase's fit: layer-group LRs, and what its
-        # checkpoints record beside the run's state (the phase).
+        # Layer-group LRs of later fits (trainable parameters only), set by freeze().
         self._lr_groups: Callable[..., Any] | None = None
-        self._ckpt_extra: dict[str, Any] | None = None
         # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
         # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
-        runtime._prestart_if_simulation_likely()
+        runtime.prestart_if_simulation_likely()
 
     # ------------------------------------------------------------------ API
     def find_lr(self, simulate: int | None = None, *, on_mesh: bool | None = None,
@@ -317,15 +149,21 @@ class OneCycleTrainer:
         return fine_tune(self, epochs, freeze_epochs, **kwargs)
 
     def freeze(self, head: Any = None, train_bn: bool = True) -> list[str]:
-        """Freeze all but the head (normalisation layers stay trainable with
-        ``train_bn``); :func:`xla_utils.finetune.freeze_trainer`. Returns the head's names."""
-        from .finetune import freeze_trainer
-        return freeze_trainer(self, head, train_bn)
+        """Freeze all but the head (normalisation layers stay trainable with ``train_bn``;
+        :func:`xla_utils.finetune.freeze`); later :meth:`fit` calls give the optimizer the
+        trainable parameters only. Returns the head's names."""
+        from .finetune import freeze, layer_group_lrs
+
+        heads = freeze(self.model, head, train_bn)
+        self._lr_groups = layer_group_lrs([[n for n, _ in self.model.named_parameters()]], [1.0])
+        return heads
 
     def unfreeze(self) -> None:
-        """Train every parameter again (:func:`xla_utils.finetune.unfreeze_trainer`)."""
-        from .finetune import unfreeze_trainer
-        unfreeze_trainer(self)
+        """Train every parameter again, at one LR (:func:`xla_utils.finetune.unfreeze`)."""
+        from .finetune import unfreeze
+
+        unfreeze(self.model)
+        self._lr_groups = None
 
     def debug(self, steps: int = 5, simulate: int | None = None) -> DebugReport:
         """Run a few of the trainer's steps on ONE core and explain what XLA did.
@@ -350,7 +188,7 @@ class OneCycleTrainer:
     def _debug(self, train: tuple[Any, InputSpec], steps: int = 5,
                simulate: int | None = None) -> DebugReport:
         cfg, spec = self.config, train[1]
-        sim = 8 if simulate is None and not runtime._tpu_present() else simulate
+        sim = 8 if simulate is None and not runtime.tpu_present() else simulate
         plan = (None if cfg.strategy == "spawn" else
                 _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
@@ -365,30 +203,44 @@ class OneCycleTrainer:
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
-            debug: bool = False, timeout: float | None = None,
-            check: bool = False) -> "History | DebugReport":
+            debug: bool = False, timeout: float | None = None, check: bool = False,
+            epochs: int | None = None, pct_start: float | None = None,
+            div_factor: float | None = None, final_div_factor: float | None = None,
+            lr_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+            checkpoint_extra: dict[str, Any] | None = None,
+            warn_if_trained: bool = True) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
-        Labels are checked against the model's output width and the dataset's
-        classes before anything runs. ``self.model`` receives the weights only
-        after the run: the final ones, or after a stop on a non-finite loss
-        (``on_nan="stop"``) those of the last epoch that ended finite.
+        Labels are checked against the model's output width and the dataset's classes
+        before anything runs. ``self.model`` receives the weights only after the run: the
+        final ones, or after a stop on a non-finite loss (``on_nan="stop"``) those of the
+        last epoch that ended finite. The schedule arguments override the configuration
+        for this run only (fastai's ``fit_one_cycle(n_epoch, pct_start=...)``).
 
         Args:
             cores: ``"all"`` (default) or 1.
             simulate: Run N simulated XLA:CPU cores (no TPU needed); default None.
             max_lr: Overrides the configured one (``"find"`` runs the LR finder
                 first); default None: the configured ``max_lr``.
-            resume: Continue an earlier run exactly at its next epoch: an epoch
-                checkpoint file, a folder (its newest good ``epoch_*.pt``) or
-                ``"last"`` (the newest in ``checkpoint_dir``). The checkpoint's
-                configuration is compared with this one first; anything the
-                schedule or optimizer state depends on (optimizer, batch size,
-                epochs, max_lr, cores, steps per epoch, ...) must match.
-            debug: Deprecated: use :meth:`debug` (returns its report instead of
-                training).
+            resume: Continue an earlier run exactly at its next epoch: an epoch checkpoint
+                file, a folder (its newest good ``epoch_*.pt``) or ``"last"`` (the newest in
+                ``checkpoint_dir``). Its configuration is compared with this run's (with the
+                overrides below) first: anything the schedule or optimizer state depends on
+                (optimizer, batch size, epochs, pct_start, max_lr, cores, ...) must match.
+            debug: Deprecated: use :meth:`debug` (returns its report instead of training).
             timeout: Seconds after which the replicas are killed (default none).
             check: First run :meth:`check` and print its report; default False.
+            epochs, pct_start, div_factor, final_div_factor: This run's one-cycle length
+                and shape instead of the configured ones (default None: configured).
+            lr_groups: ``lr_groups(model) -> param-group dicts`` (each with ``lr_mult``, the
+                group's share of the scheduled LR) for discriminative LRs and frozen layers
+                (:func:`xla_utils.finetune.layer_group_lrs`); default None: every parameter
+                at one LR (after :meth:`freeze`, the trainable ones).
+            checkpoint_extra: Fields every epoch checkpoint of this run records beside its
+                state (``fine_tune`` records its phase); default None.
+            warn_if_trained: Warn when an earlier fit trained this model and this run starts
+                a new schedule from its weights (default True; ``fine_tune``'s phases pass
+                False).
 
         Returns:
             The run's :class:`History`.
@@ -396,15 +248,16 @@ class OneCycleTrainer:
         Raises:
             ResumeError: ``resume`` cannot continue exactly; lists every difference.
             CheckpointError: A corrupt checkpoint; names the newest good one beside it.
-            ~xla_utils.readiness.ReadinessError: ``check=True`` found errors (before
-                any training or TPU time; warnings only print).
-            ValueError: Labels outside the model's outputs, unlabelled data, or a
-                training set smaller than one global batch.
-            ~xla_utils.inputs.InputRefused: A sample the trainer cannot feed (a
-                ``TypeError`` naming its type, shape, dtype and the fix).
+            ~xla_utils.readiness.ReadinessError: ``check=True`` found errors (before any
+                training or TPU time; warnings only print).
+            ValueError: Labels outside the model's outputs, unlabelled data, a training set
+                smaller than one global batch, or a bad schedule override.
+            ~xla_utils.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
+                naming its type, shape, dtype and the fix).
         """
-        cfg = self.config
-        runtime._prestart_simulation(simulate)
+        cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
+                               final_div_factor=final_div_factor)
+        runtime.prestart_simulation(simulate)
         inputs = self._check_inputs()
         if check and (report := self.check()).errors:
             raise ReadinessError(report)
@@ -412,12 +265,56 @@ class OneCycleTrainer:
             warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
                           "the same DebugReport", DeprecationWarning, stacklevel=2)
             return self._debug(inputs["train"])
+        fit_plan, plan = self._plan_fit(cfg, inputs, cores, simulate, max_lr, resume, lr_groups,
+                                        checkpoint_extra, warn_if_trained)
+        if plan is None:
+            out = runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
+                                     timeout=timeout, sim_threads=True)
+        else:
+            out = _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
+        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
+            self.model.load_state_dict(out.state_dict)
+            self._epochs_trained = len(out.epochs) + (0 if fit_plan.ckpt is not None
+                                                      else self._epochs_trained)
+            self.ema_state = out.ema_state_dict or None
+        for w in out.warnings:
+            warnings.warn(w, RuntimeWarning, stacklevel=2)
+        return out
+
+    def _run_config(self, **overrides: Any) -> TrainerConfig:
+        """This fit run's configuration: ``self.config`` with ``fit``'s schedule overrides
+        (None: the configured value), checked before any device time."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if not given:
+            return self.config
+        try:
+            cfg = dataclasses.replace(self.config, **given)
+            OneCycleSchedule(total_steps=1, max_lr=1.0, pct_start=cfg.pct_start,
+                             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
+        except (TypeError, ValueError) as exc:
+            args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ValueError(f"fit({args}): {exc}") from None
+        return cfg
+
+    def _plan_fit(self, cfg: TrainerConfig, inputs: dict[str, tuple[Any, InputSpec] | None],
+                  cores: int | str, simulate: int | None, max_lr: float | str | None,
+                  resume: str | os.PathLike | None, lr_groups: Callable[..., Any] | None,
+                  checkpoint_extra: dict[str, Any] | None, warn_if_trained: bool
+                  ) -> tuple[FitPlan, _strategy.StrategyPlan | None]:
+        """Every check and decision of a fit run, here on the host before any device time:
+        the replicas' :class:`~xla_utils.replica_loops.FitPlan` and the mesh plan (None
+        under ``"spawn"``)."""
+        if lr_groups is not None and not callable(lr_groups):
+            raise TypeError(f"lr_groups must be a callable model -> param-group dicts (e.g. "
+                            f"xla_utils.finetune.layer_group_lrs(...)) or None, got {lr_groups!r}")
+        check_extra(checkpoint_extra)
         check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
                            bool(getattr(self.train_data, "multilabel", False)),
                            getattr(self.train_data, "num_classes", None))
         world = _strategy.planned_world_size(cores, simulate)
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
-        self._mix = self._mix_config(inputs["train"])
+        mix = self._mix_config(inputs["train"])
+        plan = None
         if cfg.strategy != "spawn":
             plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
         ckpt = None
@@ -430,25 +327,16 @@ class OneCycleTrainer:
                          len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps)
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
         else:
-            base_lr, lr_world = self._new_run_lr(max_lr, simulate, world)
+            base_lr, lr_world = self._new_run_lr(cfg, max_lr, simulate, world, warn_if_trained)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True)
-        args = (float(base_lr), lr_world, ckpt, run_id, inputs)
-        if cfg.strategy == "spawn":
-            out = runtime._launch(self._replica, args, cores=cores, simulate=simulate,
-                                  timeout=timeout, sim_threads=True)
-        else:
-            out = _strategy.launch(_strategy.fit_replica, (self, *args), plan, timeout)
-        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
-            self.model.load_state_dict(out.state_dict)
-            self._epochs_trained = len(out.epochs) + (0 if ckpt is not None
-                                                      else self._epochs_trained)
-            self.ema_state = out.ema_state_dict or None
-        for w in out.warnings:
-            warnings.warn(w, RuntimeWarning, stacklevel=2)
-        return out
+        lr_groups = self._lr_groups if lr_groups is None else lr_groups
+        return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
+                       eval_step=self.eval_step, inputs=inputs, base_lr=float(base_lr),
+                       lr_world=lr_world, ckpt=ckpt, run_id=run_id, mix=mix, lr_groups=lr_groups,
+                       ckpt_extra=checkpoint_extra), plan
 
     def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
         """The fit run's :class:`~xla_utils.mixup.MixConfig` (None: no mixing or smoothing)
@@ -478,13 +366,13 @@ class OneCycleTrainer:
         host, when the trainer cannot feed them)."""
         return inspect_inputs(data, name, need_target=need_target, verb=verb, mean=self.config.mean)
 
-    def _new_run_lr(self, max_lr: float | str | None, simulate: int | None,
-                    world: int) -> tuple[float | str, int]:
-        """``(base_lr, lr_world)`` of a run that does not resume: the configured or
-        given ``max_lr`` for one core, or ``lr_find``'s answer for ``world`` cores."""
-        cfg = self.config
+    def _new_run_lr(self, cfg: TrainerConfig, max_lr: float | str | None, simulate: int | None,
+                    world: int, warn_if_trained: bool = True) -> tuple[float | str, int]:
+        """``(base_lr, lr_world)`` of a run (configured as ``cfg``) that does not resume: the
+        configured or given ``max_lr`` for one core, or ``lr_find``'s answer for ``world``
+        cores."""
         base_lr = cfg.max_lr if max_lr is None else max_lr
-        if self._epochs_trained:
+        if self._epochs_trained and warn_if_trained:
             warnings.warn(
                 f"this trainer's model was already trained by an earlier fit() "
                 f"({self._epochs_trained} epoch(s)); this fit starts a new one-cycle schedule "
@@ -492,7 +380,7 @@ class OneCycleTrainer:
                 + (" (the model factory is called once, in OneCycleTrainer(...), not per fit)"
                    if self._from_factory else "")
                 + ". For a fresh start create a new OneCycleTrainer; to continue a run "
-                "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=3)
+                "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=4)
         if base_lr != "find":
             return base_lr, 1
         # Measure at the run's own global batch: k accumulated micro-batches of the per-core
@@ -549,7 +437,7 @@ class OneCycleTrainer:
             ~xla_utils.inputs.InputRefused: before any device time, a sample the
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
-        runtime._prestart_simulation(simulate)
+        runtime.prestart_simulation(simulate)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         missing_note(data, show=True)  # images the cache build skipped get no row
         return self._launch_inference(plan, cores, simulate)
@@ -568,7 +456,7 @@ class OneCycleTrainer:
         averaged prediction.
         """
         require_labels(data, "data", action="evaluate")
-        runtime._prestart_simulation(simulate)
+        runtime.prestart_simulation(simulate)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
         return self._launch_inference(plan, cores, simulate)
@@ -577,10 +465,10 @@ class OneCycleTrainer:
                           simulate: int | None) -> Any:
         """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
         if self.config.strategy == "spawn":
-            return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
+            return live_or_launch(self, inference_replica, (plan,), cores, simulate)
         world = _strategy.planned_world_size(cores, simulate)
         splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
-        return _strategy.launch(_strategy.inference_replica, (self, plan), splan, None)
+        return _strategy.launch(inference_on_mesh, (plan,), splan, None)
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
@@ -608,7 +496,8 @@ class OneCycleTrainer:
         fed = spec.feed(data)
         return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
-                                  activation=activation, model=model, labelled=labelled, tta=tta)
+                                  activation=activation, model=model, labelled=labelled, tta=tta,
+                                  config=self.config, eval_step=self.eval_step, loss=self.loss)
 
     def _tta_views(self, data, tta: int, shape) -> list[tuple[int, bool]]:
         """The (stored variant, mirrored) pair of each TTA view, in order (see :meth:`predict`)."""
@@ -628,19 +517,6 @@ class OneCycleTrainer:
                              f"test cache with more variants (build_cache(..., variants={tta}, "
                              "unlabeled=True)) or lower tta")
         return views[:tta]
-
-    def _inference_replica(self, plan: loop.InferencePlan):
-        """One replica of :meth:`predict` / :meth:`evaluate` (see :func:`loop.inference_pass`)."""
-        runtime._enable_compile_cache(self.config.compile_cache)  # before anything compiles
-        ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
-        model = (_resident.replica_model(plan.model, dev, rk) if _resident.in_live_job()
-                 else loop.replica_model(plan.model, dev)).eval()  # a live job keeps device copies
-        acc, targets = loop.inference_pass(model, plan, cfg=self.config, eval_step=self.eval_step,
-                                           world_size=ws, rank=rk, dev=dev)
-        if plan.labelled:
-            return loop.inference_metrics(acc, targets, plan, cfg=self.config, loss_fn=self.loss,
-                                          dev=dev)
-        return loop.gather_predictions(acc, plan, world_size=ws, rank=rk, dev=dev)
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
               timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
@@ -667,124 +543,14 @@ class OneCycleTrainer:
                                  optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
                                  prepare=self._prepare(spec, train=True),
                                  train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
-                                 inputs=spec.describe(flip=cfg.flip), compile_cache=cfg.compile_cache,
-                                 make_step=step, print_report=False)
+                                 inputs=spec.describe(flip=cfg.flip),
+                                 compile_cache=cfg.compile_cache, make_step=step,
+                                 print_report=False)
         if cfg.strategy != "spawn":
-            _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu, devices=devices,
-                                      make_step=step)
+            _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu,
+                                      devices=devices, make_step=step)
         print(report.report, flush=True)
         return report
-
-    # ------------------------------------------------------------- replica
-    def _replica(self, base_lr: float, lr_world: int, ckpt: dict | None, run_id: str,
-                 inputs: dict[str, tuple[Any, InputSpec] | None],
-                 strategy: _strategy.MeshRun | None = None) -> History:
-        """One replica of :meth:`fit`: set up, then per epoch train, evaluate and checkpoint
-        (``strategy``: the one SPMD process of ``"spmd"``/``"fsdp"``)."""
-        cfg = self.config
-        train_data, spec = inputs["train"]
-        cache = runtime._enable_compile_cache(cfg.compile_cache)  # before anything compiles
-        counters0 = runtime.xla_counters()
-        s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                        ckpt=ckpt, mix=self._mix, lr_groups=self._lr_groups,
-                        strategy=strategy)
-        state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
-                                initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
-        master_bar, progress_bar = runtime.progress_bars()
-        epochs = range(s.start_epoch, cfg.epochs)
-        best = BestTracker.resume(cfg.monitor, cfg.patience, s.history) if cfg.monitor else None
-        mb = master_bar(epochs) if runtime.is_master() else None
-        for epoch in (mb if mb is not None else epochs):
-            pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
-                              parent=mb) if mb is not None else None
-            batches = s.batches(train_data, cfg, epoch, train=True)
-            res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
-                                       train_step=self.train_step, loss_fn=self.loss,
-                                       inputs=spec, progress=pb)
-            if state.stop_reason is not None:
-                break
-            record = self._epoch_record(epoch, s, state, res, inputs["val"])
-            s.history.append(record)
-            if mb is not None:
-                mb.write(loop.epoch_line(record))
-            if state.stop_reason is not None:  # the epoch's loss exploded: no checkpoint for it
-                break
-            self._end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss))
-            if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir):
-                break
-        if state.stop_reason is not None:
-            final = state.finite_state or {}
-        else:
-            final = state.finite_state if state.finite_state is not None else s.state_dict()
-            final = best.best_state if best is not None and best.best_state else final
-            if cfg.checkpoint_dir is not None:
-                self._save_final(s, final, best is not None and bool(best.best_state))
-        return History(epochs=s.history, world_size=s.world_size,
-                       global_batch=s.world_size * cfg.batch_size * s.accum_steps,
-                       base_lr=s.base_lr,
-                       max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
-                       backend=runtime.backend(), state_dict=final,
-                       stop_reason=state.stop_reason or (best and best.stop_reason),
-                       monitor=cfg.monitor, best_epoch=best and best.best_epoch,
-                       best_score=best and best.best_score,
-                       warnings=state.warnings, run_id=run_id,
-                       compile_cache=runtime._compile_cache_summary(cache, counters0,
-                                                                    runtime.xla_counters()),
-                       ema_state_dict={} if s.ema is None else s.ema.state_dict())
-
-    def _save_final(self, s: loop.Setup, final: dict[str, torch.Tensor], is_best: bool) -> None:
-        """``final.pt``: the weights ``predict`` uses (the best epoch's, else the EMA
-        ones when ``ema`` is set, else ``final``); with EMA also ``final_raw.pt``
-        (the last epoch's trained weights). Every rank calls (the master writes)."""
-        folder = Path(self.config.checkpoint_dir)
-        if s.ema is None:
-            runtime.save(final, folder / "final.pt")
-            return
-        runtime.save(final if is_best else s.ema.state_dict(), folder / "final.pt")
-        runtime.save(s.state_dict(), folder / "final_raw.pt")
-
-    def _epoch_record(self, epoch: int, s: loop.Setup, state: loop.TrainState,
-                      res: loop.EpochResult, val: tuple[Any, InputSpec] | None) -> dict[str, Any]:
-        """The finished epoch's history record (validation included; :func:`loop.explosion`)."""
-        cfg = self.config
-        record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
-        if val is not None:
-            metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
-                                    cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
-                                    autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed)
-            record.update({"val_loss": metrics.pop("loss")}, **metrics)
-        record.update(lr_max=s.max_lr, lr_last=res.lr_last,
-                      images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
-                      / res.seconds,
-                      compiles=runtime.xla_counters()["compiles"],
-                      host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
-        loop.explosion(record, state, cfg, s, epoch)
-        return record
-
-    def _end_epoch(self, epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str,
-                   finite: bool) -> None:
-        """Keep a host copy of finite weights (master, ``on_nan="stop"``) and
-        write the epoch checkpoint when configured and the loss is finite."""
-        cfg = self.config
-        if finite and cfg.on_nan == "stop" and runtime.is_master():
-            state.finite_state = loop.host_copy(s.state_dict())
-        if cfg.checkpoint_dir is None:
-            return
-        if finite:
-            written = save_checkpoint(
-                s.model, s.opt, cfg, epoch=epoch + 1, history=s.history, base_lr=s.base_lr,
-                lr_world=s.lr_world, world_size=s.world_size, steps_per_epoch=s.steps_per_epoch,
-                run_id=run_id, host_state=state.finite_state if state.finite_state is not None
-                else s.state_dict(), initial_loss=state.initial_loss,
-                ema=None if s.ema is None else s.ema.state_dict(),
-                extra=self._ckpt_extra)
-            if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
-                s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
-                                    cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
-                                    ema=s.ema)
-        else:
-            runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
-                                 "(non-finite loss); older checkpoints are kept")
 
     def eval_weights(self) -> dict[str, torch.Tensor]:
         """The weights ``evaluate``/``predict`` use: the last fit's EMA weights when
@@ -793,4 +559,4 @@ class OneCycleTrainer:
 
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
-        return lambda x, cfg=self.config: loop.prepare_input(x, cfg, train, spec)
+        return loop.input_preparer(self.config, spec, train)

@@ -314,7 +314,7 @@ def _locked(out: Store, src: Source, cfg: CacheConfig):
 
 
 def _new_manifest(src: Source, cfg: CacheConfig, per_shard: int) -> dict[str, Any]:
-    from .. import __version__
+    from ..version import __version__
     import PIL
 
     return {

@@ -52,24 +52,26 @@ Layout
               thing in every replica of the entry points (``compile_cache=``).
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
-``launcher``  ``launch``: TPU jobs, simulated jobs (through
-              :mod:`xla_utils.simulate`, imported lazily), or in-process.
-Dependencies run down this list, and ``simulate`` sits between ``replica`` and
-``launcher``: it never imports the launcher. Progress bars are :mod:`xla_utils.progress`.
+``launcher``  ``launch``: TPU jobs, simulated jobs (through the launcher
+              :mod:`xla_utils.simulate` registers, :func:`.launcher.register_simulator`),
+              or in-process.
+The names in :data:`INTERNAL_API` (``launch_job``, ``prestart_simulation``,
+``enable_compile_cache``, ``tpu_present``, ...) are this package's API for the rest of
+xla_utils: public, so no other module reaches for a private name, but not for users
+(not in ``__all__``). Dependencies run down this list; :mod:`xla_utils.simulate` sits above
+this package (it calls ``replica`` and registers itself with ``launcher``), and nothing here
+imports it. Progress bars are :mod:`xla_utils.progress`.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from .. import progress as _progress
-from .compile_cache import (CompileCacheOption, check_compile_cache_option as _check_compile_cache_option,
-                            compile_cache_summary as _compile_cache_summary,
-                            default_compile_cache_root,
-                            enable_compile_cache as _enable_compile_cache)
+from .compile_cache import (CompileCacheOption, check_compile_cache_option, compile_cache_summary,
+                            default_compile_cache_root, enable_compile_cache)
 from .counters import xla_counters, xla_counters_report
-# The underscored names are the package's internal API for the rest of xla_utils
-# (trainer, lr_finder, readiness, debug) and the tests; they are not public.
-from .launcher import _launch, _prestart_if_simulation_likely, _prestart_simulation, launch
+from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
+                       register_simulator)
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .transfer import device_prefetch, to_device
@@ -77,10 +79,7 @@ from .world import (all_reduce, backend, device, graph_text, is_master, is_simul
                     master_print, optimizer_step, rank, rendezvous, save, set_seed, sync,
                     world_size)
 from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_compile_flags,
-                  load_xla as _load_xla,
-                  tpu_present as _tpu_present, xla_available,
-                  xla_installed as _xla_installed,
-                  xla_runtime_initialized as _xla_runtime_initialized)
+                  load_xla, tpu_present, xla_available, xla_installed, xla_runtime_initialized)
 
 __all__ = [
     "XLAUnavailableError",
@@ -113,6 +112,24 @@ __all__ = [
     "STATE",
     "RuntimeState",
 ]
+
+# The package's API for the rest of xla_utils (trainer, lr_finder, readiness, debug,
+# strategy, simulate) and the tests: public names, but not for users, so neither in
+# __all__ nor among the names `xla_utils` exports.
+INTERNAL_API = (
+    "launch_job",  # launch with sim_threads: xla_utils' own loops as replica threads
+    "prestart_simulation",
+    "prestart_if_simulation_likely",
+    "enable_compile_cache",
+    "check_compile_cache_option",
+    "compile_cache_summary",
+    "CompileCacheOption",
+    "tpu_present",
+    "xla_installed",
+    "xla_runtime_initialized",
+    "load_xla",
+    "register_simulator",
+)
 
 
 def progress_bars() -> tuple[Callable, Callable]:

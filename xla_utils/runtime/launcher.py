@@ -2,10 +2,10 @@
 
 ``launch`` on a TPU forks one job process into
 :func:`~xla_utils.runtime.replica.job_main`, which ``xmp.spawn``s the replicas;
-simulated jobs are started by :mod:`xla_utils.simulate` from its clean
-interpreter. Without a TPU and without simulation, ``fn`` runs in-process on the
-torch backend. Only this module imports :mod:`xla_utils.simulate` (lazily); the
-replica side (:mod:`~xla_utils.runtime.replica`) never does.
+simulated jobs are started by the :class:`Simulator` that :mod:`xla_utils.simulate`
+registers here when it is imported (``import xla_utils`` imports it): simulate sits
+above this package and calls into it, so nothing in ``runtime`` imports ``simulate``.
+Without a TPU and without simulation, ``fn`` runs in-process on the torch backend.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import queue as queue_mod
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .replica import ReplicaError, job_main
@@ -23,11 +24,43 @@ from .state import STATE
 from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_available,
                   xla_installed, xla_runtime_initialized)
 
-__all__ = ["launch"]
+__all__ = ["launch", "Simulator", "register_simulator"]
 
 # After the first replica error, how long the others get to report before the
 # whole job is killed.
 ERROR_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class Simulator:
+    """How simulated jobs run (registered by :mod:`xla_utils.simulate`).
+
+    Attributes:
+        run_replicas: ``run_replicas(fn, args, n, timeout=..., threads=...)``: ``fn(*args)``
+            on ``n`` simulated cores; rank 0's result.
+        prestart: Starts the simulation's clean interpreter in the background.
+    """
+
+    run_replicas: Callable[..., Any]
+    prestart: Callable[[], None]
+
+
+_SIMULATOR: Simulator | None = None
+
+
+def register_simulator(run_replicas: Callable[..., Any], prestart: Callable[[], None]) -> None:
+    """Make ``run_replicas`` / ``prestart`` the way simulated launches run (called by
+    :mod:`xla_utils.simulate` when it is imported; a later call replaces them)."""
+    global _SIMULATOR
+    _SIMULATOR = Simulator(run_replicas=run_replicas, prestart=prestart)
+
+
+def _simulator() -> Simulator:
+    if _SIMULATOR is None:  # only when xla_utils' package face was bypassed
+        raise RuntimeError("simulated cores run through xla_utils.simulate, which registers "
+                           "itself with xla_utils.runtime when imported; `import xla_utils` "
+                           "imports it. Fix: import xla_utils.simulate before launching")
+    return _SIMULATOR
 
 
 def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
@@ -71,19 +104,17 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
             initialised the XLA runtime and can no longer fork replicas.
         XLAUnavailableError: ``simulate`` without a working torch_xla.
     """
-    return _launch(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
+    return launch_job(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
 
 
-def _prestart_simulation(simulate: int | None) -> None:
+def prestart_simulation(simulate: int | None) -> None:
     """Start the simulation's clean interpreter in the background when a launch
     with ``simulate`` is coming (see :func:`xla_utils.simulate.prestart`)."""
     if simulate is not None and xla_installed():
-        from .. import simulate as sim
-
-        sim.prestart()
+        _simulator().prestart()
 
 
-def _prestart_if_simulation_likely() -> None:
+def prestart_if_simulation_likely() -> None:
     """Start the simulation's clean interpreter in the background when simulated
     cores are the only way this host runs XLA (torch_xla installed, no TPU), so that
     a later ``predict``/``evaluate``/``fit`` with ``simulate`` does not wait for it.
@@ -92,13 +123,11 @@ def _prestart_if_simulation_likely() -> None:
 
     if importlib.util.find_spec("torch_xla") is None or tpu_present():
         return
-    from .. import simulate as sim
-
-    sim.prestart()
+    _simulator().prestart()
 
 
-def _launch(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
-            timeout: float | None, sim_threads: bool) -> Any:
+def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
+               timeout: float | None, sim_threads: bool) -> Any:
     """:func:`launch`; ``sim_threads=True`` simulates cores as threads of one
     process (xla_utils' own loops, which synchronise only through :func:`sync`;
     see :mod:`xla_utils.runtime`)."""
@@ -136,10 +165,8 @@ def _launch(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: 
 
 def _launch_xla(fn, args, *, cores, simulate, timeout, sim_threads) -> Any:
     if simulate is not None:
-        from .. import simulate as sim
-
-        return sim.run_replicas(fn, tuple(args), 1 if cores == 1 else simulate, timeout=timeout,
-                                threads=sim_threads)
+        return _simulator().run_replicas(fn, tuple(args), 1 if cores == 1 else simulate,
+                                         timeout=timeout, threads=sim_threads)
     return _launch_tpu(fn, args, cores=cores, timeout=timeout)
 
 

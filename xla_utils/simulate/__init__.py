@@ -41,15 +41,22 @@ rank is.
 
 Modules: :mod:`.protocol` (store keys, events, payload files: the one place
 the two sides meet), :mod:`.caller` (zygote, job, :func:`run_replicas`),
-:mod:`.runner` (``python -m xla_utils.simulate``, :func:`run_script`,
+:mod:`.forms` (which form a script or function is: spawn, SPMD, torchrun),
+:mod:`.relay` (a child process's output re-printed here), :mod:`.runner` (``python -m xla_utils.simulate``, :func:`run_script`,
 :func:`simulated_spawn`), :mod:`.job` (the zygote's and job's code, replica
 bootstrap), :mod:`.collectives` (torch_xla patched inside a replica),
 :mod:`.dist` (torch.distributed's ``xla`` backend in a replica), :mod:`.compiled`
 (``torch.compile`` in a replica) and :mod:`.spmd` (SPMD programs: one process with
 N XLA:CPU devices).
+
+Importing this package registers :func:`run_replicas` and :func:`prestart` with
+:func:`xla_utils.runtime.launcher.register_simulator`: ``runtime.launch(fn,
+simulate=N)`` runs through them, and ``import xla_utils`` imports this package, so
+they are always registered.
 """
 from __future__ import annotations
 
+from ..runtime.launcher import register_simulator
 from .caller import prestart, run_replicas
 from .footprint import SimulatedMemoryError
 from .protocol import COLLECTIVE_TIMEOUT_S, CollectiveError
@@ -57,3 +64,7 @@ from .runner import main, run_script, simulated_spawn
 
 __all__ = ["CollectiveError", "run_script", "simulated_spawn", "main",
            "COLLECTIVE_TIMEOUT_S", "run_replicas", "prestart", "SimulatedMemoryError"]
+
+# runtime sits below this package and never imports it: its launcher runs simulated jobs
+# through what is registered here (import xla_utils imports this package).
+register_simulator(run_replicas, prestart)

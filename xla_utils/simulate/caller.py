@@ -26,6 +26,7 @@ from .footprint import ReplicaMeter, check_fits, record
 from .protocol import (ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
                        TransportError, describe_status, lost_name, read_error, read_payload,
                        recv_msg, send_msg, serve_store)
+from .relay import forward_output
 
 # Seconds the zygote may take to import torch and torch_xla (cold disk: ~25 s).
 _ZYGOTE_START_S = 300.0
@@ -54,8 +55,8 @@ class _Zygote:
         # reaches a notebook (whose sys.stdout is not file descriptor 1).
         self.forwarding = threading.Lock()
         for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr")):
-            threading.Thread(target=_forward, args=(stream, name, self.forwarding), daemon=True,
-                             name=f"xla_utils-zygote-{name}").start()
+            threading.Thread(target=forward_output, args=(stream, name, self.forwarding),
+                             daemon=True, name=f"xla_utils-zygote-{name}").start()
         self.sock.settimeout(_ZYGOTE_START_S)
         try:
             msg = recv_msg(self.sock)
@@ -107,29 +108,6 @@ class _Zygote:
         with contextlib.suppress(Exception):
             self.proc.kill()
             self.proc.wait(timeout=5)
-
-
-def _forward(stream, name: str, lock: threading.Lock) -> None:
-    import select
-
-    fd = stream.fileno()
-    while True:
-        with contextlib.suppress(OSError, ValueError):
-            select.select([fd], [], [])
-        with lock:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                return
-            if not data:
-                return
-            target = getattr(sys, name)
-            try:
-                target.write(data.decode("utf-8", "replace"))
-                target.flush()
-            except Exception:  # a closed or replaced stream must not kill forwarding
-                with contextlib.suppress(Exception):
-                    os.write(1 if name == "stdout" else 2, data)
 
 
 _ZYGOTE: _Zygote | None = None
@@ -225,7 +203,8 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     import cloudpickle
 
     from ..runtime.replica import ReplicaError
-    from .spmd_fn import fn_uses_spmd, run_spmd_fn
+    from .forms import fn_uses_spmd
+    from .spmd_fn import run_spmd_fn
 
     why = fn_uses_spmd(fn) if detect_spmd and not threads else None
     if why:  # one program owning every device: one process with n XLA:CPU devices

@@ -208,8 +208,8 @@ def live_or_launch(owner: Any, fn: Callable[..., Any], args: tuple, cores: int |
     if isinstance(simulate, int) and not isinstance(simulate, bool) and simulate >= 1 \
             and cores in ("all", 1):
         return live_job_for(owner, 1 if cores == 1 else simulate).call(fn, args)
-    return runtime._launch(fn, args, cores=cores, simulate=simulate, timeout=None,
-                           sim_threads=True)
+    return runtime.launch_job(fn, args, cores=cores, simulate=simulate, timeout=None,
+                              sim_threads=True)
 
 
 # ==========================================================================

@@ -15,7 +15,8 @@ from typing import Iterator, Sequence
 
 from .caller import run_replicas
 from .footprint import SimulatedMemoryError
-from .spmd import FORMS, detect_form, run_spmd
+from .forms import FORMS, detect_form
+from .spmd import run_spmd
 from .torchrun import run_torchrun
 
 

@@ -5,7 +5,7 @@ An SPMD program (``xr.use_spmd()``, ``xs.Mesh``, ``mark_sharding``, FSDPv2,
 XLA's own partitioner inserts the collectives. Its faithful simulation is that
 process with ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N`` (no host collectives). The
 runner decides the form before running by reading the script's names
-(:func:`detect_form`), says so, and runs the script through :func:`spmd_child_main`,
+(:func:`.forms.detect_form`), says so, and runs the script through :func:`spmd_child_main`,
 where ``xmp.spawn`` / ``torch_xla.launch`` raise a named error (a program that
 mixes the two forms); replicas of the multi-process form refuse ``xr.use_spmd()``
 (see :mod:`.collectives`), so a program never silently gets fewer devices than
@@ -13,42 +13,14 @@ mixes the two forms); replicas of the multi-process form refuse ``xr.use_spmd()`
 """
 from __future__ import annotations
 
-import io
 import os
 import runpy
 import subprocess
 import sys
-import tokenize
 from pathlib import Path
 from typing import Sequence
 
 from .dist import LOOPBACK_ENV, patch_distributed_spmd
-
-# Names whose presence in a script's code (not its comments or strings) marks SPMD.
-SPMD_NAMES = ("use_spmd", "mark_sharding", "Mesh", "HybridMesh", "get_1d_mesh",
-              "SpmdFullyShardedDataParallel", "input_sharding", "enable_spmd")
-FORMS = ("auto", "spawn", "spmd", "torchrun")
-
-
-def detect_form(path: str | os.PathLike) -> tuple[str, str]:
-    """``("spmd", why)`` if the script's code names an SPMD API, ``("torchrun", why)``
-    if it checks that torchrun launched it, else ``("spawn", why)``."""
-    from .torchrun import TORCHRUN_NAMES
-
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    torchrun = None
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-            if tok.type == tokenize.NAME and tok.string in SPMD_NAMES:
-                return "spmd", f"it uses `{tok.string}` (line {tok.start[0]})"
-            if tok.type == tokenize.NAME and tok.string in TORCHRUN_NAMES and not torchrun:
-                torchrun = f"it checks `{tok.string}` (line {tok.start[0]})"
-    except (tokenize.TokenError, SyntaxError, IndentationError):
-        pass
-    if torchrun:
-        return "torchrun", torchrun
-    return "spawn", ("it names no SPMD API (use_spmd, Mesh, mark_sharding, ...) and does not "
-                     "check is_torchelastic_launched")
 
 
 def run_spmd(path: str, cores: int, args: Sequence[str] = (),

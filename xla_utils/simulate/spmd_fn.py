@@ -4,7 +4,7 @@ A function (a notebook cell's training function) that uses SPMD (``use_spmd``,
 ``Mesh``, ``mark_sharding``, FSDPv2, ``input_sharding``) is one program that owns
 every device, so its faithful simulation is one fresh process with
 ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N`` (as for a script, see :mod:`.spmd`), not N
-replica processes. :func:`fn_uses_spmd` reads the function's code (and the code
+replica processes. :func:`.forms.fn_uses_spmd` reads the function's code (and the code
 of the user functions and classes it names, not library code) for SPMD names;
 :func:`run_spmd_fn` sends ``fn`` and its arguments there with cloudpickle, runs
 it once and returns its result (device tensors as CPU tensors) or raises
@@ -19,70 +19,12 @@ import sys
 import tempfile
 import threading
 import traceback
-import types
 from pathlib import Path
 from typing import Any, Callable
 
 from .dist import LOOPBACK_ENV, patch_distributed_spmd
-from .spmd import SPMD_NAMES
 
-# Modules whose code is library code, not the user's program (not scanned).
-_LIBRARY_PREFIXES = ("torch", "torch_xla", "torchvision", "xla_utils", "numpy", "builtins")
 _PAYLOAD, _RESULT, _ERROR = "payload.pkl", "result.pkl", "error.txt"
-
-
-def _code_names(code: types.CodeType) -> list[tuple[str, types.CodeType]]:
-    """``(name, code)`` for every global/attribute name of ``code`` and its nested code."""
-    out = [(n, code) for n in code.co_names]
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out.extend(_code_names(const))
-    return out
-
-
-def _user_code(obj: Any) -> list[tuple[types.CodeType, dict]]:
-    """``(code, globals)`` of a user function, or of each method of a user class."""
-    mod = getattr(obj, "__module__", "") or ""
-    if mod.split(".")[0] in _LIBRARY_PREFIXES:
-        return []
-    if isinstance(obj, types.FunctionType):
-        return [(obj.__code__, obj.__globals__)]
-    if isinstance(obj, types.MethodType):
-        return _user_code(obj.__func__)
-    if isinstance(obj, type):
-        found = []
-        for value in vars(obj).values():
-            value = getattr(value, "__func__", value)
-            if isinstance(value, types.FunctionType):
-                found.append((value.__code__, value.__globals__))
-        return found
-    call = getattr(type(obj), "__call__", None)  # functools.partial, callable objects
-    inner = getattr(obj, "func", None)
-    return _user_code(inner) if inner is not None else (
-        _user_code(call) if isinstance(call, types.FunctionType) else [])
-
-
-def fn_uses_spmd(fn: Callable[..., Any], depth: int = 4) -> str | None:
-    """Why ``fn`` is an SPMD program (``"it uses `mark_sharding` (file:line)"``), or
-    ``None``. Follows the user functions and classes ``fn`` names, ``depth`` deep."""
-    seen: set[int] = set()
-    todo = [(c, g, 0) for c, g in _user_code(fn)]
-    while todo:
-        code, glb, level = todo.pop()
-        if id(code) in seen:
-            continue
-        seen.add(id(code))
-        for name, where in _code_names(code):
-            if name in SPMD_NAMES:
-                return (f"it uses `{name}` ({where.co_filename}:"
-                        f"{where.co_firstlineno}, in {where.co_name})")
-            if level < depth and name in glb:
-                try:
-                    found = _user_code(glb[name])
-                except Exception:  # an object whose attributes cannot be read: not code
-                    found = []
-                todo.extend((c, g, level + 1) for c, g in found)
-    return None
 
 
 def run_spmd_fn(fn: Callable[..., Any], args: tuple, cores: int, why: str,
@@ -97,7 +39,7 @@ def run_spmd_fn(fn: Callable[..., Any], args: tuple, cores: int, why: str,
     import cloudpickle
 
     from ..runtime.replica import ReplicaError
-    from .caller import _forward
+    from .relay import forward_output
 
     name = getattr(fn, "__qualname__", repr(fn))
     print(f"xla_utils.simulate: running {name} as SPMD (one process with {cores} XLA:CPU "
@@ -113,7 +55,7 @@ def run_spmd_fn(fn: Callable[..., Any], args: tuple, cores: int, why: str,
         proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         lock = threading.Lock()
-        threads = [threading.Thread(target=_forward, args=(s, n, lock), daemon=True)
+        threads = [threading.Thread(target=forward_output, args=(s, n, lock), daemon=True)
                    for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for t in threads:
             t.start()

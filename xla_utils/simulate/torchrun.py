@@ -17,9 +17,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-# Names whose presence in a script's code marks the torchrun form.
-TORCHRUN_NAMES = ("is_torchelastic_launched",)
-
 
 def run_torchrun(path: str, cores: int, args: Sequence[str] = (),
                  timeout: float | None = None) -> int:

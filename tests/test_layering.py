@@ -1,0 +1,310 @@
+"""Imports run one way, and no room takes another room's private names (issue 35).
+
+Read from the source (``ast``), counting every import, also those inside functions (a
+lazy import is still an arrow); ``if TYPE_CHECKING:`` blocks are left out: they never
+run, and they are how a module names a type from above it in an annotation.
+
+* **No import circle** in ``xla_utils/``: the module graph has no strongly connected
+  component of more than one module. ``from pkg import name`` is an arrow to ``pkg.name``
+  when that is a module, else to ``pkg``. Parent packages that Python imports first are not
+  arrows of their own (the package face ``xla_utils`` runs before any module of it).
+* **No private reach across rooms.** A room is a subpackage (``cache/``, ``runtime/``,
+  ``simulate/``: its modules may share their privates) or a top-level module of
+  ``xla_utils/`` (each a room of its own). Taken across rooms, a private name (one
+  underscore; dunders are not private) is refused as ``from .x import _y``, as ``x._y``
+  where ``x`` is an imported xla_utils module, and as ``obj._y`` where ``_y`` is defined
+  (a function, class, module or class attribute, or ``self._y = ...``) only in other rooms,
+  e.g. a trainer's ``_lr_groups`` written from outside the trainer's module.
+"""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "xla_utils"
+
+
+@dataclass
+class Module:
+    name: str  # dotted
+    path: Path
+    room: str
+    shown: str  # the path as messages show it: relative to the package's parent
+    imports: dict[str, int] = field(default_factory=dict)  # module -> first line
+    reaches: list[tuple[int, str, str]] = field(default_factory=list)  # line, name, why
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _module_name(path: Path, top: Path) -> str:
+    parts = list(path.relative_to(top.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _room(name: str, is_package: bool) -> str:
+    """The subpackage a module belongs to, or the top-level module itself."""
+    parts = name.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and is_package):
+        return ".".join(parts[:2])
+    return name
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _run_nodes(tree: ast.Module) -> list[ast.AST]:
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    out: list[ast.AST] = []
+
+    def visit(node: ast.AST) -> None:
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for c in child.orelse:
+                    visit(c)
+            else:
+                visit(child)
+
+    visit(tree)
+    return out
+
+
+def _definitions(tree: ast.Module) -> set[str]:
+    """Private names a module defines: functions, classes, module and class attributes,
+    and ``self._y`` / ``cls._y`` assignments."""
+    found: set[str] = set()
+
+    def targets(node: ast.AST) -> list[ast.AST]:
+        if isinstance(node, (ast.Assign,)):
+            return list(node.targets)
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            return [node.target]
+        return []
+
+    def scan(body: list[ast.stmt], scope: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(node.name)
+                scan(node.body, "class" if isinstance(node, ast.ClassDef) else "function")
+                continue
+            for t in targets(node):
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name) and scope in ("module", "class"):
+                        found.add(n.id)
+                    elif (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                          and n.value.id in ("self", "cls")):
+                        found.add(n.attr)
+            for name in ("body", "orelse", "finalbody"):
+                inner = getattr(node, name, None)
+                if isinstance(inner, list) and not isinstance(node, ast.ClassDef):
+                    scan([s for s in inner if isinstance(s, ast.stmt)], scope)
+            for handler in getattr(node, "handlers", []):
+                scan(handler.body, scope)
+
+    scan(tree.body, "module")
+    return {n for n in found if _private(n)}
+
+
+def analyse(top: Path) -> dict[str, Module]:
+    """The modules of the package at ``top``: their import arrows (with lines) and their
+    private reaches into other rooms."""
+    paths = sorted(top.rglob("*.py"))
+    names = {_module_name(p, top): p for p in paths}
+    trees = {n: ast.parse(p.read_text(encoding="utf-8"), str(p)) for n, p in names.items()}
+    mods = {n: Module(n, p, _room(n, p.name == "__init__.py"),
+                      str(p.relative_to(top.parent)))
+            for n, p in names.items()}
+    defined: dict[str, set[str]] = defaultdict(set)  # room -> private names defined there
+    for n, tree in trees.items():
+        defined[mods[n].room] |= _definitions(tree)
+
+    for n, tree in trees.items():
+        mod = mods[n]
+        package = n if mod.path.name == "__init__.py" else n.rpartition(".")[0]
+        aliases: dict[str, str] = {}  # local name -> xla_utils module it is bound to
+
+        def arrow(target: str, line: int) -> None:
+            if target != n and target in mods:
+                mod.imports.setdefault(target, line)
+
+        def reach(line: int, name: str, owner: str) -> None:
+            if _private(name) and owner in mods and mods[owner].room != mod.room:
+                mod.reaches.append((line, name, f"private to {owner}"))
+
+        nodes = _run_nodes(tree)
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == top.name:
+                        arrow(a.name, node.lineno)
+                        if a.asname:
+                            aliases[a.asname] = a.name
+                        else:
+                            aliases[a.name.split(".")[0]] = a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                if base.split(".")[0] != top.name:
+                    continue
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    if sub in mods:
+                        arrow(sub, node.lineno)
+                        aliases[a.asname or a.name] = sub
+                        if _private(a.name) and mods[sub].room != mod.room:
+                            mod.reaches.append((node.lineno, a.name, f"private module {sub}"))
+                    else:
+                        arrow(base, node.lineno)
+                        reach(node.lineno, a.name, base)
+        for node in nodes:
+            if not isinstance(node, ast.Attribute) or not _private(node.attr):
+                continue
+            owner = _dotted(node.value, aliases)
+            if owner in mods:  # module._y
+                reach(node.lineno, node.attr, owner)
+            elif node.attr not in defined[mod.room]:  # obj._y
+                rooms = sorted(r for r, names in defined.items() if node.attr in names)
+                if rooms:
+                    mod.reaches.append((node.lineno, node.attr, f"defined only in {rooms}"))
+    return mods
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """The xla_utils module an expression like ``runtime`` or ``xla_utils.runtime`` names."""
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, aliases)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def circles(mods: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in mods[v].imports:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(mods):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def _cycle_text(comp: list[str], mods: dict[str, Module]) -> str:
+    """One circle through ``comp``, each arrow with the file and line of its import."""
+    start, members = comp[0], set(comp)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:  # breadth first back to start, inside the component
+        v = todo.pop(0)
+        for w in sorted(mods[v].imports):
+            if w == start:
+                path = paths[v] + [start]
+                return start + "".join(f" -[{mods[a].shown}:{mods[a].imports[b]}]-> {b}"
+                                       for a, b in zip(path, path[1:]))
+            if w in members and w not in paths:
+                paths[w] = paths[v] + [w]
+                todo.append(w)
+    raise AssertionError(f"no circle through {comp}")
+
+
+def _reach_lines(mods: dict[str, Module]) -> list[str]:
+    return [f"{m.shown}:{line}: {m.name} takes `{name}` ({why}; its room is {m.room})"
+            for m in mods.values() for line, name, why in m.reaches]
+
+
+# --------------------------------------------------------------------------- the package
+
+
+def test_no_import_circle_inside_xla_utils():
+    mods = analyse(PKG)
+    assert "xla_utils.trainer" in mods and mods["xla_utils.trainer"].imports  # the reader works
+    found = circles(mods)
+    assert not found, "import circles (move what both need down, or pass it in; a type " \
+        "for annotations only goes under `if TYPE_CHECKING:`):\n  " + "\n  ".join(
+            f"{comp}: e.g. {_cycle_text(comp, mods)}" for comp in found)
+
+
+def test_no_module_takes_another_rooms_private_names():
+    mods = analyse(PKG)
+    lines = _reach_lines(mods)
+    assert not lines, "private names taken across rooms (give the owner a public function " \
+        "or argument instead):\n  " + "\n  ".join(lines)
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+FAKE = {
+    "__init__.py": "from .version import V\n",
+    "version.py": "V = 1\n",
+    "low.py": "from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from .high import High  # annotations only: allowed\n"
+              "def _helper():\n    return 1\n"
+              "def public():\n    return _helper()\n",
+    "high.py": "from . import low\n"
+               "from .low import _helper\n"  # private import across rooms
+               "class High:\n    def __init__(self):\n        self._state = 0\n"
+               "def use(obj):\n    low._helper()\n"  # module._private
+               "    return obj._owned, obj.__dict__, obj._state\n"  # _owned: pkg's; _state: own
+               "def lazy():\n    from . import cyc_b\n    return cyc_b\n",
+    "cyc_b.py": "def f():\n    from .high import use\n    return use\n",  # lazy circle
+    "pkg/__init__.py": "",
+    "pkg/a.py": "class Box:\n    def __init__(self):\n        self._owned = 1\n",
+    "pkg/b.py": "from .a import Box\nfrom ..low import public\n"
+                "def peek(box: Box):\n    return box._owned\n",  # same room: allowed
+}
+
+
+def test_the_checks_find_circles_and_private_reaches(tmp_path):
+    top = tmp_path / "fake"
+    for rel, text in FAKE.items():
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_text(text)
+    mods = analyse(top)
+    assert circles(mods) == [["fake.cyc_b", "fake.high"]]
+    assert "fake.high" not in mods["fake.low"].imports  # TYPE_CHECKING import left out
+    text = _cycle_text(circles(mods)[0], mods)
+    assert text == "fake.cyc_b -[fake/cyc_b.py:2]-> fake.high -[fake/high.py:10]-> fake.cyc_b", text
+    assert sorted((line, name) for line, name, _ in mods["fake.high"].reaches) == [
+        (2, "_helper"), (7, "_helper"), (8, "_owned")]
+    assert mods["fake.pkg.b"].reaches == [] and mods["fake.low"].reaches == []
+    lines = _reach_lines(mods)
+    assert "fake/high.py:8: fake.high takes `_owned` (defined only in ['fake.pkg']; its room " \
+        "is fake.high)" in lines, lines
