@@ -15,6 +15,7 @@ import torch
 
 from . import runtime
 from .data import IMAGENET_MEAN, IMAGENET_STD
+from .device_plan import DevicePlan, DeviceRequest
 from .inputs import InputSpec, check_targets, inspect_inputs
 from .loop import default_eval_step, default_train_step
 from .optim import make_optimizer, resolve_optimizer
@@ -59,7 +60,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
               batch_size: int = 8, steps: int = 5, optimizer: Any = "sgd", lr: float = 1e-3,
               train_step: Callable | None = None, prepare: Callable | None = None,
               print_report: bool = True, eval_step: Callable | None = None,
-              inputs: InputSpec | None = None, mesh: Any = None) -> DebugReport:
+              inputs: InputSpec | None = None, mesh: Any = None, precision: str = "auto",
+              channels_last: bool | str = "auto") -> DebugReport:
     """Run a few plain training steps on ONE core and explain what XLA did.
 
     A plain ``torch.utils.data.DataLoader`` (no prefetch thread), and every step
@@ -96,6 +98,9 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             devices, :func:`xla_utils.strategy.launch`): the model replicated or sharded,
             each batch of ``batch_size`` x devices split over the mesh, the same
             ``barrier=True`` step boundary and counters. Default None (one core).
+        precision, channels_last: As ``TrainerConfig``'s where the steps run on the torch
+            backend (no torch_xla: a GPU or the CPU, :mod:`xla_utils.device_plan`); the XLA
+            steps run in float32 as before.
     """
     optimizer = resolve_optimizer(optimizer)
     spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")
@@ -115,7 +120,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
 
     def job() -> DebugReport:
         return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
-                            batch_size=batch_size, steps=steps)
+                            batch_size=batch_size, steps=steps,
+                            device=DeviceRequest(precision, channels_last, spec))
 
     if mesh is not None:
         from .strategy import launch
@@ -157,11 +163,13 @@ def _mesh_debug_steps(plan: Any, module: torch.nn.Module, loss: Callable, data, 
 
 def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                  to_input: Callable, *, optimizer: Any, lr: float, batch_size: int,
-                 steps: int, mesh: Any = None) -> DebugReport:
+                 steps: int, mesh: Any = None, device: DeviceRequest = DeviceRequest()) -> DebugReport:
     """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each
-    (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices)."""
+    (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices;
+    ``device``: precision and layout on the torch backend)."""
     dev = runtime.device()
     net = copy.deepcopy(module).to(dev) if mesh is None else mesh.wrap(copy.deepcopy(module))
+    amp = DevicePlan.build(device if dev.type != "xla" else DeviceRequest("fp32"), dev, net)
     opt = make_optimizer(optimizer, net.parameters(), lr=lr)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size * (mesh.devices if mesh else 1),
                                          shuffle=False, drop_last=True)
@@ -175,11 +183,12 @@ def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callabl
             break
         if mesh is None:
             x, y = runtime.to_device((x, y), dev)
-        x = to_input(x)
+        x = amp.layout(to_input(x))
         opt.zero_grad(set_to_none=True)
-        loss_t = step_fn(net, (x, y), loss)
-        loss_t.backward()
-        runtime.optimizer_step(opt, barrier=True)
+        with amp.autocast:
+            loss_t = step_fn(net, (x, y), loss)
+        amp.backward(loss_t)
+        amp.step(opt, barrier=True)
         losses.append(float(loss_t.detach().cpu()))
         now = runtime.xla_counters()
         per_step.append({k: now[k] - prev[k] for k in
@@ -192,6 +201,7 @@ def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callabl
           if v - first["fallback_ops"].get(k, 0) > 0}
     where = "" if mesh is None else (f" (strategy {mesh.plan.strategy!r}: one process, a mesh of "
                                      f"{mesh.devices} devices, batch {len(y)} split over it)")
+    where += f" ({amp.words})" if amp.words else ""
     text = [f"debug_run on {runtime.backend()} device {dev}{where}: {n} steps, "
             f"losses {', '.join(f'{v:.4g}' for v in losses)}",
             runtime.xla_counters_report(first, prev, steps=n)]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from . import runtime
+from .device_plan import DevicePlan, DeviceRequest, check_before_launch
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
 from .progress import progress_bar
 
@@ -404,7 +405,7 @@ class _Config:
     show_progress: bool
     parent_pid: int
     compile_cache: Any = "auto"
-    mesh: Any = None  # a strategy.StrategyPlan: sweep on that mesh
+    device: DeviceRequest = DeviceRequest()
 
 
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
@@ -418,7 +419,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
             timeout: float | None = None, compile_cache: Any = "auto",
-            mesh: Any = None) -> LRFinderResult:
+            mesh: Any = None, precision: str = "auto", channels_last: bool | str = "auto") -> LRFinderResult:
     """LR range test on one core; returns an :class:`LRFinderResult`.
 
     Args:
@@ -478,6 +479,9 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             ``batch_size`` samples is split over the mesh, the model replicated or sharded
             by the plan. Default None (one core). ``OneCycleTrainer.find_lr`` passes one
             when one core cannot hold the model.
+        precision, channels_last: As ``TrainerConfig``'s, on the torch backend (default
+            ``"auto"``: on a GPU bf16 or fp16 with a gradient scaler, convolutions channels_last);
+            on XLA the sweep stays float32. See :mod:`xla_utils.device_plan`.
 
     Loss reads: the step's loss stays on the device; after each step boundary
     the host reads the *previous* step's loss (already computed, so reading it
@@ -495,7 +499,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     runtime._check_compile_cache_option(compile_cache)
     runtime._prestart_simulation(simulate)
-    data, batch_tfm = _fed(data, batch_tfm)
+    check_before_launch(precision, simulate=simulate, mesh=mesh is not None)
+    data, batch_tfm, spec = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
@@ -504,7 +509,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   accum_steps=int(accum_steps), rule=rule, planned_steps=planned_steps,
                   seed=int(seed), shuffle=shuffle,
                   num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
-                  parent_pid=os.getpid(), compile_cache=compile_cache)
+                  parent_pid=os.getpid(), compile_cache=compile_cache,
+                  device=DeviceRequest(precision, channels_last, spec))
     if mesh is not None:
         from . import strategy
 
@@ -525,11 +531,10 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     return res
 
 
-
-def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:
-    """``data`` as the loader collates it and the device transform of its inputs (the
-    trainer's feeding, :func:`xla_utils.inputs.inspect_inputs`); refuses, before any
-    device time, a sample that cannot be fed."""
+def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable, Any]:
+    """``data`` as the loader collates it, the device transform of its inputs (the
+    trainer's feeding, :func:`xla_utils.inputs.inspect_inputs`) and their ``InputSpec``;
+    refuses, before any device time, a sample that cannot be fed."""
     from .data import IMAGENET_MEAN, IMAGENET_STD
     from .inputs import inspect_inputs
 
@@ -537,7 +542,7 @@ def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:
     if batch_tfm is None:
         batch_tfm = functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                                       flip=False)
-    return spec.feed(data), batch_tfm
+    return spec.feed(data), batch_tfm, spec
 
 
 def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num_it: int,
@@ -728,6 +733,8 @@ def _sweep(cfg: _Config, run: Any = None) -> LRFinderResult:
     dev = runtime.device()
     runtime.set_seed(cfg.seed)
     model, batches = _placed(cfg, run, dev)
+    # a fit's precision and layout on the torch backend; XLA sweeps in float32, as it always has
+    amp = DevicePlan.build(cfg.device if dev.type != "xla" else DeviceRequest("fp32"), dev, model)
     opt = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.start_lr,
                          weight_decay=cfg.weight_decay)
     tfm = cfg.batch_tfm
@@ -754,13 +761,13 @@ def _sweep(cfg: _Config, run: Any = None) -> LRFinderResult:
                 x, y = next(batches)
                 if run is not None and not shardings:
                     shardings = _mesh_shardings(model, x)
-                out = model(tfm(x))
-                step_loss = cfg.loss(out, y)
-                (step_loss / k if k > 1 else step_loss).backward()
+                with amp.autocast:
+                    step_loss = cfg.loss(model(amp.layout(tfm(x))), y)
+                amp.backward(step_loss / k if k > 1 else step_loss)
                 total = step_loss.detach() if total is None else total + step_loss.detach()
                 if j < k - 1:
                     runtime.sync()
-            runtime.optimizer_step(opt)
+            amp.step(opt)
             runtime.sync()
             lrs.append(float(opt.param_groups[0]["lr"]))
             stop = pending is not None and record(pending.item() / k)
@@ -776,6 +783,7 @@ def _sweep(cfg: _Config, run: Any = None) -> LRFinderResult:
             record(pending.item() / k)
     finally:
         batches.close()
+        amp.release(model)  # an in-process sweep ran on the caller's own model
 
     lrs_a = np.asarray(lrs, dtype=np.float64)
     sm_a = np.asarray(smoothed, dtype=np.float64)

@@ -83,6 +83,8 @@ def find_lr(trainer: Any, simulate: int | None, on_mesh: bool | None, tpu: Any,
     spec = trainer._inspect(trainer.train_data, "train_data", "lr_find")
     kwargs.setdefault("batch_tfm", trainer._prepare(spec, train=False))
     kwargs.setdefault("compile_cache", cfg.compile_cache)
+    kwargs.setdefault("precision", cfg.precision)
+    kwargs.setdefault("channels_last", cfg.channels_last)
     mesh, placement = sweep_placement(
         cfg, trainer.model, lambda: _sample(trainer, spec, min(2, cfg.batch_size)),
         step=trainer.train_step, loss=trainer.loss, devices=devices, tpu=tpu,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from . import loop, runtime
+from . import device_plan, loop, runtime
 from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_resume, model_with_weights,
@@ -74,8 +74,17 @@ class TrainerConfig:
         lr_scaling: How ``max_lr`` grows with the number of cores k: ``"linear"``
             (x k, Goyal et al. 2017), ``"sqrt"`` (x sqrt k) or ``"none"``. Default
             None = linear for SGD, sqrt for Adam/AdamW and callables.
-        bf16: Run forward/backward under ``torch.autocast(dtype=bfloat16)``.
-            Default False.
+        bf16: ``precision="bf16"`` (kept for older notebooks; both given must agree). Default False.
+        precision: ``"auto"`` (default): bf16 autocast on GPUs with bf16 matrix units (compute
+            capability >= 8.0: A100, L4, H100), fp16 autocast with a ``torch.amp.GradScaler`` on
+            older GPUs (T4, V100, P100), float32 on TPUs (unless ``"bf16"``) and the CPU;
+            ``"bf16"``, ``"fp16"`` or ``"fp32"`` force one. fp16 on a TPU and bf16 on a GPU without
+            it are refused before any device time. Steps the scaler skips (inf/NaN gradients)
+            are counted per epoch (history ``skipped_steps``) and still advance the one-cycle
+            schedule; the scaler's state is in the checkpoints. See :mod:`xla_utils.device_plan`.
+        channels_last: ``"auto"`` (default): on CUDA, a model with ``Conv2d`` layers and image
+            inputs run in channels_last memory format (the images normalised straight into it);
+            True forces it on the torch backend, False keeps NCHW. XLA picks its own layouts.
         metrics: Validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``,
             ``"f1"``); None = accuracy (+top5 above 10 classes), F1 for
             multi-label data.
@@ -147,6 +156,8 @@ class TrainerConfig:
     moms: tuple[float, float, float] | None = (0.95, 0.85, 0.95)
     lr_scaling: str | None = None
     bf16: bool = False
+    precision: str = "auto"
+    channels_last: bool | str = "auto"
     metrics: Sequence[str] | None = None
     checkpoint_dir: str | os.PathLike | None = None
     keep_checkpoints: int = 2
@@ -192,6 +203,7 @@ class TrainerConfig:
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime._check_compile_cache_option(self.compile_cache)
+        device_plan.check_config(self)
         check_step_options(self)
         check_monitor(self.monitor, self.patience)
         _strategy.check_config(self)
@@ -347,8 +359,9 @@ class OneCycleTrainer:
                 _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
-                         prepare=self._prepare(spec, train=False),
-                         eval_step=self.eval_step, inputs=spec, mesh=plan)
+                         prepare=self._prepare(spec, train=False), eval_step=self.eval_step,
+                         inputs=spec, mesh=plan, precision=cfg.precision,
+                         channels_last=cfg.channels_last)
 
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
@@ -392,6 +405,7 @@ class OneCycleTrainer:
         """
         cfg = self.config
         runtime._prestart_simulation(simulate)
+        device_plan.check_before_launch(cfg.precision, simulate=simulate, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
         if check:
             self._check_before_fit()
@@ -568,6 +582,8 @@ class OneCycleTrainer:
     def _launch_inference(self, plan: loop.InferencePlan, cores: int | str,
                           simulate: int | None) -> Any:
         """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
+        device_plan.check_before_launch(self.config.precision, simulate=simulate,
+                                        mesh=self.config.strategy != "spawn")
         if self.config.strategy == "spawn":
             return live_or_launch(self, self._inference_replica, (plan,), cores, simulate)
         world = _strategy.planned_world_size(cores, simulate)
@@ -598,32 +614,13 @@ class OneCycleTrainer:
                                                need_target=False))
             if why is not None:
                 raise ValueError(why)
-        views = self._tta_views(data, tta, spec.shape)
+        views = loop.tta_views(data, tta, spec.shape, self.config.flip)
         model = (with_weights(self.model, self.ema_state) if weights is None
                  else model_with_weights(self.model, weights))
         fed = spec.feed(data)
         return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
                                   activation=activation, model=model, labelled=labelled, tta=tta)
-
-    def _tta_views(self, data, tta: int, shape) -> list[tuple[int, bool]]:
-        """The (stored variant, mirrored) pair of each TTA view, in order (see :meth:`predict`)."""
-        if not isinstance(tta, int) or isinstance(tta, bool) or tta < 1:
-            raise ValueError(f"tta must be a positive int (views per image), got {tta!r}")
-        v = data.num_variants if isinstance(data, CachedImageDataset) else 1
-        can_flip = self.config.flip and shape is not None and len(shape) == 3
-        views = [(j, f) for f in ((False, True) if can_flip else (False,)) for j in range(v)]
-        if tta > len(views):
-            if can_flip:
-                why = f"{v} stored variant(s), each also mirrored"
-            elif not self.config.flip:
-                why = f"{v} stored variant(s); no mirrored views because the trainer has flip=False"
-            else:
-                why = f"{v} stored variant(s); inputs of shape {shape} cannot be mirrored"
-            raise ValueError(f"tta={tta} but data offers {len(views)} distinct view(s): {why}. Build the "
-                             f"test cache with more variants (build_cache(..., variants={tta}, "
-                             "unlabeled=True)) or lower tta")
-        return views[:tta]
 
     def _inference_replica(self, plan: loop.InferencePlan):
         """One replica of :meth:`predict` / :meth:`evaluate` (see :func:`loop.inference_pass`)."""
@@ -686,7 +683,7 @@ class OneCycleTrainer:
         counters0 = runtime.xla_counters()
         s = loop.set_up(self.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
                         ckpt=ckpt, mix=self._mix, lr_groups=self._lr_groups,
-                        strategy=strategy)
+                        strategy=strategy, inputs=spec)
         state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                                 initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
         master_bar, progress_bar = runtime.progress_bars()
@@ -749,7 +746,8 @@ class OneCycleTrainer:
         if val is not None:
             metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
                                     cfg=cfg, loss_fn=self.loss, eval_step=self.eval_step,
-                                    autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed)
+                                    autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
+                                    memory_format=s.plan.memory_format)
             record.update({"val_loss": metrics.pop("loss")}, **metrics)
         for key in ("train_loss", "val_loss"):
             msg = loop.exploded(key, record.get(key), state.initial_loss, epoch + 1)
@@ -761,6 +759,8 @@ class OneCycleTrainer:
                       / res.seconds,
                       compiles=runtime.xla_counters()["compiles"],
                       host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
+        if res.skipped_steps is not None:
+            record["skipped_steps"] = res.skipped_steps
         return record
 
     def _end_epoch(self, epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str,
@@ -779,7 +779,7 @@ class OneCycleTrainer:
                 run_id=run_id, host_state=state.finite_state if state.finite_state is not None
                 else s.state_dict(), initial_loss=state.initial_loss,
                 ema=None if s.ema is None else s.ema.state_dict(),
-                extra=self._ckpt_extra)
+                scaler=s.plan.scaler_state(), extra=self._ckpt_extra)
             if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
                 s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
                                     cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
