@@ -25,12 +25,15 @@ device and read once), the median of ``--predict-reps`` calls each. Every figure
 with the host's load average and the GPU's name; ``--json`` writes them all.
 
 On a GPU machine with torch, CUDA and torchvision but no torch_xla and no package index
-(fastprogress carried as a wheel in a folder), from the repository root::
+(xla_utils' pure-Python dependencies, fastprogress and cloudpickle, carried as wheels in a
+folder: ``python scripts/make_offline_wheels.py WHEELS_DIR`` elsewhere), from the
+repository root::
 
     python scripts/bench_gpu.py --wheels WHEELS_DIR --json gpu.json
 
 ``--wheels`` puts the folder and every ``*.whl`` in it on ``sys.path`` (pure-Python wheels
-import from there); the checkout's own ``xla_utils`` is found from the repository root.
+import from there); the checkout's own ``xla_utils`` is found from the repository root
+and comes first.
 A CPU smoke run (tests/test_bench_gpu.py)::
 
     python scripts/bench_gpu.py --models resnet18 --image 32 --batch 8 --images 64 --epochs 1 --workers 0
@@ -283,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--predict-reps", type=int, default=2, help="timed calls after the warm-up one")
     p.add_argument("--reps", type=int, default=1, help="rounds (hand and fit alternate order)")
     p.add_argument("--cache", default=None, help="folder of the rendered cache (reused when built)")
-    p.add_argument("--wheels", default=None, help="a folder of wheels (fastprogress) to import from")
+    p.add_argument("--wheels", default=None,
+                   help="a folder of wheels (fastprogress, cloudpickle) or packages to import from")
     p.add_argument("--json", default=None, help="write every figure there")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))

@@ -11,9 +11,9 @@ over replicas; through the gradient scaler of an fp16 run) and one
 ``runtime.sync()``. The loss is accumulated on the device and read only every
 ``log_every`` steps (an fp16 run's skipped steps once per epoch); validation
 metrics are device sums reduced once per pass. Precision, memory layout and host
-buffers are the run's :class:`~xla_utils.device_plan.DevicePlan`. Every rank gets the same number of full batches
-(training drops the ragged tail of the global shuffle; validation pads and
-masks), so after the first epoch nothing compiles again.
+buffers are the run's :class:`~xla_utils.device_plan.DevicePlan`. Every rank gets
+the same number of full batches (training drops the ragged tail of the global
+shuffle; validation pads and masks), so after the first epoch nothing compiles again.
 """
 from __future__ import annotations
 
