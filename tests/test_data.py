@@ -303,6 +303,45 @@ def test_images_to_float_normalises_and_flips():
         images_to_float(x[..., :1])
 
 
+def test_images_to_float_into_channels_last_memory():
+    # What a channels_last model on a GPU wants: the same numbers, NHWC in memory.
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (8, 6, 5, 3), dtype=torch.uint8)
+    ref = images_to_float(x)
+    for flip in (False, True):
+        torch.manual_seed(1)
+        a = images_to_float(x, flip=flip)
+        torch.manual_seed(1)
+        c = images_to_float(x, flip=flip, memory_format=torch.channels_last)
+        assert torch.equal(a, c) and c.shape == (8, 3, 6, 5)
+        assert c.is_contiguous(memory_format=torch.channels_last) and not c.is_contiguous()
+    # from a channels-first batch too (one layout copy there)
+    c = images_to_float(x.permute(0, 3, 1, 2).contiguous(), channels_first=True,
+                        memory_format=torch.channels_last)
+    assert torch.equal(c, ref) and c.is_contiguous(memory_format=torch.channels_last)
+    assert images_to_float(x, dtype=torch.bfloat16, memory_format=torch.channels_last).is_contiguous(
+        memory_format=torch.channels_last)
+
+
+def test_batches_say_how_long_they_stay_valid(ds):
+    from xla_utils.data import RING_VALID_FOR
+
+    assert iterate_batches(ds, 4).valid_for == RING_VALID_FOR == 2  # the ring refills slots
+    pairs = torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8))
+    assert iterate_batches(pairs, 4).valid_for is None  # a DataLoader's batches are fresh tensors
+    x, y, v = next(iter(iterate_batches(ds, 4, num_workers=0)))  # pin_memory=False: pageable
+    assert not x.is_pinned() and x.dtype == torch.uint8 and y.dtype == torch.int64 and v.dtype == torch.bool
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_pinned_ring_batches_on_a_gpu_machine(ds):
+    plain = [tuple(t.clone() for t in b) for b in iterate_batches(ds, 4, seed=3, num_workers=2)]
+    pinned = [tuple(t.clone() for t in b) + (b[0].is_pinned(),)
+              for b in iterate_batches(ds, 4, seed=3, num_workers=2, pin_memory=True)]
+    assert all(p[3] for p in pinned)
+    assert all(all(torch.equal(a, b) for a, b in zip(p[:3], q)) for p, q in zip(pinned, plain))
+
+
 XLA_CHECK = """
 import json, torch, torch_xla, torch_xla.debug.metrics as met
 from xla_utils.data import images_to_float

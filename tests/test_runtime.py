@@ -340,6 +340,92 @@ def test_device_prefetch_delivers_each_batch_when_loader_reuses_buffer():
     assert rt.launch(job, simulate=1) == [64 * 64 * (k + 2.0) for k in range(12)]
 
 
+class _LateCopier:
+    """Drives :func:`runtime.transfer.overlapped` as :class:`~xla_utils.runtime.transfer.CudaCopier`
+    does, but each copy reads its host buffers only when it is finished: the latest moment a
+    real asynchronous copy may read them, so a buffer refilled before then shows."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def copy(self, batch):
+        token = {"host": batch, "value": None}
+        self.tokens.append(token)
+        return token
+
+    def ready(self, token):
+        return token  # the device batch: its value is whatever the copy will have read
+
+    def finish(self, token):
+        if token["value"] is None:
+            token["value"] = tuple(t.clone() for t in token["host"])
+
+
+@pytest.fixture(scope="module")
+def ring_cache(tmp_path_factory):
+    import numpy as np
+
+    from xla_utils import CachedImageDataset, build_cache
+
+    rng = np.random.default_rng(0)
+    images = [(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8), i % 3) for i in range(30)]
+    out = tmp_path_factory.mktemp("ring") / "cache"
+    build_cache(images, out, size=8, verbose=False, workers=1)
+    return CachedImageDataset(out)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_overlapped_copies_never_read_a_refilled_ring_slot(ring_cache, workers):
+    from xla_utils.data import iterate_batches
+    from xla_utils.runtime.transfer import overlapped
+
+    expected = [tuple(t.clone() for t in b) for b in iterate_batches(ring_cache, 2, seed=1, num_workers=0)]
+    batches = iterate_batches(ring_cache, 2, seed=1, num_workers=workers)
+    copier = _LateCopier()
+    got = list(overlapped(batches, copier, depth=2, valid_for=batches.valid_for))
+    assert len(got) == len(expected) == 15
+    # every copy finished by the end of the pass, having read the batch it was issued for
+    assert all(t["value"] is not None for t in copier.tokens)
+    assert all(_same(t["value"], e) for t, e in zip(got, expected))
+
+
+def test_overlapped_catches_a_source_that_refills_sooner_than_it_says(ring_cache):
+    # The same late copies with a wrong promise (the ring refills a slot 3 batches on, with
+    # no loader thread that is exactly at the 3rd request): most copies read a later batch.
+    from xla_utils.data import RING_VALID_FOR, iterate_batches
+    from xla_utils.runtime.transfer import overlapped
+
+    expected = [tuple(t.clone() for t in b) for b in iterate_batches(ring_cache, 2, seed=1, num_workers=0)]
+    got = list(overlapped(iterate_batches(ring_cache, 2, seed=1, num_workers=0), _LateCopier(),
+                          depth=2, valid_for=RING_VALID_FOR + 2))
+    assert sum(not _same(t["value"], e) for t, e in zip(got, expected)) >= 10
+    # valid_for=0 (an unknown source): each copy finishes before the next batch is asked for
+    got = list(overlapped(iterate_batches(ring_cache, 2, seed=1, num_workers=0), _LateCopier(),
+                          depth=2, valid_for=0))
+    assert all(_same(t["value"], e) for t, e in zip(got, expected))
+
+
+def test_overlapped_stopped_early_finishes_its_copies(ring_cache):
+    from xla_utils.data import iterate_batches
+    from xla_utils.runtime.transfer import overlapped
+
+    expected = [tuple(t.clone() for t in b) for b in iterate_batches(ring_cache, 2, seed=1, num_workers=0)]
+    batches = iterate_batches(ring_cache, 2, seed=1, num_workers=2)
+    copier = _LateCopier()
+    it = overlapped(batches, copier, depth=2, valid_for=batches.valid_for)
+    first = [next(it), next(it)]
+    it.close()  # the consumer stops (on_nan="stop", an exception): copies in flight are waited for
+    assert len(copier.tokens) == 4 and all(t["value"] is not None for t in copier.tokens)
+    assert all(_same(t["value"], e) for t, e in zip(first, expected))
+    # the ring's next pass (the same buffers) starts only now, and is whole
+    again = [tuple(t.clone() for t in b) for b in batches]
+    assert all(_same(a, e) for a, e in zip(again, expected))
+
+
 _MKL_AFTER_FORK = """
 import torch
 torch.set_num_threads(2)          # gives MKL an explicit thread count, as notebooks often do

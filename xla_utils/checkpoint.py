@@ -404,7 +404,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
                     history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
                     steps_per_epoch: int, run_id: str, host_state: dict | None,
                     initial_loss: float | None, ema: dict | None = None,
-                    extra: dict | None = None) -> dict:
+                    scaler: dict | None = None, extra: dict | None = None) -> dict:
     """Write this run's epoch checkpoint from every replica; keep its newest files.
 
     Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
@@ -426,6 +426,8 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
         host_state: A host copy of the weights to save instead of the model's.
         initial_loss: The untrained model's loss at the run's first step.
         ema: The EMA weights (``cfg.ema`` set), saved under ``"ema"``.
+        scaler: The fp16 gradient scaler's state (``GradScaler.state_dict()``), saved
+            under ``"scaler"`` and resumed by :func:`xla_utils.loop.set_up`.
         extra: More keys to store (``fine_tune`` stores which phase wrote the file).
 
     Returns:
@@ -442,6 +444,8 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
     }
     if ema is not None:
         state["ema"] = ema
+    if scaler is not None:
+        state["scaler"] = scaler
     state.update(extra or {})
     runtime.save(state, directory / f"epoch_{epoch:03d}-{run_id}.pt")
     if runtime.is_master():

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import runtime
+from . import device_plan, runtime
 from . import strategy as _strategy
 from .checkpoint import check_options as check_checkpoint_options
 from .data import IMAGENET_MEAN, IMAGENET_STD
@@ -51,8 +51,17 @@ class TrainerConfig:
         lr_scaling: How ``max_lr`` grows with the number of cores k: ``"linear"``
             (x k, Goyal et al. 2017), ``"sqrt"`` (x sqrt k) or ``"none"``. Default
             None = linear for SGD, sqrt for Adam/AdamW and callables.
-        bf16: Run forward/backward under ``torch.autocast(dtype=bfloat16)``.
-            Default False.
+        bf16: ``precision="bf16"`` (kept for older notebooks; both given must agree). Default False.
+        precision: ``"auto"`` (default): bf16 autocast on GPUs with bf16 matrix units (compute
+            capability >= 8.0: A100, L4, H100), fp16 autocast with a ``torch.amp.GradScaler`` on
+            older GPUs (T4, V100, P100), float32 on TPUs (unless ``"bf16"``) and the CPU;
+            ``"bf16"``, ``"fp16"`` or ``"fp32"`` force one. fp16 on a TPU and bf16 on a GPU without
+            it are refused before any device time. Steps the scaler skips (inf/NaN gradients)
+            are counted per epoch (history ``skipped_steps``) and still advance the one-cycle
+            schedule; the scaler's state is in the checkpoints. See :mod:`xla_utils.device_plan`.
+        channels_last: ``"auto"`` (default): on CUDA, a model with ``Conv2d`` layers and image
+            inputs run in channels_last memory format (the images normalised straight into it);
+            True forces it on the torch backend, False keeps NCHW. XLA picks its own layouts.
         metrics: Validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``,
             ``"f1"``); None = accuracy (+top5 above 10 classes), F1 for
             multi-label data.
@@ -129,6 +138,8 @@ class TrainerConfig:
     moms: tuple[float, float, float] | None = (0.95, 0.85, 0.95)
     lr_scaling: str | None = None
     bf16: bool = False
+    precision: str = "auto"
+    channels_last: bool | str = "auto"
     metrics: Sequence[str] | None = None
     checkpoint_dir: str | os.PathLike | None = None
     keep_checkpoints: int = 2
@@ -173,6 +184,7 @@ class TrainerConfig:
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime.check_compile_cache_option(self.compile_cache)
+        device_plan.check_config(self)
         check_step_options(self)
         check_monitor(self.monitor, self.patience)
         _strategy.check_config(self)

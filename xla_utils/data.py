@@ -7,10 +7,10 @@
   the same number of full batches on every rank (no ragged batch, so no
   recompiles); ``drop_last=False`` pads the tail and marks the padding invalid.
 * :func:`iterate_batches` - uint8 NHWC batches assembled by background threads
-  into a ring of preallocated buffers (no per-sample tensors, no collate).
+  into a ring of preallocated (optionally pinned) buffers: no collate.
 * :func:`images_to_float` - uint8 NHWC (or NCHW) -> normalised NCHW float/bf16
-  (optional random flip) on whatever device the batch is on, so the host never
-  normalises; :func:`image_layout` is the rule that tells the two layouts apart.
+  (optional random flip; NCHW or channels_last in memory) on the batch's device,
+  so the host never normalises; :func:`image_layout` tells the two layouts apart.
 
 Everything here is safe to share between threads: the dataset is read-only
 after construction and all per-pass state lives in the iterator. (The one
@@ -46,12 +46,16 @@ __all__ = [
     "ShardWindowSampler",
     "BatchIterable",
     "iterate_batches",
+    "default_loader_threads",
+    "RING_VALID_FOR",
     "images_to_float",
     "image_layout",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# A batch of a cache's ring stays valid while this many further batches are requested.
+RING_VALID_FOR = 2
 
 
 class CachedImageDataset:
@@ -341,7 +345,6 @@ class CachedImageDataset:
             for k, (s, j) in enumerate(zip(shards, local)):
                 self._read(s, v, j, out[k])
 
-
     def _load_remote(self, idx: np.ndarray, v: int, out: np.ndarray) -> None:
         """load_batch from the local copy: one shard held at a time, in the batch's shard order."""
         shards = self._shard_of[idx]
@@ -516,9 +519,16 @@ class BatchIterable:
     Iterating again starts a new pass over the same epoch; :meth:`set_epoch` changes it.
     """
 
-    def __init__(self, dataset: Any, sampler: DistributedBatchSampler, epoch: int, num_workers: int | None):
+    def __init__(self, dataset: Any, sampler: DistributedBatchSampler, epoch: int, num_workers: int | None,
+                 pin_memory: bool = False):
         self.dataset, self.sampler, self.epoch = dataset, sampler, int(epoch)
-        self.num_workers = num_workers
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+
+    @property
+    def valid_for(self) -> int | None:
+        """Further batches a yielded batch stays valid for before its buffers are refilled:
+        2 for a cache's ring, None (never reused: fresh tensors) for a ``DataLoader``'s."""
+        return RING_VALID_FOR if isinstance(self.dataset, CachedImageDataset) else None
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -529,8 +539,8 @@ class BatchIterable:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if isinstance(self.dataset, CachedImageDataset):
-            workers = self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1)
-            return _ring_batches(self.dataset, self.sampler, self.epoch, workers)
+            workers = self.num_workers if self.num_workers is not None else default_loader_threads()
+            return _ring_batches(self.dataset, self.sampler, self.epoch, workers, self.pin_memory)
         return self._loader_batches()
 
     def _loader_batches(self) -> Iterator[tuple[Any, Any, torch.Tensor]]:
@@ -539,7 +549,8 @@ class BatchIterable:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
         batches = [idx for idx, _ in self.sampler.batches(self.epoch)]
-        loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers or 0)
+        loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers or 0,
+                            pin_memory=self.pin_memory)
         for k, batch in enumerate(loader):
             if not isinstance(batch, (list, tuple)) or len(batch) != 2:
                 raise TypeError("iterate_batches needs a dataset of (input, target) pairs; its collated "
@@ -548,21 +559,21 @@ class BatchIterable:
 
 
 class _Ring:
-    """``R`` preallocated batch slots (numpy buffers and the tensors viewing them).
+    """``R`` preallocated batch slots (tensors, pinned when asked, and numpy views of them).
 
     Consecutive passes of one rank reuse the ring (allocating and first-touching
     ~200 MB per epoch costs more than loading it), continuing the slot sequence
     at ``base`` so that the previous pass's last batches keep their guarantee.
     """
 
-    def __init__(self, ds: CachedImageDataset, batch_size: int, size: int):
+    def __init__(self, ds: CachedImageDataset, batch_size: int, size: int, pin: bool = False):
         self.size, self.base, self.in_use = size, 0, False
-        self.xs = np.empty((size, batch_size, *ds.image_size, 3), np.uint8)
-        self.ys = (np.empty((size, batch_size, ds.num_classes), np.float32) if ds.multilabel
-                   else np.empty((size, batch_size), np.int64))
-        self.vs = np.empty((size, batch_size), np.bool_)
-        self.slots = [(torch.from_numpy(self.xs[r]), torch.from_numpy(self.ys[r]), torch.from_numpy(self.vs[r]))
-                      for r in range(size)]
+        y = (size, batch_size, ds.num_classes) if ds.multilabel else (size, batch_size)
+        t = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in (
+            ((size, batch_size, *ds.image_size, 3), torch.uint8),
+            (y, torch.float32 if ds.multilabel else torch.int64), ((size, batch_size), torch.bool))]
+        self.xs, self.ys, self.vs = (a.numpy() for a in t)
+        self.slots = [tuple(a[r] for a in t) for r in range(size)]
 
 
 class _Prefetch:
@@ -586,29 +597,29 @@ class _Prefetch:
         self.cache.prefetch([sh for _, _, sh in live], protect)
 
 
-def _take_ring(ds: CachedImageDataset, sampler: DistributedBatchSampler, size: int) -> _Ring:
-    key = (sampler.rank, sampler.world_size, sampler.batch_size, size)
+def _take_ring(ds: CachedImageDataset, sampler: DistributedBatchSampler, size: int, pin: bool) -> _Ring:
+    key = (sampler.rank, sampler.world_size, sampler.batch_size, size, pin)
     with ds._rings_lock:
         ring = ds._rings.get(key)
         if ring is None or ring.in_use:  # a concurrent pass of the same rank gets its own buffers
-            ring = _Ring(ds, sampler.batch_size, size)
+            ring = _Ring(ds, sampler.batch_size, size, pin)
             ds._rings.setdefault(key, ring)
         ring.in_use = True
         return ring
 
 
 def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoch: int,
-                  workers: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Fill batches into a ring of ``R = workers + 3`` preallocated slots.
+                  workers: int, pin: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Fill batches into a ring of ``R = workers + 3`` preallocated slots (pinned: ``pin``).
 
     Batch ``j`` (counted across the passes that share the ring) lives in slot
     ``j % R`` and is only overwritten by batch ``j + R``, which a thread may start
-    once the consumer has asked for batch ``j + 3``: a yielded batch survives two
-    further requests.
+    once the consumer has asked for batch ``j + 3``: a yielded batch survives
+    :data:`RING_VALID_FOR` (two) further requests.
     """
     batches = list(sampler.batches(epoch))
-    nb, R = len(batches), workers + 3
-    ring = _take_ring(ds, sampler, R)
+    nb, R = len(batches), workers + RING_VALID_FOR + 1
+    ring = _take_ring(ds, sampler, R, pin)
     base = ring.base
     prefetch = _Prefetch(ds, batches, R) if ds._remote is not None else None
 
@@ -630,7 +641,7 @@ def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoc
                 if st["stop"] or k >= nb:
                     return
                 st["next"] = k + 1
-                cond.wait_for(lambda: st["stop"] or st["requested"] >= k - R + 4)
+                cond.wait_for(lambda: st["stop"] or st["requested"] >= k - R + RING_VALID_FOR + 2)
                 if st["stop"]:
                     return
             try:
@@ -676,7 +687,7 @@ def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoc
 
 def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank: int = 0, shuffle: bool = True,
                     seed: int = 0, epoch: int = 0, drop_last: bool = True,
-                    num_workers: int | None = None) -> BatchIterable:
+                    num_workers: int | None = None, pin_memory: bool = False) -> BatchIterable:
     """Batches ``(x, y, valid)`` of host tensors for one rank and one epoch.
 
     The sampler is :class:`DistributedBatchSampler` (equal full batches on every
@@ -687,7 +698,8 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
       ``int64[B]`` or ``float32[B, C]``, filled by ``num_workers`` background
       threads (default ``min(4, cores)``; 0 = in the caller) into a ring of
       preallocated buffers. A yielded batch stays valid until two further
-      batches have been requested: copy it (or move it to the device) first.
+      batches have been requested (``.valid_for``): copy it (or move it to the
+      device, and wait for an asynchronous copy to finish) first.
     * any other map-style dataset of ``(input, target)``: a torch ``DataLoader``
       with the same batches, default collate and ``num_workers`` processes
       (default 0).
@@ -698,6 +710,8 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
         world_size, rank, shuffle, seed, drop_last: as :class:`DistributedBatchSampler`.
         epoch: the epoch (variant and permutation). Default 0.
         num_workers: loader threads (cache) or processes (other datasets); see above.
+        pin_memory: batches in pinned (page-locked) host memory, for asynchronous copies
+            to a GPU (needs CUDA). Default False.
 
     Returns:
         A :class:`BatchIterable`: each iteration is one pass; ``len()`` is its batch count.
@@ -707,7 +721,12 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
                                      shuffle, seed, drop_last)
     else:
         sampler = DistributedBatchSampler(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
-    return BatchIterable(dataset, sampler, epoch, num_workers)
+    return BatchIterable(dataset, sampler, epoch, num_workers, pin_memory)
+
+
+def default_loader_threads() -> int:
+    """Loader threads of a cache when ``num_workers`` is None: ``min(4, cores)``."""
+    return min(4, os.cpu_count() or 1)
 
 
 IMAGE_CHANNELS = (1, 3, 4)
@@ -744,8 +763,9 @@ def image_layout(shape: Sequence[int], *, channels_first_on_tie: bool) -> str | 
 
 def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                     flip: bool = False, dtype: torch.dtype = torch.float32, *,
-                    channels_first: bool = False) -> torch.Tensor:
-    """uint8 ``[B, H, W, C]`` (or ``[B, C, H, W]``) -> ``(x / 255 - mean) / std`` as a contiguous ``[B, C, H, W]`` tensor.
+                    channels_first: bool = False,
+                    memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """uint8 ``[B, H, W, C]`` (or ``[B, C, H, W]``) -> ``(x / 255 - mean) / std`` as a ``[B, C, H, W]`` tensor.
 
     Runs on ``x``'s device (call it after moving the uint8 batch to the TPU: 4x
     less to transfer, no host float work). Arithmetic is float32; no shape depends
@@ -761,6 +781,9 @@ def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std:
         dtype: result dtype (e.g. ``torch.bfloat16``). Default ``torch.float32``.
         channels_first: ``x`` is ``[B, C, H, W]`` (torchvision's layout) instead of
             ``[B, H, W, C]`` (the cache's). Default False.
+        memory_format: of the result: ``torch.contiguous_format`` (default: NCHW in
+            memory) or ``torch.channels_last``, what a channels_last model on a GPU wants:
+            from an NHWC batch it is made without a layout copy.
 
     Returns:
         The normalised ``[B, C, H, W]`` tensor on ``x``'s device.
@@ -782,4 +805,4 @@ def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std:
     scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32).view(1, c, 1, 1)
     shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32).view(1, c, 1, 1)
     y = x.to(torch.float32) * scale.to(x.device) + shift.to(x.device)
-    return y.to(dtype).contiguous()
+    return y.to(dtype).contiguous(memory_format=memory_format)

@@ -17,6 +17,7 @@ import torch
 
 from . import runtime
 from .data import IMAGENET_MEAN, IMAGENET_STD
+from .device_plan import DevicePlan, DeviceRequest
 from .findings import WARMUP_STEPS
 from .inputs import InputSpec, check_targets, inspect_inputs
 from .loop import default_eval_step, default_train_step
@@ -75,7 +76,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
               train_step: Callable | None = None, prepare: Callable | None = None,
               print_report: bool = True, eval_step: Callable | None = None,
               inputs: InputSpec | None = None, mesh: StrategyPlan | None = None,
-              make_step: Callable | None = None) -> DebugReport:
+              make_step: Callable | None = None, precision: str = "auto",
+              channels_last: bool | str = "auto") -> DebugReport:
     """Run a few training steps on ONE core and explain what XLA did.
 
     A plain ``torch.utils.data.DataLoader`` (no prefetch thread; passes over the data as
@@ -115,6 +117,9 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         make_step: The step to run, a step factory (:mod:`xla_utils.steps`; the trainer
             passes its own). Default None: a plain step of ``optimizer``, ``lr``,
             ``train_step`` and ``prepare`` (which also serves the label check).
+        precision, channels_last: As ``TrainerConfig``'s where the steps run on the torch
+            backend (no torch_xla: a GPU or the CPU, :mod:`xla_utils.device_plan`); the XLA
+            steps run in float32 as before.
     """
     optimizer = resolve_optimizer(optimizer)
     spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")
@@ -134,7 +139,8 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
 
     def job() -> DebugReport:
         return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
-                            batch_size=batch_size, steps=steps, make_step=make_step)
+                            batch_size=batch_size, steps=steps, make_step=make_step,
+                            device=DeviceRequest(precision, channels_last, spec))
 
     if mesh is not None:
         from .strategy import launch
@@ -176,16 +182,20 @@ def _mesh_debug_steps(plan: StrategyPlan, module: torch.nn.Module, loss: Callabl
 
 def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callable,
                  to_input: Callable, *, optimizer: Any, lr: float, batch_size: int,
-                 steps: int, mesh: MeshRun | None = None, make_step: Callable | None = None) -> DebugReport:
+                 steps: int, mesh: MeshRun | None = None, make_step: Callable | None = None,
+                 device: DeviceRequest = DeviceRequest()) -> DebugReport:
     """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each
-    (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices)."""
+    (``mesh``: a :class:`~xla_utils.strategy.MeshRun`, batches of ``batch_size`` x devices;
+    ``make_step``: the step factory, else a plain step; ``device``: precision and layout of
+    the plain step on the torch backend)."""
     dev = runtime.device()
     if make_step is not None:
         stepper = make_step(module, mesh)
     else:
         net = copy.deepcopy(module).to(dev) if mesh is None else mesh.wrap(copy.deepcopy(module))
+        amp = DevicePlan.build(device if dev.type != "xla" else DeviceRequest("fp32"), dev, net)
         stepper = PlainStep(net, make_optimizer(optimizer, net.parameters(), lr=lr), loss_fn=loss,
-                            train_step=step_fn, prepare=to_input)
+                            train_step=step_fn, prepare=to_input, plan=amp)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size * (mesh.devices if mesh else 1),
                                          shuffle=False, drop_last=True)
     batches = _passes(loader)  # pass after pass: a small data set still gives every step
@@ -212,6 +222,7 @@ def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callabl
           if v - first["fallback_ops"].get(k, 0) > 0}
     where = "" if mesh is None else (f" (strategy {mesh.plan.strategy!r}: one process, a mesh of "
                                      f"{mesh.devices} devices, batch {len(y)} split over it)")
+    where += f" ({stepper.plan.words})" if stepper.plan.words else ""
     text = [f"debug_run on {runtime.backend()} device {dev}{where}: {n} steps, "
             f"losses {', '.join(f'{v:.4g}' for v in losses)}",
             f"step: {stepper.description}",

@@ -164,7 +164,7 @@ class History:
 
 
 _NOT_METRICS = {"epoch", "train_loss", "val_loss", "lr_max", "lr_last", "images_per_s",
-                "compiles", "host_reads_per_step", "seconds"}
+                "compiles", "host_reads_per_step", "seconds", "skipped_steps"}
 
 
 def _metric_keys(epochs: list[dict[str, Any]]) -> list[str]:

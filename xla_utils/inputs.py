@@ -274,12 +274,13 @@ class InputSpec:
             return (c, h, w)
         return self.shape
 
-    def prepare(self, x: Any, mean: Sequence[float], std: Sequence[float], flip: bool) -> Any:
+    def prepare(self, x: Any, mean: Sequence[float], std: Sequence[float], flip: bool,
+                memory_format: torch.memory_format = torch.contiguous_format) -> Any:
         """Model input from a device batch: images normalised (and randomly mirrored
-        when ``flip``), anything else unchanged."""
+        when ``flip``) into ``memory_format``, anything else unchanged."""
         if self.layout is None:
             return x
-        return images_to_float(x, mean, std, flip=flip,
+        return images_to_float(x, mean, std, flip=flip, memory_format=memory_format,
                                channels_first=self.layout == "channels_first")
 
     def feed(self, data: Any) -> Any:

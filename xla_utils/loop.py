@@ -7,11 +7,13 @@
 :func:`metric_accumulator` with it.
 
 Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
-over replicas) and one ``runtime.sync()``. The loss is accumulated on the device
-and read only every ``log_every`` steps; validation metrics are device sums
-reduced once per pass. Every rank gets the same number of full batches
-(training drops the ragged tail of the global shuffle; validation pads and
-masks), so after the first epoch nothing compiles again.
+over replicas; through the gradient scaler of an fp16 run) and one
+``runtime.sync()``. The loss is accumulated on the device and read only every
+``log_every`` steps (an fp16 run's skipped steps once per epoch); validation
+metrics are device sums reduced once per pass. Precision, memory layout and host
+buffers are the run's :class:`~xla_utils.device_plan.DevicePlan`. Every rank gets
+the same number of full batches (training drops the ragged tail of the global
+shuffle; validation pads and masks), so after the first epoch nothing compiles again.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import numpy as np
 import torch
 
 from . import runtime
-from .data import iterate_batches
+from .data import CachedImageDataset, default_loader_threads, iterate_batches
+from .device_plan import DevicePlan, DeviceRequest
 from .metrics import MetricAccumulator, resolve_metrics
 from .optim import make_optimizer
 from .schedule import OneCycleSchedule
@@ -42,11 +45,14 @@ __all__ = ["default_train_step", "default_eval_step", "prepare_input", "input_pr
            "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
            "begin_epoch", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
            "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
-           "InferencePlan", "activate", "inference_pass", "gather_predictions", "inference_metrics"]
+           "InferencePlan", "activate", "inference_pass", "gather_predictions", "inference_metrics",
+           "loader_words", "SKIPPED_WARN", "tta_views"]
 
 # An epoch's training or validation loss this many times the untrained model's (at the
 # run's first step) counts as diverged: the run stops there (on_nan="stop"), as on a NaN.
 VAL_LOSS_EXPLODES = 10.0
+# An fp16 epoch whose gradient scaler skipped more than this share of its steps is warned about.
+SKIPPED_WARN = 0.5
 
 
 def default_train_step(model: torch.nn.Module, batch: tuple, loss_fn: Callable) -> torch.Tensor:
@@ -61,13 +67,16 @@ def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return model(x)
 
 
-def prepare_input(x: torch.Tensor, cfg: TrainerConfig, train: bool, inputs: InputSpec
-                  ) -> torch.Tensor:
+def prepare_input(x: torch.Tensor, cfg: TrainerConfig, train: bool, inputs: InputSpec,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """Model input from a device batch of a dataset whose inputs are described by
     ``inputs`` (its :class:`~xla_utils.inputs.InputSpec`, decided once on the host):
     uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
-    (and flipped when ``train and cfg.flip``); other inputs are returned unchanged."""
-    return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip)
+    (and flipped when ``train and cfg.flip``) into ``memory_format`` (the run's
+    :attr:`DevicePlan.memory_format <xla_utils.device_plan.DevicePlan.memory_format>`);
+    other inputs are returned unchanged."""
+    return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip,
+                          memory_format=memory_format)
 
 
 def input_preparer(cfg: TrainerConfig, inputs: InputSpec, train: bool
@@ -94,14 +103,25 @@ def replica_model(model: torch.nn.Module, dev: torch.device | None,
     return model if dev is None else model.to(dev)
 
 
-def loader(data, cfg: TrainerConfig, *, world_size: int, rank: int, epoch: int, train: bool):
+def loader(data, cfg: TrainerConfig, *, world_size: int, rank: int, epoch: int, train: bool,
+           pin_memory: bool = False):
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
     ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
-    ``cfg.val_batch_size`` otherwise."""
+    ``cfg.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``."""
     bs = cfg.batch_size if train else cfg.val_batch_size(len(data), world_size)
     return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
                            seed=cfg.seed, epoch=epoch, drop_last=train,
-                           num_workers=cfg.num_workers)
+                           num_workers=cfg.num_workers, pin_memory=pin_memory)
+
+
+def loader_words(data, cfg: Any) -> str:
+    """How ``data`` is loaded, for the run's first line: ``"4 loader threads"`` (a cache)
+    or ``"DataLoader with 0 worker processes"``."""
+    if isinstance(data, CachedImageDataset):
+        n = cfg.num_workers if cfg.num_workers is not None else default_loader_threads()
+        return f"{n} loader thread{'s' if n != 1 else ''}"
+    n = cfg.num_workers or 0
+    return f"DataLoader with {n} worker process{'es' if n != 1 else ''}"
 
 
 def eval_module(s: "Setup") -> torch.nn.Module:
@@ -136,12 +156,14 @@ class Setup:
         steps_per_epoch: Optimizer steps per epoch on every rank.
         start_epoch: First epoch to run (0, or the resumed checkpoint's epoch).
         history: Per-epoch records so far (the resumed checkpoint's).
-        autocast: The forward/backward autocast context (bf16 when configured).
+        autocast: The forward's autocast context (``plan.autocast``).
         accum_steps: Micro-batches per optimizer step.
         ema: The :class:`~xla_utils.ema.DeviceEMA` (``cfg.ema`` set) or None.
         mix: The :class:`~xla_utils.mixup.DeviceMix` (mixup/cutmix/smoothing on) or None.
         mesh: The SPMD strategy's :class:`~xla_utils.strategy.MeshRun`, or None
             (``strategy="spawn"``: one replica per core).
+        plan: The run's :class:`~xla_utils.device_plan.DevicePlan` (precision, layout,
+            host buffers, gradient scaler).
     """
 
     model: torch.nn.Module
@@ -163,13 +185,14 @@ class Setup:
     ema: DeviceEMA | None = None
     mix: DeviceMix | None = None
     mesh: MeshRun | None = None
+    plan: DevicePlan | None = None
 
     def batches(self, data, cfg: TrainerConfig, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
         if self.mesh is not None:
             return self.mesh.loader(data, cfg, epoch, train)
         return loader(data, cfg, world_size=self.world_size, rank=self.rank, epoch=epoch,
-                      train=train)
+                      train=train, pin_memory=self.plan is not None and self.plan.pinned)
 
     def feed(self, batches: Iterable):
         """``batches`` on the device(s): sharded over the mesh, or prefetched."""
@@ -208,8 +231,11 @@ class TrainState:
 
 def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: float,
            lr_world: int, ckpt: dict | None, mix: MixConfig | None = None,
-           lr_groups: Callable | None = None, strategy: MeshRun | None = None) -> Setup:
-    """Prepare one replica for a fit run: model, optimizer, schedule, resumed state.
+           lr_groups: Callable | None = None, strategy: MeshRun | None = None,
+           inputs: InputSpec | None = None) -> Setup:
+    """Prepare one replica for a fit run: model, optimizer, schedule, resumed state, and
+    its :class:`~xla_utils.device_plan.DevicePlan`, which the first line reports on the
+    torch backend (precision, layout, host buffers, loader) after the LR scaling.
 
     Args:
         model: The trainer's model (copied where replicas share objects).
@@ -225,6 +251,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
             every parameter at one LR.
         strategy: A :class:`~xla_utils.strategy.MeshRun` (``"spmd"``/``"fsdp"``: this one
             process feeds ``strategy.devices`` devices), or None.
+        inputs: The training data's :class:`~xla_utils.inputs.InputSpec` (image inputs
+            go channels_last on CUDA), or None.
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
@@ -244,6 +272,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                           None if ckpt is None or sharded else ckpt["model"])
     if strategy is not None:
         ws, model = strategy.devices, strategy.wrap(model)
+    plan = DevicePlan.build(DeviceRequest(cfg.precision, cfg.channels_last, inputs), dev, model)
     rule = cfg.scaling_rule
     max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
     how = f"{rule} scaling" if lr_world == 1 else \
@@ -252,7 +281,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
         f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core"
         + (f" x {k} accumulated" if k > 1 else "") + f" = "
         f"{ws * cfg.batch_size * k} global batch; max_lr {base_lr:.3g} x "
-        f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})")
+        f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
+        + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else ""))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
                          lr=max_lr / cfg.div_factor,
                          weight_decay=cfg.weight_decay)
@@ -272,9 +302,9 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
         if not sharded:
             opt.load_state_dict(ckpt["optimizer"])
         start_epoch, history = ckpt["epoch"], list(ckpt["history"])
-    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+        plan.load_scaler_state(ckpt.get("scaler"))
     ema = None if cfg.ema is None else DeviceEMA(
-        ema_from, cfg.ema, start_epoch * steps_per_epoch, dev,
+        plan.place(ema_from), cfg.ema, start_epoch * steps_per_epoch, dev,
         state=None if ckpt is None or sharded else ckpt.get("ema", ckpt["model"]),
         place=None if strategy is None else strategy.place)
     if sharded:  # model, optimizer and EMA filled from the shards, nothing gathered
@@ -282,8 +312,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     return Setup(model=model, opt=opt, sched=sched, world_size=ws, rank=rk, device=dev,
                  base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
-                 autocast=autocast, accum_steps=k, ema=ema,
-                 mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy)
+                 autocast=plan.autocast, accum_steps=k, ema=ema,
+                 mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan)
 
 
 @dataclass
@@ -296,12 +326,15 @@ class EpochResult:
         lr_last: LR of the epoch's last step.
         to_host: Device->host transfers in this process during the epoch.
         seconds: Wall time of the epoch's training steps.
+        skipped_steps: Optimizer steps the gradient scaler skipped (inf/NaN gradients) in
+            an fp16 run; None without a scaler.
     """
 
     train_loss: float
     lr_last: float
     to_host: int
     seconds: float
+    skipped_steps: int | None = None
 
 
 def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *,
@@ -311,7 +344,8 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
 
     On a non-finite loss read the divergence warning is recorded in ``state``;
     with ``cfg.on_nan == "stop"`` the epoch ends there and ``state.stop_reason``
-    says why.
+    says why. An fp16 epoch whose gradient scaler skipped more than
+    :data:`SKIPPED_WARN` of its steps is warned about too.
 
     Args:
         epoch: 0-based epoch number.
@@ -369,9 +403,16 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                 runtime.master_print(msg)  # going on: say it now as well
     if hasattr(it, "close"):
         it.close()  # micro-batches beyond the last full accumulation group are not used
+    skipped = s.plan.take_skipped()
+    if skipped and skipped > SKIPPED_WARN * spe:
+        msg = (f"epoch {epoch + 1}: the fp16 gradient scaler skipped {skipped} of {spe} optimizer "
+               "steps (inf/NaN gradients), so the weights barely trained. Fix: lower max_lr, check "
+               "the loss and inputs for inf/NaN, or train in precision='fp32'.")
+        runtime.master_print(msg)
+        state.warnings.append(msg)
     return EpochResult(train_loss=train_loss, lr_last=lr_last,
                        to_host=runtime.xla_counters()["to_host"] - to_host0,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, skipped_steps=skipped)
 
 
 def begin_epoch(s: Setup, cfg: TrainerConfig, epoch: int) -> None:
@@ -401,17 +442,18 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfi
     k, lr = s.accum_steps, None
     if s.mix is not None:
         s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
-    x = prepare_input(x, cfg, True, inputs)
+    x = prepare_input(x, cfg, True, inputs, s.plan.memory_format)
     if s.mix is not None:
         x, y = s.mix(x, y)
+        x = s.plan.layout(x)
     if m % k == 0:
         lr = s.sched.apply(s.opt, step)
         s.opt.zero_grad(set_to_none=True)
     with s.autocast:
         loss = train_step(s.model, (x, y), loss_fn)
-    (loss / k if k > 1 else loss).backward()
+    s.plan.backward(loss / k if k > 1 else loss)
     if m % k == k - 1:
-        runtime.optimizer_step(s.opt)
+        s.plan.step(s.opt)  # a step the fp16 scaler skips still advances the schedule
         if s.ema is not None:
             s.ema.update(s.model)
     return loss, lr
@@ -431,7 +473,9 @@ def _fix(cfg: TrainerConfig, s: Setup) -> str:
     return (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
             "fit(max_lr='find') pick it; check inputs, targets and the loss for "
             "inf/NaN (log of 0, division by 0)"
-            + ("; with bf16=True try bf16=False" if cfg.bf16 else "") + ".")
+            + (f"; with {s.plan.precision} autocast try precision='fp32'"
+               + (" and bf16=False" if cfg.bf16 else "") if s.plan.precision != "fp32" else "")
+            + ".")
 
 
 def divergence_message(cfg: TrainerConfig, value: float, epoch: int, step: int, s: Setup, lr: float,
@@ -459,7 +503,8 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
 
 def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, loss_fn: Callable,
              eval_step: Callable, autocast: Any, dev: torch.device,
-             inputs: InputSpec, feed: Callable | None = None) -> dict[str, float]:
+             inputs: InputSpec, feed: Callable | None = None,
+             memory_format: torch.memory_format = torch.contiguous_format) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
     reduced over all replicas.
 
@@ -472,6 +517,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, l
         dev: The replica's device.
         inputs: The data's :class:`~xla_utils.inputs.InputSpec`.
         feed: Moves host batches to the device(s); default ``runtime.device_prefetch``.
+        memory_format: Image batches are normalised into it (the run's plan's).
 
     Raises:
         ValueError: ``batches`` yielded nothing.
@@ -481,7 +527,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, l
     with torch.no_grad():
         for x, y, valid in (feed or runtime.device_prefetch)(batches):
             with autocast:
-                out = eval_step(model, (prepare_input(x, cfg, False, inputs), y))
+                out = eval_step(model, (prepare_input(x, cfg, False, inputs, memory_format), y))
             if acc is None:
                 acc = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
             acc.update(out, y, valid)
@@ -576,6 +622,33 @@ class InferencePlan:
     loss: Callable
 
 
+def tta_views(data, tta: int, shape: Any, flip: bool) -> list[tuple[int, bool]]:
+    """The ``(stored variant, mirrored)`` pair of each of ``tta`` views of ``data`` (inputs of
+    ``shape``), in order (see :meth:`OneCycleTrainer.predict
+    <xla_utils.trainer.OneCycleTrainer.predict>`): the stored variants, then (``flip``, 3-D
+    images) the same mirrored.
+
+    Raises:
+        ValueError: ``tta`` is not a positive int or exceeds the views ``data`` offers.
+    """
+    if not isinstance(tta, int) or isinstance(tta, bool) or tta < 1:
+        raise ValueError(f"tta must be a positive int (views per image), got {tta!r}")
+    v = data.num_variants if isinstance(data, CachedImageDataset) else 1
+    can_flip = flip and shape is not None and len(shape) == 3
+    views = [(j, f) for f in ((False, True) if can_flip else (False,)) for j in range(v)]
+    if tta > len(views):
+        if can_flip:
+            why = f"{v} stored variant(s), each also mirrored"
+        elif not flip:
+            why = f"{v} stored variant(s); no mirrored views because the trainer has flip=False"
+        else:
+            why = f"{v} stored variant(s); inputs of shape {shape} cannot be mirrored"
+        raise ValueError(f"tta={tta} but data offers {len(views)} distinct view(s): {why}. Build the "
+                         f"test cache with more variants (build_cache(..., variants={tta}, "
+                         "unlabeled=True)) or lower tta")
+    return views[:tta]
+
+
 def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
     """Apply ``activation`` (sigmoid for a single output column) to model outputs."""
     if activation is None:
@@ -594,14 +667,20 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
     Every view is one pass in dataset order over this rank's share of the padded
     index list; per batch the activation output is added to a device
     accumulator (one graph for every batch and view: the mirror flag is device
-    data).
+    data). Precision, layout and host buffers are a
+    :class:`~xla_utils.device_plan.DevicePlan`'s (``model`` is converted in place; on
+    the torch backend a first line says what was chosen).
 
     Returns:
         ``(acc, targets)``: per batch the summed activations of all views, and
         (when ``plan.labelled``) per batch the ``(y, valid)`` device tensors.
     """
     ws, rk, bs = world_size, rank, plan.batch_size
-    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    dp = DevicePlan.build(DeviceRequest(cfg.precision, cfg.channels_last, plan.inputs), dev, model,
+                          train=False)
+    if dp.words:
+        runtime.master_print(f"{'evaluate' if plan.labelled else 'predict'} on {dp.words}, "
+                             f"{loader_words(plan.data, cfg)}")
     mirror = any(f for _, f in plan.views)
     batches = iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
                               drop_last=False, num_workers=cfg.num_workers)
@@ -621,7 +700,8 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
             flag = runtime.to_device(torch.tensor(flip), dev) if mirror else None
             for k, (x, y, valid) in enumerate((feed or runtime.device_prefetch)(
                     iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
-                                    epoch=variant, drop_last=False, num_workers=cfg.num_workers))):
+                                    epoch=variant, drop_last=False, num_workers=cfg.num_workers,
+                                    pin_memory=dp.pinned))):
                 yield k, flag, x, y, valid
 
     t0 = time.perf_counter()
@@ -629,10 +709,10 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
     with torch.no_grad():
         for done, (_, (k, flag, x, y, valid)) in enumerate(
                 zip(pb if pb is not None else range(total), it), 1):
-            x = prepare_input(x, cfg, False, plan.inputs)
+            x = prepare_input(x, cfg, False, plan.inputs, dp.memory_format)
             if flag is not None:
                 x = torch.where(flag, x.flip(3), x)
-            with autocast:
+            with dp.autocast:
                 out = eval_step(model, (x, y))
             out = out.float()
             if out.dim() == 1:

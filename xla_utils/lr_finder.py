@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from . import runtime
+from .device_plan import DevicePlan, DeviceRequest, check_before_launch
 # The rules are lr_rules'; they are also this module's names (xla_utils.lr_finder.suggest, ...).
 from .lr_rules import (BETA, BUDGET_POWER, BUDGET_STEPS, DEFAULT_RULE, DESCENT_FACTOR, NUM_IT,
                        RULES, assess, curve_drop, smooth_losses, suggest, suggest_between,
@@ -246,6 +247,7 @@ class _Config:
     parent_pid: int
     compile_cache: Any = "auto"
     mesh: StrategyPlan | None = None  # sweep on that mesh
+    device: DeviceRequest = DeviceRequest()
 
 
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
@@ -260,7 +262,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
             timeout: float | None = None, compile_cache: Any = "auto",
-            mesh: StrategyPlan | None = None) -> LRFinderResult:
+            mesh: StrategyPlan | None = None, precision: str = "auto",
+            channels_last: bool | str = "auto") -> LRFinderResult:
     """LR range test on one core; returns an :class:`LRFinderResult`.
 
     Args:
@@ -327,6 +330,9 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             ``batch_size`` samples is split over the mesh, the model replicated or sharded
             by the plan. Default None (one core). ``OneCycleTrainer.find_lr`` passes one
             when one core cannot hold the model.
+        precision, channels_last: As ``TrainerConfig``'s, on the torch backend (default
+            ``"auto"``: on a GPU bf16 or fp16 with a gradient scaler, convolutions channels_last);
+            on XLA the sweep stays float32. See :mod:`xla_utils.device_plan`.
 
     Loss reads: the step's loss stays on the device; after each step boundary
     the host reads the *previous* step's loss (already computed, so reading it
@@ -344,7 +350,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     runtime.check_compile_cache_option(compile_cache)
     runtime.prestart_simulation(simulate)
-    data, batch_tfm = _fed(data, batch_tfm)
+    check_before_launch(precision, simulate=simulate, mesh=mesh is not None)
+    data, batch_tfm, spec = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
     num_it, start_lr, beta, note = _sized(num_it, planned_steps, run_cores, max_share,
@@ -355,7 +362,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   accum_steps=int(accum_steps), rule=rule, planned_steps=planned_steps,
                   seed=int(seed), shuffle=shuffle,
                   num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
-                  parent_pid=os.getpid(), compile_cache=compile_cache)
+                  parent_pid=os.getpid(), compile_cache=compile_cache,
+                  device=DeviceRequest(precision, channels_last, spec))
     if mesh is not None:
         from . import strategy
 
@@ -404,10 +412,10 @@ def _doubt(res: LRFinderResult, cfg: _Config) -> str | None:
     return why
 
 
-def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:
-    """``data`` as the loader collates it and the device transform of its inputs (the
-    trainer's feeding, :func:`xla_utils.inputs.inspect_inputs`); refuses, before any
-    device time, a sample that cannot be fed."""
+def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable, Any]:
+    """``data`` as the loader collates it, the device transform of its inputs (the
+    trainer's feeding, :func:`xla_utils.inputs.inspect_inputs`) and their ``InputSpec``;
+    refuses, before any device time, a sample that cannot be fed."""
     from .data import IMAGENET_MEAN, IMAGENET_STD
     from .inputs import inspect_inputs
 
@@ -415,7 +423,7 @@ def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable]:
     if batch_tfm is None:
         batch_tfm = functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                                       flip=False)
-    return spec.feed(data), batch_tfm
+    return spec.feed(data), batch_tfm, spec
 
 
 def sweep_length(num_it: int | None, planned_steps: int | None, run_cores: int = 1,
@@ -636,6 +644,8 @@ def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
     dev = runtime.device()
     runtime.set_seed(cfg.seed)
     model, batches = _placed(cfg, run, dev)
+    # a fit's precision and layout on the torch backend; XLA sweeps in float32, as it always has
+    amp = DevicePlan.build(cfg.device if dev.type != "xla" else DeviceRequest("fp32"), dev, model)
     opt = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.start_lr,
                          weight_decay=cfg.weight_decay)
     tfm = cfg.batch_tfm
@@ -664,13 +674,13 @@ def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
                 x, y = next(batches)
                 if run is not None and not shardings:
                     shardings = _mesh_shardings(model, x)
-                out = model(tfm(x))
-                step_loss = cfg.loss(out, y)
-                (step_loss / k if k > 1 else step_loss).backward()
+                with amp.autocast:
+                    step_loss = cfg.loss(model(amp.layout(tfm(x))), y)
+                amp.backward(step_loss / k if k > 1 else step_loss)
                 total = step_loss.detach() if total is None else total + step_loss.detach()
                 if j < k - 1:
                     runtime.sync()
-            runtime.optimizer_step(opt)
+            amp.step(opt)
             runtime.sync()
             lrs.append(float(opt.param_groups[0]["lr"]))
             stop = pending is not None and record(pending.item() / k)
@@ -686,6 +696,7 @@ def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
             record(pending.item() / k)
     finally:
         batches.close()
+        amp.release(model)  # an in-process sweep ran on the caller's own model
 
     lrs_a = np.asarray(lrs, dtype=np.float64)
     sm_a = np.asarray(smoothed, dtype=np.float64)

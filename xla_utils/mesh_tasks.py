@@ -90,6 +90,8 @@ def find_lr(trainer: OneCycleTrainer, simulate: int | None, on_mesh: bool | None
     spec = inspect_inputs(trainer.train_data, "train_data", verb="lr_find", mean=cfg.mean)
     kwargs.setdefault("batch_tfm", input_preparer(cfg, spec, train=False))
     kwargs.setdefault("compile_cache", cfg.compile_cache)
+    kwargs.setdefault("precision", cfg.precision)
+    kwargs.setdefault("channels_last", cfg.channels_last)
     mesh, placement = sweep_placement(
         cfg, trainer.model, lambda: _sample(trainer, spec, min(2, cfg.batch_size)),
         step=trainer.train_step, loss=trainer.loss, devices=devices, tpu=tpu,

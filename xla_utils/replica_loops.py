@@ -84,7 +84,7 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     counters0 = runtime.xla_counters()
     s = loop.set_up(plan.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
                     ckpt=ckpt, mix=plan.mix, lr_groups=plan.lr_groups,
-                    strategy=strategy)
+                    strategy=strategy, inputs=spec)
     state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                             initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
     master_bar, progress_bar = runtime.progress_bars()
@@ -155,13 +155,16 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     if val is not None:
         metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
                                 cfg=cfg, loss_fn=loss_fn, eval_step=eval_step,
-                                autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed)
+                                autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
+                                memory_format=s.plan.memory_format)
         record.update({"val_loss": metrics.pop("loss")}, **metrics)
     record.update(lr_max=s.max_lr, lr_last=res.lr_last,
                   images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
                   / res.seconds,
                   compiles=runtime.xla_counters()["compiles"],
                   host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
+    if res.skipped_steps is not None:
+        record["skipped_steps"] = res.skipped_steps
     loop.explosion(record, state, cfg, s, epoch)
     return record
 
@@ -182,7 +185,7 @@ def end_epoch(epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str, fi
             run_id=run_id, host_state=state.finite_state if state.finite_state is not None
             else s.state_dict(), initial_loss=state.initial_loss,
             ema=None if s.ema is None else s.ema.state_dict(),
-            extra=extra)
+            scaler=s.plan.scaler_state(), extra=extra)
         if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
             s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
                                 cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),

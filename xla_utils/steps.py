@@ -13,7 +13,8 @@ Both run a step a few times and read XLA's counters after each. Which step:
 
 A *step factory* is called in the child with the host model and, on a mesh, the
 :class:`~xla_utils.strategy.MeshRun`; it returns a *stepper*: ``model`` (on the
-device), ``optimizer``, ``accum_steps``, ``description``, ``micro_batch(x, y) -> loss``
+device), ``optimizer``, ``accum_steps``, ``description``, ``plan`` (its
+:class:`~xla_utils.device_plan.DevicePlan`), ``micro_batch(x, y) -> loss``
 (one micro-batch of a device batch, up to the step boundary: the caller calls
 ``runtime.sync()``) and ``tensors()`` (what a step updates, for the graph text).
 """
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from . import loop, runtime
+from .device_plan import DevicePlan
 
 __all__ = ["PlainStep", "TrainerStepPlan", "TrainerStep", "optimizer_tensors"]
 
@@ -47,17 +49,23 @@ class PlainStep:
         loss_fn: ``loss_fn(outputs, y) -> scalar``.
         train_step: ``train_step(model, (x, y), loss_fn) -> loss tensor``.
         prepare: ``prepare(x) -> model input`` on the device, or None.
-        bf16: Forward/backward under bfloat16 autocast (default False).
+        bf16: Forward/backward under bfloat16 autocast (default False; ignored with ``plan``).
+        plan: The run's :class:`~xla_utils.device_plan.DevicePlan` (precision, layout,
+            gradient scaler on the torch backend), or None: ``bf16`` decides the autocast.
     """
 
     accum_steps = 1
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  loss_fn: Callable, train_step: Callable, prepare: Callable | None = None,
-                 bf16: bool = False) -> None:
+                 bf16: bool = False, plan: DevicePlan | None = None) -> None:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.train_step, self.prepare = train_step, prepare
-        self.autocast = torch.autocast(runtime.device().type, dtype=torch.bfloat16, enabled=bf16)
+        if plan is None:
+            dev = runtime.device()
+            plan = DevicePlan(dev, "bf16" if bf16 else "fp32", False, False, "",
+                              torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16))
+        self.plan = plan
         lr = optimizer.param_groups[0].get("lr")
         self.description = (f"forward, backward and a {type(optimizer).__name__} step at the "
                             f"constant LR {lr:.3g}" if isinstance(lr, float) else
@@ -68,10 +76,10 @@ class PlainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.prepare is not None:
             x = self.prepare(x)
-        with self.autocast:
-            loss = self.train_step(self.model, (x, y), self.loss_fn)
-        loss.backward()
-        runtime.optimizer_step(self.optimizer)
+        with self.plan.autocast:
+            loss = self.train_step(self.model, (self.plan.layout(x), y), self.loss_fn)
+        self.plan.backward(loss)
+        self.plan.step(self.optimizer)
         return loss
 
     def tensors(self) -> list[torch.Tensor]:
@@ -111,7 +119,8 @@ class TrainerStepPlan:
         base_lr = cfg.max_lr if isinstance(cfg.max_lr, (int, float)) else 1e-3  # "find": any
         with contextlib.redirect_stdout(io.StringIO()):  # set_up's global-batch line is fit's
             s = loop.set_up(module, cfg, self.train_data, base_lr=base_lr, lr_world=1, ckpt=None,
-                            mix=self.mix, lr_groups=self.lr_groups, strategy=mesh)
+                            mix=self.mix, lr_groups=self.lr_groups, strategy=mesh,
+                            inputs=self.inputs)
         return TrainerStep(s, self)
 
 
@@ -120,8 +129,9 @@ class TrainerStep:
     micro-batch (:func:`xla_utils.loop.micro_step`), as a one-core run (or ``s.mesh``'s)."""
 
     def __init__(self, s: loop.Setup, plan: TrainerStepPlan) -> None:
-        self.s, self.plan = s, plan
+        self.s, self.recipe = s, plan
         self.model, self.optimizer, self.accum_steps = s.model, s.opt, s.accum_steps
+        self.plan = s.plan
         self.state = loop.TrainState(step=0, initial_loss=None)
         self.m = 0
         loop.begin_epoch(s, plan.cfg, 0)
@@ -131,8 +141,8 @@ class TrainerStep:
                  f"{s.sched.lr(0):.3g} -> {s.max_lr:.3g} and momentum set every step"]
         if s.accum_steps > 1:
             parts.append(f"{s.accum_steps} micro-batches accumulated")
-        if cfg.bf16:
-            parts.append("bf16 autocast")
+        if s.plan.precision != "fp32":
+            parts.append(f"{s.plan.precision} autocast")
         if s.ema is not None:
             parts.append(f"EMA {cfg.ema}")
         if s.mix is not None:
@@ -141,7 +151,7 @@ class TrainerStep:
 
     def micro_batch(self, x: Any, y: Any) -> torch.Tensor:
         """The next micro-batch on the device batch ``(x, y)``; returns its loss (not synced)."""
-        p = self.plan
+        p = self.recipe
         loss, _ = loop.micro_step(self.s, self.state.step, self.m, x, y, cfg=p.cfg,
                                   train_step=p.train_step, loss_fn=p.loss_fn, inputs=p.inputs)
         self.loss_sum = self.loss_sum + loss.detach().float()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from . import loop, runtime
+from . import device_plan, loop, runtime
 from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
@@ -194,7 +194,8 @@ class OneCycleTrainer:
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False), eval_step=self.eval_step,
-                         inputs=spec, mesh=plan, make_step=self._step_plan(train))
+                         inputs=spec, mesh=plan, make_step=self._step_plan(train),
+                         precision=cfg.precision, channels_last=cfg.channels_last)
 
     def _step_plan(self, train: tuple[Any, InputSpec]) -> TrainerStepPlan:
         """This trainer's step as ``fit`` runs it, for check() and debug() (:mod:`xla_utils.steps`)."""
@@ -258,6 +259,7 @@ class OneCycleTrainer:
         cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
                                final_div_factor=final_div_factor)
         runtime.prestart_simulation(simulate)
+        device_plan.check_before_launch(cfg.precision, simulate=simulate, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
         if check and (report := self.check()).errors:
             raise ReadinessError(report)
@@ -464,6 +466,8 @@ class OneCycleTrainer:
     def _launch_inference(self, plan: loop.InferencePlan, cores: int | str,
                           simulate: int | None) -> Any:
         """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
+        device_plan.check_before_launch(self.config.precision, simulate=simulate,
+                                        mesh=self.config.strategy != "spawn")
         if self.config.strategy == "spawn":
             return live_or_launch(self, inference_replica, (plan,), cores, simulate)
         world = _strategy.planned_world_size(cores, simulate)
@@ -490,7 +494,7 @@ class OneCycleTrainer:
                                                need_target=False))
             if why is not None:
                 raise ValueError(why)
-        views = self._tta_views(data, tta, spec.shape)
+        views = loop.tta_views(data, tta, spec.shape, self.config.flip)
         model = (with_weights(self.model, self.ema_state) if weights is None
                  else model_with_weights(self.model, weights))
         fed = spec.feed(data)
@@ -498,25 +502,6 @@ class OneCycleTrainer:
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
                                   activation=activation, model=model, labelled=labelled, tta=tta,
                                   config=self.config, eval_step=self.eval_step, loss=self.loss)
-
-    def _tta_views(self, data, tta: int, shape) -> list[tuple[int, bool]]:
-        """The (stored variant, mirrored) pair of each TTA view, in order (see :meth:`predict`)."""
-        if not isinstance(tta, int) or isinstance(tta, bool) or tta < 1:
-            raise ValueError(f"tta must be a positive int (views per image), got {tta!r}")
-        v = data.num_variants if isinstance(data, CachedImageDataset) else 1
-        can_flip = self.config.flip and shape is not None and len(shape) == 3
-        views = [(j, f) for f in ((False, True) if can_flip else (False,)) for j in range(v)]
-        if tta > len(views):
-            if can_flip:
-                why = f"{v} stored variant(s), each also mirrored"
-            elif not self.config.flip:
-                why = f"{v} stored variant(s); no mirrored views because the trainer has flip=False"
-            else:
-                why = f"{v} stored variant(s); inputs of shape {shape} cannot be mirrored"
-            raise ValueError(f"tta={tta} but data offers {len(views)} distinct view(s): {why}. Build the "
-                             f"test cache with more variants (build_cache(..., variants={tta}, "
-                             "unlabeled=True)) or lower tta")
-        return views[:tta]
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
               timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":

@@ -44,7 +44,8 @@ Layout
               inside), with ``reset()`` for tests.
 ``xla``       the lazy torch_xla import and its error message; TPU probe.
 ``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
-``transfer``  ``to_device``, ``device_prefetch``.
+``transfer``  ``to_device``, ``device_prefetch`` (on CUDA: copies on a side stream, ``overlapped``).
+``gpu``       the host's NVIDIA GPUs from ``nvidia-smi`` (no CUDA initialised), a replica's from torch.
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
 ``forksafe``  which forks may inherit an OpenMP team (the zygote's check before
               every fork; a fresh thread for TPU jobs) and the one-thread guard.

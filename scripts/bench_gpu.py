@@ -1,0 +1,317 @@
+"""GPU: OneCycleTrainer.fit and predict against a hand-written loop and the no-loader ceiling.
+
+Issue 34's measurement, side by side in one process, per model (torchvision's ResNet-18
+and ResNet-50, random weights, 10 classes; 224x224, batch 256 by default), on a uint8
+cache this script renders and builds itself (``build_cache``):
+
+* ``ceiling``: the training step on one batch that stays on the device (normalised,
+  channels_last, autocast, SGD): no loader, no copies;
+* ``hand``: the hand-written loop of the issue: ``DataLoader(CachedImageDataset, shuffle,
+  drop_last, num_workers=--workers, pin_memory, persistent_workers)``, per step
+  ``x.to(dev, non_blocking=True)``, normalised on the device (``(x.permute(0, 3, 1, 2).float()
+  / 255 - mean) / std`` in channels_last), a channels_last model, autocast in the precision
+  the trainer picks for this device (bf16 from compute capability 8.0, fp16 with a
+  ``GradScaler`` below, fp32 on the CPU), ``loss.backward(); opt.step();
+  opt.zero_grad(set_to_none=True)``, ``OneCycleLR.step()``; the loss is never read;
+* ``fit``: ``OneCycleTrainer(model, CrossEntropyLoss(), cache, batch_size, epochs,
+  optimizer="sgd", max_lr, flip=False).fit()`` with its automatic settings; its history's
+  seconds per epoch.
+
+Training figures are images/s over epochs 2.. (epoch 1 warms up: cuDNN picks its kernels);
+with ``--epochs 1`` over epoch 1. Then inference, after one warm-up call each:
+``trainer.predict(cache)`` (softmax, one numpy array) against a hand-written inference loop
+(the same DataLoader unshuffled, channels_last, autocast, softmax, outputs kept on the
+device and read once), the median of ``--predict-reps`` calls each. Every figure is printed
+with the host's load average and the GPU's name; ``--json`` writes them all.
+
+On a GPU machine with torch, CUDA and torchvision but no torch_xla and no package index
+(xla_utils' pure-Python dependencies, fastprogress and cloudpickle, carried as wheels in a
+folder: ``python scripts/make_offline_wheels.py WHEELS_DIR`` elsewhere), from the
+repository root::
+
+    python scripts/bench_gpu.py --wheels WHEELS_DIR --json gpu.json
+
+``--wheels`` puts the folder and every ``*.whl`` in it on ``sys.path`` (pure-Python wheels
+import from there); the checkout's own ``xla_utils`` is found from the repository root
+and comes first.
+A CPU smoke run (tests/test_bench_gpu.py)::
+
+    python scripts/bench_gpu.py --models resnet18 --image 32 --batch 8 --images 64 --epochs 1 --workers 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLASSES = 10
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+MAX_LR = 0.1
+
+
+class Rendered:
+    """Map-style source of ``n`` rendered ``size`` x ``size`` RGB images: noise plus a
+    bright square whose place and colour depend on the class (``i % 10``)."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        import numpy as np
+
+        rng = np.random.default_rng(i)
+        c, s = i % CLASSES, self.size
+        img = rng.integers(0, 96, (s, s, 3), dtype=np.uint8)
+        q = max(1, s // 4)
+        y0, x0 = (c // 5) * (s // 2), (c % 5) * (s - q) // 4
+        img[y0:y0 + q, x0:x0 + q] = (60 + 19 * c, 255 - 19 * c, 120)
+        return img, c
+
+
+def make_model(name: str):
+    import torchvision
+
+    return getattr(torchvision.models, name)(weights=None, num_classes=CLASSES)
+
+
+def sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def device_facts():
+    """``(device, precision, words)``: the device the trainer will use and the precision
+    its ``precision="auto"`` picks there (the hand loop uses the same)."""
+    import torch
+
+    from xla_utils.device_plan import resolve_precision
+
+    if torch.cuda.is_available():
+        from xla_utils.runtime.gpu import cuda_facts
+
+        dev = torch.device("cuda")
+        facts = cuda_facts(dev)
+        return dev, resolve_precision("auto", "cuda", facts.compute_capability), facts.describe()
+    return torch.device("cpu"), "fp32", f"cpu ({os.cpu_count()} cores)"
+
+
+class Step:
+    """The hand-written training step: channels_last model, autocast, SGD (+ GradScaler in fp16)."""
+
+    def __init__(self, name: str, dev, precision: str, total_steps: int):
+        import torch
+
+        torch.manual_seed(0)
+        self.dev = dev
+        self.model = make_model(name).to(dev).to(memory_format=torch.channels_last).train()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=MAX_LR / 25, momentum=0.9)
+        self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, MAX_LR, total_steps=total_steps)
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        self.autocast = torch.autocast(dev.type, dtype=dtype, enabled=precision != "fp32")
+        self.scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" else None
+        self.loss = torch.nn.CrossEntropyLoss()
+        self.mean = torch.tensor(MEAN, device=dev).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(STD, device=dev).view(1, 3, 1, 1) * 255
+
+    def normalise(self, x):
+        import torch
+
+        return ((x.permute(0, 3, 1, 2).float() - self.mean) / self.std).contiguous(
+            memory_format=torch.channels_last)
+
+    def __call__(self, x, y) -> None:
+        with self.autocast:
+            loss = self.loss(self.model(x), y)
+        if self.scaler is None:
+            loss.backward()
+            self.opt.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        if self.sched.last_epoch + 1 < self.sched.total_steps:
+            self.sched.step()
+
+
+def loader(ds, batch: int, workers: int, dev, shuffle: bool):
+    import torch
+
+    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=shuffle, drop_last=shuffle,
+                                       num_workers=workers, pin_memory=dev.type == "cuda",
+                                       persistent_workers=workers > 0)
+
+
+def rate(images: list[int], seconds: list[float]) -> float:
+    """Images/s over epochs 2.. (all epochs when there is one)."""
+    k = 1 if len(seconds) > 1 else 0
+    return sum(images[k:]) / sum(seconds[k:])
+
+
+def run_hand(name: str, ds, args, dev, precision: str):
+    """The hand-written loop; ``(images/s, its Step)``."""
+    import torch
+
+    dl = loader(ds, args.batch, args.workers, dev, shuffle=True)
+    step = Step(name, dev, precision, args.epochs * len(dl))
+    images, seconds = [], []
+    for _ in range(args.epochs):
+        sync(dev)
+        t0, n = time.perf_counter(), 0
+        for x, y in dl:
+            x = step.normalise(x.to(dev, non_blocking=True))
+            step(x, y.to(dev, non_blocking=True))
+            n += len(y)
+        sync(dev)
+        images.append(n)
+        seconds.append(time.perf_counter() - t0)
+    del dl
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rate(images, seconds), step
+
+
+def run_ceiling(name: str, ds, args, dev, precision: str) -> float:
+    """The same step on one device-resident batch: no loader, no copies."""
+    import numpy as np
+    import torch
+
+    steps = max(2, len(ds) // args.batch)
+    step = Step(name, dev, precision, steps + 3)
+    x = torch.from_numpy(np.stack([ds.image(i) for i in range(args.batch)])).to(dev)
+    y = torch.as_tensor([ds.label(i) for i in range(args.batch)], device=dev)
+    x = step.normalise(x)
+    for _ in range(3):  # warm-up: cuDNN picks its kernels
+        step(x, y)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    sync(dev)
+    return steps * args.batch / (time.perf_counter() - t0)
+
+
+def run_fit(name: str, ds, args):
+    """``OneCycleTrainer.fit``; ``(images/s, the trainer)``."""
+    import torch
+
+    from xla_utils import OneCycleTrainer
+
+    torch.manual_seed(0)
+    t = OneCycleTrainer(make_model(name), torch.nn.CrossEntropyLoss(), ds, batch_size=args.batch,
+                        epochs=args.epochs, optimizer="sgd", max_lr=MAX_LR, flip=False,
+                        num_workers=args.fit_workers)
+    h = t.fit()
+    images = [r["images_per_s"] * r["seconds"] for r in h.epochs]
+    return rate(images, [r["seconds"] for r in h.epochs]), t
+
+
+def hand_predict(step: Step, ds, args, dev):
+    import torch
+
+    model = step.model.eval()
+    outs = []
+    with torch.no_grad(), step.autocast:
+        for x, _ in loader(ds, args.batch, args.workers, dev, shuffle=False):
+            outs.append(torch.softmax(model(step.normalise(x.to(dev, non_blocking=True))).float(), 1))
+    return torch.cat(outs).cpu().numpy()
+
+
+def timed(fn, reps: int) -> tuple[float, object]:
+    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call, and its last result."""
+    out = fn()
+    seconds = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds), out
+
+
+def bench_model(name: str, ds, args, dev, precision: str, rep: int) -> dict:
+    ceiling = run_ceiling(name, ds, args, dev, precision)
+    if rep % 2 == 0:
+        hand, step = run_hand(name, ds, args, dev, precision)
+        fit, trainer = run_fit(name, ds, args)
+    else:
+        fit, trainer = run_fit(name, ds, args)
+        hand, step = run_hand(name, ds, args, dev, precision)
+    hs, hand_preds = timed(lambda: hand_predict(step, ds, args, dev), args.predict_reps)
+    ps, preds = timed(lambda: trainer.predict(ds), args.predict_reps)
+    r = {"model": name, "ceiling": ceiling, "hand": hand, "fit": fit, "fit_over_hand": fit / hand,
+         "predict": len(ds) / ps, "hand_predict": len(ds) / hs, "predict_over_hand": hs / ps,
+         "predict_shape": list(preds.shape), "hand_predict_shape": list(hand_preds.shape)}
+    print(f"{name}: ceiling {ceiling:,.0f} img/s | hand {hand:,.0f} | fit {fit:,.0f} | fit/hand "
+          f"{r['fit_over_hand']:.2f} || predict {r['predict']:,.0f} img/s | hand inference "
+          f"{r['hand_predict']:,.0f} | predict/hand {r['predict_over_hand']:.2f}  "
+          f"(load {'%.2f %.2f %.2f' % os.getloadavg()})", flush=True)
+    return r
+
+
+def build(args) -> Path:
+    """The rendered cache: ``--cache`` when it already holds one, else built there (or in a
+    temporary folder)."""
+    from xla_utils import build_cache
+
+    out = Path(args.cache) if args.cache else Path(tempfile.mkdtemp(prefix="bench_gpu_")) / "cache"
+    if not (out / "manifest.json").exists():
+        t0 = time.perf_counter()
+        build_cache(Rendered(args.images, args.image), out, size=args.image, verbose=False)
+        print(f"built {args.images:,} rendered {args.image}x{args.image} images into {out} in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="resnet18,resnet50", help="torchvision model names")
+    p.add_argument("--image", type=int, default=224, help="image side in pixels")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--images", type=int, default=12288, help="images in the rendered cache")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=8, help="the hand loop's DataLoader processes")
+    p.add_argument("--fit-workers", type=int, default=None,
+                   help="the trainer's num_workers (default: its automatic choice)")
+    p.add_argument("--predict-reps", type=int, default=2, help="timed calls after the warm-up one")
+    p.add_argument("--reps", type=int, default=1, help="rounds (hand and fit alternate order)")
+    p.add_argument("--cache", default=None, help="folder of the rendered cache (reused when built)")
+    p.add_argument("--wheels", default=None,
+                   help="a folder of wheels (fastprogress, cloudpickle) or packages to import from")
+    p.add_argument("--json", default=None, help="write every figure there")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.wheels:
+        sys.path[1:1] = [str(w) for w in sorted(Path(args.wheels).glob("*.whl"))] + [args.wheels]
+
+    import torch
+
+    from xla_utils import CachedImageDataset
+
+    dev, precision, where = device_facts()
+    ds = CachedImageDataset(build(args))
+    print(f"{where}: torch {torch.__version__}, precision {precision}; {len(ds):,} images "
+          f"{args.image}x{args.image}, batch {args.batch}, {args.epochs} epochs; hand loop "
+          f"DataLoader with {args.workers} workers", flush=True)
+    results = [bench_model(m.strip(), ds, args, dev, precision, rep)
+               for rep in range(args.reps) for m in args.models.split(",")]
+    summary = {"device": where, "torch": torch.__version__, "precision": precision,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "args": vars(args), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

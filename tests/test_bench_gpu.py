@@ -1,0 +1,31 @@
+"""scripts/bench_gpu.py completes on the CPU with tiny sizes and reports its figures (the
+GPU figures themselves come from a GPU machine: docs/BENCHMARKS.md)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_gpu_smoke_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH="")  # the script finds the checkout itself
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--models",
+                        "mobilenet_v3_small", "--image", "32", "--batch", "8", "--images", "32",
+                        "--epochs", "1", "--workers", "0", "--predict-reps", "1",
+                        "--cache", str(tmp_path / "cache"), "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "mobilenet_v3_small: ceiling " in p.stdout and "fit/hand" in p.stdout
+    assert "predict/hand" in p.stdout
+    r = json.loads(out.read_text())
+    (res,) = r["results"]
+    for key in ("ceiling", "hand", "fit", "predict", "hand_predict"):
+        assert math.isfinite(res[key]) and res[key] > 0, key
+    assert res["predict_shape"] == res["hand_predict_shape"] == [32, 10]
+    assert r["precision"] == "fp32" and r["device"].startswith("cpu")
