@@ -374,6 +374,16 @@ class _SlowFirstBad:
         return textured(i, 20, 20), i % 2
 
 
+def test_strict_build_bar_is_titled_and_ends_its_line_before_the_error(bad_folder, tmp_path,
+                                                                      monkeypatch, capsys):
+    monkeypatch.setenv("XLA_UTILS_PROGRESS", "redraw")  # a terminal's bar: one line redrawn
+    with pytest.raises(BadImageError):
+        build_cache(bad_folder, tmp_path / "c", size=32, strict=True, workers=2)
+    out = capsys.readouterr().out
+    assert "build_cache: " in out and "images on 2 workers |" in out, out
+    assert out.endswith("\n"), repr(out[-200:])  # the traceback starts on a line of its own
+
+
 def test_strict_names_the_first_bad_item_in_source_order_not_the_first_to_fail(tmp_path):
     # Two shards of 2 items run at once: shard 2 meets item 5 long before shard 0 fails on item 0.
     with pytest.raises(BadImageError) as err:

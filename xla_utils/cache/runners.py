@@ -91,7 +91,8 @@ def run_local(src: Source, cfg: CacheConfig, out: Store, todo: list[int], per_sh
     """
     ctx = mp_context()
     counter, stop_at = ctx.Value("q", 0), ctx.Value("q", src.num_items)
-    bar = update_bar(total) if verbose else None
+    bar = update_bar(total, title=f"build_cache: {total} images on {workers} "
+                     f"worker{'s' if workers > 1 else ''}") if verbose else None
     t_start = time.perf_counter()
     ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
                              initargs=(src, cfg, out, strict, counter, stop_at))
@@ -130,6 +131,7 @@ def run_local(src: Source, cfg: CacheConfig, out: Store, todo: list[int], per_sh
                 bar.comment = f"{rate:,.1f} images/s"
                 bar.update(min(n, total))
     except BaseException:
+        _end_line(bar)  # the error starts on its own line
         with stop_at.get_lock():
             stop_at.value = -1
         for f in pending:
@@ -143,7 +145,14 @@ def run_local(src: Source, cfg: CacheConfig, out: Store, todo: list[int], per_sh
         raise
     ex.shutdown(wait=True)
     if bad:
+        _end_line(bar)
         raise min(bad, key=lambda e: e.index)
+
+
+def _end_line(bar: Any) -> None:
+    """End a text bar's unfinished line (a notebook's widget needs nothing)."""
+    if bar is not None and hasattr(bar, "close_line"):
+        bar.close_line()
 
 
 class _Flag:
@@ -205,7 +214,7 @@ def run_ray(src: Source, cfg: CacheConfig, out: Store, todo: list[int], per_shar
 
 def _collect_ray(ray: Any, refs: dict[Any, int], src: Source, per_shard: int, total: int, verbose: bool,
                  record: Callable[[dict[str, Any]], None], save: Callable[[], None]) -> None:
-    bar = update_bar(total) if verbose else None
+    bar = update_bar(total, title=f"build_cache: {total} images on Ray") if verbose else None
     t_start, n = time.perf_counter(), 0
     pending, bad = list(refs), []
     try:
@@ -231,6 +240,7 @@ def _collect_ray(ray: Any, refs: dict[Any, int], src: Source, per_shard: int, to
                 bar.comment = f"{n / max(1e-9, time.perf_counter() - t_start):,.1f} images/s (Ray)"
                 bar.update(min(n, total))
     except BaseException:
+        _end_line(bar)
         for p in pending:
             with contextlib.suppress(Exception):
                 ray.cancel(p)
@@ -238,4 +248,5 @@ def _collect_ray(ray: Any, refs: dict[Any, int], src: Source, per_shard: int, to
             save()
         raise
     if bad:
+        _end_line(bar)
         raise min(bad, key=lambda e: e.index)
