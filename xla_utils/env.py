@@ -61,6 +61,7 @@ __all__ = [
     "setup",
     "report",
     "main",
+    "child_pythonpath",
 ]
 
 # --------------------------------------------------------------------------
@@ -198,6 +199,14 @@ def _metadata_version(name: str) -> str | None:
         return None
 
 
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` for a fresh interpreter started from this one: the folder holding
+    this ``xla_utils`` first (so the child imports the same copy), then this process's
+    ``sys.path`` (a notebook's added folders, the venv's site-packages), empty entries left out."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(dict.fromkeys([here] + [p for p in sys.path if p]))
+
+
 # seconds `import torch_xla` may take in the probe (about 20 s on a loaded 2-core machine)
 IMPORT_PROBE_TIMEOUT = 180.0
 _import_probes: dict[tuple, tuple[bool | None, str]] = {}
@@ -214,7 +223,7 @@ def _probe_torch_xla_import(timeout: float = IMPORT_PROBE_TIMEOUT) -> tuple[bool
     key = (sys.executable, tuple(sys.path), _metadata_version("torch"), _metadata_version("torch_xla"))
     if key in _import_probes:
         return _import_probes[key]
-    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=child_pythonpath())
     try:
         proc = subprocess.run([sys.executable, "-c", "import torch_xla"], env=env, capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -183,7 +183,8 @@ def measure_memory(model: Any, batch: Any, *, strategies: Sequence[str] = STRATE
 
     Raises:
         ValueError: bad ``strategies``, ``devices``, ``fsdp_wrap`` or no step to run.
-        MeasurementError: a measuring process failed (its output's tail included).
+        ReplicaError: a measuring process raised (its traceback) or died (its output's tail).
+        TimeoutError: a measuring process ran past ``timeout``.
     """
     from .runtime import shardinfo
 
