@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .atomic import atomic_write
 from .cache.sources import IMAGE_EXTENSIONS
 
 __all__ = ["write_submission", "training_multilabel", "missing_note"]
@@ -393,10 +394,7 @@ def _write_atomic(path: Path, header: list[str], rows: list[list[str]]) -> None:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(header)
     w.writerows(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buf.getvalue(), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, buf.getvalue())
 
 
 def _csv_line(cells: Sequence[str]) -> str:

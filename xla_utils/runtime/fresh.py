@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ..atomic import atomic_write
 from ..env import child_pythonpath
 from .relay import OutputTail, forward_output
 from .replica import ReplicaError, dumps_cpu
@@ -176,9 +177,7 @@ def fresh_child_main(folder: str) -> None:
                   ("error", (traceback.format_exc(), "SystemExit")))
     except BaseException as exc:  # noqa: BLE001 (handed back to the caller)
         result = ("error", (traceback.format_exc(), type(exc).__name__))
-    tmp = d / (_OUT + ".tmp")
-    tmp.write_bytes(pickle.dumps(result))
-    os.replace(tmp, d / _OUT)
+    atomic_write(d / _OUT, pickle.dumps(result), durable=False)  # a temporary folder
     sys.stdout.flush()
     sys.stderr.flush()
     # The XLA runtime's teardown can crash natively at exit; the result is written.

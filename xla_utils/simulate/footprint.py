@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import atomic_write
+
 GIB = float(1 << 30)
 
 # Private memory of a replica that ran a small graph (torch_xla 2.9, XLA:CPU): about
@@ -188,10 +190,7 @@ def record(program: str, replica_bytes: int, cores: int) -> None:
         keep = sorted(data, key=lambda k: str(data[k].get("when", "")))[-MAX_RECORDS:]
         data = {k: data[k] for k in keep}
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _private_bytes(pid: int) -> int:
