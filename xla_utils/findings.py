@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .memory import strategy_advice
+from .units import format_bytes
 
 __all__ = ["Finding", "ReadinessReport", "ReadinessError", "TPUChip", "TPU_CHIPS", "CODES",
            "SEVERITIES", "UTILIZATION", "HBM_USABLE", "WARMUP_STEPS", "DYNAMIC_OPS",
@@ -281,10 +282,6 @@ def pad_to(n: int, m: int) -> int:
 # ---------------------------------------------------------------------------
 # Findings from measurements (pure Python, runs in the caller)
 # ---------------------------------------------------------------------------
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
 def findings_from(meas: dict[str, Any], chip: TPUChip) -> list[Finding]:
     """Every finding the measurements of one check support, errors first."""
     found: list[Finding] = []
@@ -542,11 +539,11 @@ def memory_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
         return b - b % 8 if b >= 8 else max(b, 0)
 
     fit, fit_tiled = largest(act / rows), largest(act_tiled / rows)
-    msg = (f"one step at per-core batch {rows} needs about {_gib(total)} (parameters "
-           f"{_gib(meas['param_bytes'])} + gradients {_gib(meas['grad_bytes'])} + optimizer state "
-           f"{_gib(meas['optimizer_state_bytes'])} + activations saved for backward {_gib(act)}; "
-           f"{_gib(total_tiled)} if every activation is padded to TPU (8, 128) tiles) of "
-           f"{_gib(hbm)} HBM per {chip.name} core. ")
+    msg = (f"one step at per-core batch {rows} needs about {format_bytes(total)} (parameters "
+           f"{format_bytes(meas['param_bytes'])} + gradients {format_bytes(meas['grad_bytes'])} + optimizer state "
+           f"{format_bytes(meas['optimizer_state_bytes'])} + activations saved for backward {format_bytes(act)}; "
+           f"{format_bytes(total_tiled)} if every activation is padded to TPU (8, 128) tiles) of "
+           f"{format_bytes(hbm)} HBM per {chip.name} core. ")
     sharded_fix = None
     if (meas.get("tpu_devices") or 0) > 1 and meas.get("param_shapes"):  # per strategy (memory.py)
         states = round(meas["optimizer_state_bytes"] / max(meas["param_bytes"], 1))

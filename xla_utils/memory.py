@@ -24,18 +24,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from .units import format_bytes
+
 __all__ = ["DeviceMemory", "MemoryReport", "measure_memory", "paper_memory", "llama_shapes",
            "tpu_devices", "strategy_advice", "optimizer_state_count", "state_bytes",
-           "activation_bytes", "format_gib",
+           "activation_bytes",
            "STRATEGIES"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
-_GIB = 2**30
-
-
-def format_gib(n: float) -> str:
-    """``n`` bytes as text: GiB from 0.1 GiB up (``"1.50 GiB"``), MiB below (``"12.0 MiB"``)."""
-    return f"{n / _GIB:.2f} GiB" if n >= 0.1 * _GIB else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -70,9 +66,9 @@ class DeviceMemory:
         return self.states + (self.activations or 0)
 
     def __str__(self) -> str:
-        act = "n/a" if self.activations is None else format_gib(self.activations)
-        return (f"{self.strategy:>5}: params {format_gib(self.params)} + grads {format_gib(self.grads)} + AdamW "
-                f"{format_gib(self.optimizer)} + activations {act} = {format_gib(self.total)} per device "
+        act = "n/a" if self.activations is None else format_bytes(self.activations)
+        return (f"{self.strategy:>5}: params {format_bytes(self.params)} + grads {format_bytes(self.grads)} + AdamW "
+                f"{format_bytes(self.optimizer)} + activations {act} = {format_bytes(self.total)} per device "
                 f"({self.source})")
 
 
@@ -115,7 +111,7 @@ class MemoryReport:
 
     def __str__(self) -> str:
         head = (f"{self.n_params / 1e6:,.1f}M parameters; replicated params + grads + AdamW = "
-                f"{format_gib(self.replicated_states)}; per device on {self.devices} devices:")
+                f"{format_bytes(self.replicated_states)}; per device on {self.devices} devices:")
         return "\n".join([head] + [f"  {r}" for r in self.rows])
 
 
@@ -298,14 +294,14 @@ def strategy_advice(param_shapes: Iterable[Sequence[int]], param_bytes: int, act
     per = max(round(param_bytes / n), 1)
     rep = paper_memory(shapes, devices, bytes_per_param=per, optimizer_states=optimizer_states,
                        activations=activations)
-    parts = "; ".join(f'strategy="{r.strategy}" {format_gib(r.total)}' for r in rep.rows)
+    parts = "; ".join(f'strategy="{r.strategy}" {format_bytes(r.total)}' for r in rep.rows)
     text = (f"Per device on {devices} {chip} devices (sharding rules on paper, activations as "
             f"measured at this per-core batch): {parts}.")
     fsdp = rep["fsdp"]
     if rep["spawn"].total > usable_bytes and fsdp.total <= usable_bytes:
         return text, (f'train with strategy="fsdp" (FSDPv2: parameters, gradients and optimizer '
-                      f"state sharded over the {devices} devices): about {format_gib(fsdp.total)} per "
-                      f"device ({format_gib(fsdp.states)} of states + {format_gib(activations)} of activations)")
+                      f"state sharded over the {devices} devices): about {format_bytes(fsdp.total)} per "
+                      f"device ({format_bytes(fsdp.states)} of states + {format_bytes(activations)} of activations)")
     return text, None
 
 

@@ -32,16 +32,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..suggest import unknown_keywords
+from ..units import format_bytes
 from .config import CacheConfig
 from .errors import BuildError
 from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text
 from .sources import Source, resolve_source
-from .space import check_space, disk_full, estimate_bytes, fmt_bytes, is_disk_full
+from .space import check_space, disk_full, estimate_bytes, is_disk_full
 from .storage import LockedError, Store, load_manifest
 from .runners import ENGINES, mp_context, run_shards
 from .worker import init_worker, pilot_item
 
-__all__ = ["BuildReport", "DryRunEstimate", "build_cache", "fmt_bytes", "missing_rows_warning"]
+__all__ = ["BuildReport", "DryRunEstimate", "build_cache", "missing_rows_warning"]
 
 
 @dataclass
@@ -86,7 +87,7 @@ class BuildReport:
         lines = [
             f"BuildReport({self.path!r}: {self.num_images:,} of {self.num_sources:,} images, "
             f"{self.num_shards} shards ({self.shards_built} built, {self.shards_reused} reused), "
-            f"{self.files} files, {fmt_bytes(self.bytes)}, {self.seconds:.1f} s"
+            f"{self.files} files, {format_bytes(self.bytes)}, {self.seconds:.1f} s"
             + (", UNLABELLED" if self.unlabeled else ""),
             f"  skipped {len(self.skipped):,}, upscaled {len(self.upscaled):,} (full lists: .skipped, .upscaled)",
         ]
@@ -526,7 +527,7 @@ def _summary(r: BuildReport, m: dict[str, Any]) -> str:
     h, w = m["image_size"]
     lines = [
         f"cached {r.num_images:,} of {r.num_sources:,} images x {m['num_variants']} variant(s) at {w}x{h} "
-        f"({m['codec']}) in {r.path}: {r.num_shards} shards, {r.files} files, {fmt_bytes(r.bytes)}; "
+        f"({m['codec']}) in {r.path}: {r.num_shards} shards, {r.files} files, {format_bytes(r.bytes)}; "
         f"{r.seconds:.1f} s ({r.shards_built} shards built, {r.shards_reused} reused"
         + (f", {r.images_per_s:,.1f} images/s)" if r.shards_built else ")")]
     if r.skipped:
@@ -573,7 +574,7 @@ def _dry_run(src: Source, cfg: CacheConfig, out: Store, workers: int, verbose: b
         h, w = cfg.size
         print(f"dry run (pilot of {est.pilot_images} images, {sec * 1000:.0f} ms each on one core): "
               f"{src.num_items:,} images x {cfg.variants} variant(s) at {w}x{h} ({cfg.codec}) -> "
-              f"~{fmt_bytes(est.estimated_bytes)} in {num_shards} shards of {per_shard} images, "
+              f"~{format_bytes(est.estimated_bytes)} in {num_shards} shards of {per_shard} images, "
               f"~{est.estimated_seconds / 60:.1f} min with {workers} workers, "
               f"~{est.estimated_skipped} skipped; output directory: {est.existing}")
     return est
