@@ -181,6 +181,15 @@ def test_type_checking_imports_match_the_lazy_exports():
     assert (PKG / "py.typed").is_file()
 
 
+def test_readme_names_every_public_name():
+    import xla_utils
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    para = readme[readme.index("## Modules"):readme.index("| module | owns |")]
+    named = set(re.findall(r"`(\w+)`", para))
+    assert named == set(xla_utils.__all__), (sorted(named ^ set(xla_utils.__all__)))
+
+
 def test_simulate_is_a_package_whose_protocol_stands_alone():
     # runtime/ never imports simulate, not even inside a function: simulate sits above it
     # and registers its launcher with runtime.launcher when imported, which the package
