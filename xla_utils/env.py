@@ -49,6 +49,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
+from .tpus import DEVICES_PER_CHIP, TPU_PCI_DEVICES, TYPE_COUNTS_CORES
 from .libtpu_pairs import libtpu_warning
 
 __all__ = [
@@ -69,22 +70,6 @@ __all__ = [
 # --------------------------------------------------------------------------
 GOOGLE_PCI_VENDOR = "0x1ae0"
 NVIDIA_PCI_VENDOR = "0x10de"
-# PCI device id -> TPU generation. 0x0027 is shared by v2 and v3.
-TPU_PCI_DEVICES = {
-    "0x0027": "v2/v3",
-    "0x005e": "v4",
-    "0x0063": "v5e",
-    "0x0062": "v5p",
-    "0x006f": "v6e",
-}
-# XLA devices per chip as seen by xmp.spawn: v2/v3 have two TensorCores per chip
-# that PJRT exposes separately (one process per chip, two threads each); v4/v5p
-# fuse them (megacore); v5e/v6e have one core per chip.
-DEVICES_PER_CHIP = {"v2": 2, "v3": 2, "v2/v3": 2, "v4": 1, "v5p": 1, "v5e": 1, "v6e": 1}
-# Generations whose accelerator-type suffix counts TensorCores, not chips
-# (v3-8 = 4 chips, v4-8 = 4 chips, v5p-8 = 4 chips; v5litepod-8 = 8 chips).
-_TYPE_COUNTS_CORES = {"v2", "v3", "v4", "v5p"}
-
 # torch_xla major.minor -> Python versions with Linux x86_64 wheels on PyPI
 # (checked with `pip index versions torch_xla --python-version X`).
 TORCH_XLA_WHEELS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
@@ -282,7 +267,7 @@ def _parse_accelerator_type(value: str | None) -> tuple[str, int] | None:
 def _tpu_type_name(gen: str | None, chips: int) -> str | None:
     if not gen or gen == "unknown" or chips <= 0:
         return None
-    n = chips * 2 if gen in _TYPE_COUNTS_CORES or gen == "v2/v3" else chips
+    n = chips * 2 if gen in TYPE_COUNTS_CORES or gen == "v2/v3" else chips
     return f"{gen}-{n}"
 
 

@@ -20,14 +20,13 @@ Nothing here imports torch_xla; the measurement runs in another process.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .units import format_bytes
 
 __all__ = ["DeviceMemory", "MemoryReport", "measure_memory", "paper_memory", "llama_shapes",
-           "tpu_devices", "strategy_advice", "optimizer_state_count", "state_bytes",
+           "strategy_advice", "optimizer_state_count", "state_bytes",
            "activation_bytes",
            "STRATEGIES"]
 
@@ -271,16 +270,6 @@ def llama_shapes(size: str) -> list[tuple[int, ...]]:
     if not c["tied"]:
         shapes.append((c["vocab"], d))
     return shapes
-
-
-def tpu_devices(tpu: Any, devices_per_chip: int = 1) -> int | None:
-    """XLA devices of a slice name (``"v5e-8"`` -> 8, ``"v3-8"`` -> 8, ``"v4-8"`` -> 4:
-    v4/v5p names count TensorCores, two per device), or None without a ``-N`` suffix."""
-    m = re.fullmatch(r"\s*(v\d+[a-z]*)-(\d+)\s*", str(tpu).lower())
-    if m is None:
-        return None
-    n = int(m.group(2))
-    return max(n // 2, 1) if m.group(1) in ("v4", "v5p") else n
 
 
 def strategy_advice(param_shapes: Iterable[Sequence[int]], param_bytes: int, activations: int,

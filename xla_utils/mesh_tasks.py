@@ -133,7 +133,7 @@ def check_on_mesh(trainer: OneCycleTrainer, report: ReadinessReport, *, spec: In
     plain step.
     """
     from .debug import debug_run
-    from .memory import tpu_devices
+    from .tpus import tpu_devices
     from .findings import Finding
 
     cfg = trainer.config

@@ -43,12 +43,11 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
-from .findings import (CODES, DYNAMIC_OPS, HBM_USABLE, TPU_CHIPS, UTILIZATION, Finding,
-                       ReadinessError, ReadinessReport, TPUChip, findings_from, pad_to,
-                       resolve_tpu)
-from .memory import tpu_devices
+from .findings import (CODES, DYNAMIC_OPS, HBM_USABLE, UTILIZATION, Finding, ReadinessError,
+                       ReadinessReport, findings_from, pad_to, resolve_tpu)
 from .progress import progress_bar
 from .steps import PlainStep
+from .tpus import TPU_CHIPS, TPUChip, tpu_devices
 
 # The report's names are also this module's (``xla_utils.readiness.TPU_CHIPS``, ...).
 __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS", "TPUChip",
