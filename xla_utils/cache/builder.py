@@ -185,16 +185,8 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         TypeError: an unknown keyword (``varients=2``): the message suggests the
             nearest option (``variants``) and lists them all.
     """
-    fields = [f.name for f in dataclasses.fields(CacheConfig)]
-    if set(config_fields) - set(fields):
-        own = [k for k, p in inspect.signature(build_cache).parameters.items() if p.kind is p.KEYWORD_ONLY]
-        raise unknown_keywords("build_cache()", [k for k in config_fields if k not in fields], fields + own)
-    cfg = dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
-    workers = workers or _default_workers()
-    if workers < 1:
-        raise ValueError(f"workers={workers} must be >= 1")
+    cfg = _config_of(config, config_fields)
+    workers = _checked_workers(engine, workers)
     out = Store(out)  # a URL whose protocol is not installed: ImportError naming the package
     src = resolve_source(source, labels, cfg, classes, unlabeled)
     if src.num_items == 0:
@@ -208,6 +200,34 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         state, old = _existing_state(out, src, cfg)
         if state == "complete":
             return _labels_note(_complete_report(out, old, t0, verbose), src, unlabeled, verbose)
+    _make_folder(out, src, cfg)
+    with _locked(out, src, cfg):
+        report = _build(src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address)
+    return _labels_note(report, src, unlabeled, verbose)
+
+
+def _config_of(config: CacheConfig | None, config_fields: dict[str, Any]) -> CacheConfig:
+    """``config`` with ``build_cache``'s keyword fields applied; an unknown keyword is a
+    ``TypeError`` naming the nearest option."""
+    fields = [f.name for f in dataclasses.fields(CacheConfig)]
+    if set(config_fields) - set(fields):
+        own = [k for k, p in inspect.signature(build_cache).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        raise unknown_keywords("build_cache()", [k for k in config_fields if k not in fields], fields + own)
+    return dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
+
+
+def _checked_workers(engine: str, workers: int | None) -> int:
+    """The worker count (default: all cores), checked with the engine's name."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
+    workers = workers or _default_workers()
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1")
+    return workers
+
+
+def _make_folder(out: Store, src: Source, cfg: CacheConfig) -> None:
+    """Create ``out``; a folder that cannot be written is a :class:`BuildError` naming it."""
     try:
         out.mkdir()
     except OSError as e:
@@ -215,9 +235,6 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         if err is None:
             raise
         raise err from e
-    with _locked(out, src, cfg):
-        report = _build(src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address)
-    return _labels_note(report, src, unlabeled, verbose)
 
 
 def _labels_note(report: BuildReport, src: Source, intended: bool, verbose: bool) -> BuildReport:
