@@ -28,10 +28,15 @@ Detection order:
    chip makes libtpu hang for more than five minutes.
 4. NVIDIA GPUs: PCI vendor 0x10de with a display class, ``<root>/dev/nvidiaN``,
    ``<root>/proc/driver/nvidia/gpus/*``.
+
+Why this module is above 800 lines (about 970): detection, advice and setup share the
+wheel and release tables and :class:`EnvInfo` below, every part takes the same faked
+root and environment in the tests, and the module must stay standalone (it imports
+only :mod:`xla_utils.libtpu_pairs` and :mod:`xla_utils.tpus`, never torch), because
+``python -m xla_utils.env`` is what a user runs on a machine whose torch or torch_xla
+is broken. Each section is small functions (none over 80 lines); the chip facts are
+in :mod:`xla_utils.tpus`.
 """
-# Why one module of about 950 lines: detection, advice and setup share the facts
-# tables and EnvInfo below, and every part takes a faked root/environment for the
-# tests; each section is small functions (none over 80 lines).
 from __future__ import annotations
 
 import argparse
