@@ -40,3 +40,9 @@ def test_the_file_gets_the_usual_permissions(tmp_path):
     plain = tmp_path / "plain.csv"
     plain.write_text("x")
     assert stat.S_IMODE((tmp_path / "sub.csv").stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+
+
+def test_a_missing_folder_is_an_error_when_asked(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        atomic_write(tmp_path / "gone" / "payload", b"x", parents=False)
+    assert not (tmp_path / "gone").exists()

@@ -21,14 +21,17 @@ __all__ = ["atomic_writer", "atomic_write"]
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike, *, durable: bool = True) -> Iterator[IO[bytes]]:
+def atomic_writer(path: str | os.PathLike, *, durable: bool = True,
+                  parents: bool = True) -> Iterator[IO[bytes]]:
     """A binary file to write ``path``'s new content to; renamed over ``path`` on success.
 
     Args:
-        path: the destination; its folder is created if missing.
+        path: the destination.
         durable: fsync the file before the rename (default True). False only for files
             that die with the run that wrote them (a job's payloads on ``/dev/shm``), where
             a crash loses the run anyway and an fsync per collective would cost time.
+        parents: create the destination's missing folders (default True); False where a
+            missing folder is an error to report (a job's folder that was deleted).
 
     Yields:
         The open temporary file (``"wb"``): ``torch.save(obj, f)``, ``np.savez(f, ...)``,
@@ -38,7 +41,8 @@ def atomic_writer(path: str | os.PathLike, *, durable: bool = True) -> Iterator[
         Whatever the writer raised, after removing the temporary file (``path`` untouched).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     # NAME.tmp-PID-RANDOM: unique per writer; the cache builder sweeps "*.tmp-*" leftovers.
     # Opened like open(..., "xb"), so the file gets the usual permissions (umask).
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -55,7 +59,8 @@ def atomic_writer(path: str | os.PathLike, *, durable: bool = True) -> Iterator[
         raise
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str, *, durable: bool = True) -> None:
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, durable: bool = True,
+                 parents: bool = True) -> None:
     """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically (see :func:`atomic_writer`)."""
-    with atomic_writer(path, durable=durable) as f:
+    with atomic_writer(path, durable=durable, parents=parents) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -98,8 +98,9 @@ def write_payload(folder: str, name: str, data: bytes) -> str:
         TransportError: The file could not be written (folder gone, ``/dev/shm`` full).
     """
     path = os.path.join(folder, name)
-    try:  # the job's own file on /dev/shm: a crash loses the job, so no fsync
-        atomic_write(path, data, durable=False)
+    try:  # the job's own file on /dev/shm: a crash loses the job, so no fsync; a
+        # deleted job folder is a transport error, not recreated
+        atomic_write(path, data, durable=False, parents=False)
     except OSError as exc:
         hint = (" /dev/shm is full: free it (`df -h /dev/shm`) or simulate fewer cores"
                 if exc.errno == errno.ENOSPC else "")
