@@ -178,3 +178,50 @@ def test_dotted_names_resolve():
     assert len(named) > 5
     missing = sorted(n for n in named if not _resolve(n))
     assert missing == []
+
+
+# --------------------------------------------------------------- the architecture map
+
+_MAP_LINE = re.compile(r"^((?:[│ ] {2})*)[├└]─ (.+?)(?:\s{2,}|$)")
+
+
+def _map_names(map_block: str) -> set[str]:
+    """Dotted module names the map's tree names (``runtime/`` -> ``runtime``, and its
+    children ``runtime.state``, ...; ``config, errors`` are two names)."""
+    named: set[str] = set()
+    parents: list[str] = []
+    for line in map_block.splitlines():
+        m = _MAP_LINE.match(line)
+        if not m:
+            continue
+        parents = parents[:len(m.group(1)) // 3]
+        for name in (n.strip() for n in m.group(2).split(",")):
+            named.add(".".join(parents + [name.rstrip("/")]))
+            if name.endswith("/"):
+                parents = parents + [name[:-1]]
+    return named
+
+
+def _tree_modules(pkg: Path) -> set[str]:
+    out = set()
+    for p in pkg.rglob("*.py"):
+        parts = list(p.relative_to(pkg).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        if parts:
+            out.add(".".join(parts))
+    return out
+
+
+def test_architecture_map_matches_the_tree():
+    md = _text(ROOT / "docs" / "ARCHITECTURE.md")
+    block = md.split("## Map", 1)[1].split("```", 2)[1]
+    named, modules = _map_names(block), _tree_modules(ROOT / "xla_utils")
+    assert not modules - named, f"docs/ARCHITECTURE.md's map does not name {sorted(modules - named)}"
+    assert not named - modules, f"docs/ARCHITECTURE.md's map names {sorted(named - modules)}, not in xla_utils/"
+
+
+def test_the_map_check_reads_nesting_and_lists():
+    block = ("xla_utils/\n├─ env   detection -> x\n├─ cache/   builder\n│  ├─ config, errors  c\n"
+             "│  │                 continued\n│  └─ __main__   cli\n└─ cli   command\n")
+    assert _map_names(block) == {"env", "cache", "cache.config", "cache.errors", "cache.__main__", "cli"}

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import xla_utils
-from xla_utils.memory import llama_shapes, measure_memory, paper_memory, tpu_devices
-from xla_utils.findings import TPUChip, memory_finding
+from xla_utils.memory import llama_shapes, measure_memory, paper_memory
+from xla_utils.findings import memory_finding
+from xla_utils.tpus import TPUChip, tpu_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from tiny_gpt import GPT, lm_step  # noqa: E402

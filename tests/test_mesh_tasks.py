@@ -118,7 +118,8 @@ def test_check_on_the_mesh_finds_a_step_that_recompiles():
 def test_fsdp_memory_verdict_of_check_is_per_device():
     """A 1B model: one v5e core cannot hold its fp32 AdamW states (an error on one core),
     8 FSDPv2 shards can (check under strategy='fsdp' says so)."""
-    from xla_utils.findings import TPU_CHIPS, ReadinessReport, memory_finding
+    from xla_utils.findings import ReadinessReport, memory_finding
+    from xla_utils.tpus import TPU_CHIPS
     from xla_utils.mesh_tasks import _sharded_memory
 
     shapes = llama_shapes("1b")

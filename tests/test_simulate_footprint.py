@@ -277,7 +277,7 @@ def test_the_estimate_refuses_a_run_that_cannot_fit(tmp_path):
                      r"([\d.]+) GiB \(([\d.]+) GiB per replica, measured in its run on 1 core",
                      msg)
     left = re.search(r"this machine has ([\d.]+) GiB left \(the memory limit of cgroup "
-                     r"\S+ \(2\.0 GiB", msg)
+                     r"\S+ \(2\.00 GiB", msg)
     assert need and left, msg[-3000:]
     assert float(need.group(2)) >= 0.5 and float(need.group(1)) > float(left.group(1))
     assert "no replica was started" in msg and re.search(r"simulate \d core|free memory", msg)

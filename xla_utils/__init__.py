@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from .debug import debug_run
     from .trainer import OneCycleTrainer
     from .crossval import CVResult, cross_validate, split
+    from .config import TrainerConfig
+    from .history import History
+    from .runtime import ReplicaError
+    from .simulate import run_script, simulated_spawn
 
 # public name -> module that defines it (keep in step with the TYPE_CHECKING imports above;
 # tests/test_import.py checks that they agree)
@@ -53,6 +57,11 @@ _EXPORTS = {
     "cross_validate": "crossval",
     "CVResult": "crossval",
     "split": "crossval",
+    "TrainerConfig": "config",
+    "History": "history",
+    "ReplicaError": "runtime",
+    "run_script": "simulate",
+    "simulated_spawn": "simulate",
 }
 
 __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]

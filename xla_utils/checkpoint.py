@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import runtime
-from .cache.space import fmt_bytes
+from .units import format_bytes
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
@@ -145,7 +145,7 @@ def _runs_note(directory: Any, runs: dict[str, list[Path]], keep_runs: int | Non
     files = [p for ps in runs.values() for p in ps]
     total = sum(_size(p) for p in files)
     note = (f"checkpoint_dir {directory} holds {len(files)} epoch checkpoint(s) of {len(runs)} "
-            f"earlier run(s), {fmt_bytes(total)} (newest run {list(runs)[-1]})")
+            f"earlier run(s), {format_bytes(total)} (newest run {list(runs)[-1]})")
     if keep_runs is None:
         return note + (f"; they are kept (keep_runs=None). keep_runs=N keeps only the newest N "
                        f"runs' files (this one included); to delete them now: "
@@ -155,7 +155,7 @@ def _runs_note(directory: Any, runs: dict[str, list[Path]], keep_runs: int | Non
         return note + f"; keep_runs={keep_runs} keeps them all"
     size = sum(_size(p) for rid in doomed for p in runs[rid])
     return note + (f"; keep_runs={keep_runs}: the files of the {len(doomed)} oldest run(s) "
-                   f"({fmt_bytes(size)}) are deleted once this run has written its first "
+                   f"({format_bytes(size)}) are deleted once this run has written its first "
                    "epoch checkpoint")
 
 

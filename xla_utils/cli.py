@@ -23,10 +23,11 @@ from typing import Any, Sequence
 
 from .cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_info, parse_size, read_manifest,
                     verify_cache)
-from .cache.builder import fmt_bytes, missing_rows_warning
+from .cache.builder import missing_rows_warning
 from .cache.config import parse_bytes as _parse_bytes
 from .cache.storage import StorageError
 from .suggest import did_you_mean
+from .units import format_bytes
 
 __all__ = ["main", "parse_bytes"]
 
@@ -212,7 +213,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         f"{info['upscaled']} upscaled), {info['num_variants']} variant(s) at {w}x{h}, {info['codec']}",
         ("labels:   none (unlabelled: a test set)" if info["unlabeled"] else
          f"labels:   {info['num_classes']} classes{' (multi-label)' if info['multilabel'] else ''}: {shown}"),
-        f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {fmt_bytes(info['bytes'])}",
+        f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {format_bytes(info['bytes'])}",
         f"augment:  {cfg['augment']} (scale {cfg['scale']}, ratio {[round(r, 3) for r in cfg['ratio']]}, "
         f"rotate {cfg['rotate']}, flip {cfg['flip']}, seed {cfg['seed']})",
         f"source:   {info['source']['kind']} {info['source']['path']}",
@@ -225,7 +226,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
 def _cmd_verify(a: argparse.Namespace) -> int:
     r = verify_cache(a.out, full=a.full)
     if r.ok:
-        print(f"OK: {r.checked_files} shards, {fmt_bytes(r.checked_bytes)} checked"
+        print(f"OK: {r.checked_files} shards, {format_bytes(r.checked_bytes)} checked"
               + (" (full decode)" if a.full else " (size + crc32)"))
         return 0
     for line in r.problems:

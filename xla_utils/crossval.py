@@ -17,7 +17,6 @@ import hashlib
 import inspect
 import json
 import os
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from .atomic import atomic_write, atomic_writer
 from .data import CachedImageDataset
 
 if TYPE_CHECKING:
@@ -370,7 +370,7 @@ class _FoldStore:
                 raise ValueError(f"{path} belongs to another split (was, now: {diff}): use another "
                                  "folder=, or delete that folder to start over")
         else:
-            _atomic_write(path, json.dumps(meta, indent=1).encode())
+            atomic_write(path, json.dumps(meta, indent=1))
 
     def load(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict] | None:
         path = self.folder / f"fold_{k}.npz"
@@ -386,16 +386,6 @@ class _FoldStore:
                   "record": np.asarray(json.dumps(rec))}
         if tpred is not None:
             arrays["test"] = tpred.astype(np.float32)
-        fd, tmp = tempfile.mkstemp(prefix=f".fold_{k}.", suffix=".npz", dir=self.folder)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_writer(self.folder / f"fold_{k}.npz") as f:
             np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.folder / f"fold_{k}.npz")
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

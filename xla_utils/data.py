@@ -8,9 +8,8 @@
   recompiles); ``drop_last=False`` pads the tail and marks the padding invalid.
 * :func:`iterate_batches` - uint8 NHWC batches assembled by background threads
   into a ring of preallocated (optionally pinned) buffers: no collate.
-* :func:`images_to_float` - uint8 NHWC (or NCHW) -> normalised NCHW float/bf16
-  (optional random flip; NCHW or channels_last in memory) on the batch's device,
-  so the host never normalises; :func:`image_layout` tells the two layouts apart.
+* :func:`images_to_float`, :func:`image_layout` - the device transforms, defined in
+  :mod:`xla_utils.transforms` and importable from here too.
 
 Everything here is safe to share between threads: the dataset is read-only
 after construction and all per-pass state lives in the iterator. (The one
@@ -37,6 +36,8 @@ from .cache.fetch import ShardCache, default_local_cache
 from .cache.format import (LABELS, cached_ids, read_jpeg_index, read_manifest, requested_ids,
                            skipped_records)
 from .cache.storage import Store, is_url, load_manifest
+# The device transforms live in .transforms; their names stay importable from here.
+from .transforms import IMAGE_CHANNELS, IMAGENET_MEAN, IMAGENET_STD, image_layout, images_to_float
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -50,10 +51,9 @@ __all__ = [
     "RING_VALID_FOR",
     "images_to_float",
     "image_layout",
+    "IMAGE_CHANNELS",
 ]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # A batch of a cache's ring stays valid while this many further batches are requested.
 RING_VALID_FOR = 2
 
@@ -727,82 +727,3 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
 def default_loader_threads() -> int:
     """Loader threads of a cache when ``num_workers`` is None: ``min(4, cores)``."""
     return min(4, os.cpu_count() or 1)
-
-
-IMAGE_CHANNELS = (1, 3, 4)
-
-
-def image_layout(shape: Sequence[int], *, channels_first_on_tie: bool) -> str | None:
-    """The layout of one uint8 image of ``shape``: ``"channels_last"`` (``[H, W, C]``),
-    ``"channels_first"`` (``[C, H, W]``) or None (not an image the trainer normalises).
-
-    The rule: a 3-D shape is channels-last when only its last axis is 1, 3 or 4,
-    channels-first when only its first axis is. When both are (an ambiguous shape:
-    ``[3, 32, 3]`` is a 3-pixel-wide CHW image or a 3-pixel-high HWC one,
-    ``[4, 4, 3]`` likewise) ``channels_first_on_tie`` decides; the trainer passes
-    True for torch tensors (torchvision's convention: ``read_image``, ``PILToTensor``,
-    ``tv_tensors.Image`` are CHW) and False for numpy arrays (PIL's and OpenCV's
-    convention: HWC). ``tv_tensors.Image`` is channels-first whatever its shape.
-
-    Args:
-        shape: one sample's shape (no batch axis).
-        channels_first_on_tie: the answer for an ambiguous shape.
-
-    Returns:
-        The layout, or None when ``shape`` is not 3-D or neither end is 1, 3 or 4.
-    """
-    if len(shape) != 3:
-        return None
-    first, last = shape[0] in IMAGE_CHANNELS, shape[2] in IMAGE_CHANNELS
-    if first and last:
-        return "channels_first" if channels_first_on_tie else "channels_last"
-    if first:
-        return "channels_first"
-    return "channels_last" if last else None
-
-
-def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-                    flip: bool = False, dtype: torch.dtype = torch.float32, *,
-                    channels_first: bool = False,
-                    memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """uint8 ``[B, H, W, C]`` (or ``[B, C, H, W]``) -> ``(x / 255 - mean) / std`` as a ``[B, C, H, W]`` tensor.
-
-    Runs on ``x``'s device (call it after moving the uint8 batch to the TPU: 4x
-    less to transfer, no host float work). Arithmetic is float32; no shape depends
-    on the data. Both layouts give the same numbers for the same pixels (and the
-    same flips for the same device RNG state).
-
-    Args:
-        x: the uint8 batch.
-        mean: per-channel mean on the 0-1 scale. Default ImageNet's.
-        std: per-channel standard deviation on the 0-1 scale. Default ImageNet's.
-        flip: mirror a random half of the batch horizontally (along the width axis;
-            device RNG). Default False.
-        dtype: result dtype (e.g. ``torch.bfloat16``). Default ``torch.float32``.
-        channels_first: ``x`` is ``[B, C, H, W]`` (torchvision's layout) instead of
-            ``[B, H, W, C]`` (the cache's). Default False.
-        memory_format: of the result: ``torch.contiguous_format`` (default: NCHW in
-            memory) or ``torch.channels_last``, what a channels_last model on a GPU wants:
-            from an NHWC batch it is made without a layout copy.
-
-    Returns:
-        The normalised ``[B, C, H, W]`` tensor on ``x``'s device.
-
-    Raises:
-        ValueError: ``x`` is not 4-D, or ``mean``/``std`` do not have ``C`` values.
-    """
-    if x.dim() != 4:
-        layout = "[B, C, H, W]" if channels_first else "[B, H, W, C]"
-        raise ValueError(f"expected a uint8 {layout} batch, got shape {tuple(x.shape)}")
-    c = x.shape[1] if channels_first else x.shape[3]
-    if len(mean) != c or len(std) != c:
-        raise ValueError(f"mean/std have {len(mean)}/{len(std)} values for {c} channels")
-    if not channels_first:
-        x = x.permute(0, 3, 1, 2)
-    if flip:
-        coin = torch.rand(x.shape[0], 1, 1, 1, device=x.device) < 0.5
-        x = torch.where(coin, x.flip(3), x)
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32).view(1, c, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32).view(1, c, 1, 1)
-    y = x.to(torch.float32) * scale.to(x.device) + shift.to(x.device)
-    return y.to(dtype).contiguous(memory_format=memory_format)

@@ -10,6 +10,7 @@ Like :func:`xla_utils.check`, it prints its report once and returns it.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -125,37 +126,46 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
     spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")
     data = spec.feed(data)
     module = model if isinstance(model, torch.nn.Module) else model()
-
-    def to_input(x: torch.Tensor) -> torch.Tensor:
-        if prepare is not None:
-            return prepare(x)
-        return spec.prepare(x, IMAGENET_MEAN, IMAGENET_STD, flip=False)
-
+    to_input = functools.partial(_to_input, prepare, spec)
     check_targets(module, loss, data, "data", to_input, eval_step or default_eval_step)
-    step_fn = train_step or default_train_step
-    simulate = None if runtime.tpu_present() else 1
-    if simulate is not None and not runtime.xla_installed():
-        simulate = None  # no torch_xla: the same loop on plain torch (the zygote imports it)
-
-    def job() -> DebugReport:
-        return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
-                            batch_size=batch_size, steps=steps, make_step=make_step,
-                            device=DeviceRequest(precision, channels_last, spec))
-
-    if mesh is not None:
-        from .strategy import launch
-
-        rep = launch(_mesh_debug_steps, (module, loss, data, step_fn, to_input, optimizer, lr,
-                                         batch_size, steps, make_step), mesh, None)
-    else:
-        rep = runtime.launch_job(job, (), cores=1, simulate=simulate, timeout=None,
-                                 sim_threads=True)
+    args = (module, loss, data, train_step or default_train_step, to_input, optimizer, lr,
+            batch_size, steps, make_step)
+    rep = _launch_steps(args, mesh, DeviceRequest(precision, channels_last, spec))
     rep.inputs = spec.describe(flip=bool(getattr(make_step, "flip", False)))
     head, _, rest = rep.report.partition("\n")
     rep.report = "\n".join([head, rep.inputs] + ([rest] if rest else []))
     if print_report:
         print(rep.report, flush=True)
     return rep
+
+
+def _to_input(prepare: Callable | None, spec: InputSpec, x: torch.Tensor) -> torch.Tensor:
+    """A batch on the device as model input: ``prepare``'s, else ``spec``'s (uint8 images
+    normalised with ImageNet mean/std)."""
+    if prepare is not None:
+        return prepare(x)
+    return spec.prepare(x, IMAGENET_MEAN, IMAGENET_STD, flip=False)
+
+
+def _launch_steps(args: tuple, mesh: StrategyPlan | None, device: DeviceRequest) -> DebugReport:
+    """Run the debug steps ``args`` (``module, loss, data, step_fn, to_input, optimizer, lr,
+    batch_size, steps, make_step``) as ``mesh``'s mesh run, else on one core: a TPU core,
+    one XLA:CPU device, or plain torch when torch_xla is missing."""
+    if mesh is not None:
+        from .strategy import launch
+
+        return launch(_mesh_debug_steps, args, mesh, None)
+    simulate = None if runtime.tpu_present() else 1
+    if simulate is not None and not runtime.xla_installed():
+        simulate = None  # no torch_xla: the same loop on plain torch (the zygote imports it)
+    module, loss, data, step_fn, to_input, optimizer, lr, batch_size, steps, make_step = args
+
+    def job() -> DebugReport:
+        return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
+                            batch_size=batch_size, steps=steps, make_step=make_step,
+                            device=device)
+
+    return runtime.launch_job(job, (), cores=1, simulate=simulate, timeout=None, sim_threads=True)
 
 
 def _passes(loader: Any) -> Any:

@@ -28,10 +28,15 @@ Detection order:
    chip makes libtpu hang for more than five minutes.
 4. NVIDIA GPUs: PCI vendor 0x10de with a display class, ``<root>/dev/nvidiaN``,
    ``<root>/proc/driver/nvidia/gpus/*``.
+
+Why this module is above 800 lines (about 970): detection, advice and setup share the
+wheel and release tables and :class:`EnvInfo` below, every part takes the same faked
+root and environment in the tests, and the module must stay standalone (it imports
+only :mod:`xla_utils.libtpu_pairs` and :mod:`xla_utils.tpus`, never torch), because
+``python -m xla_utils.env`` is what a user runs on a machine whose torch or torch_xla
+is broken. Each section is small functions (none over 80 lines); the chip facts are
+in :mod:`xla_utils.tpus`.
 """
-# Why one module of about 950 lines: detection, advice and setup share the facts
-# tables and EnvInfo below, and every part takes a faked root/environment for the
-# tests; each section is small functions (none over 80 lines).
 from __future__ import annotations
 
 import argparse
@@ -49,6 +54,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
+from .tpus import DEVICES_PER_CHIP, TPU_PCI_DEVICES, TYPE_COUNTS_CORES
 from .libtpu_pairs import libtpu_warning
 
 __all__ = [
@@ -61,6 +67,7 @@ __all__ = [
     "setup",
     "report",
     "main",
+    "child_pythonpath",
 ]
 
 # --------------------------------------------------------------------------
@@ -68,22 +75,6 @@ __all__ = [
 # --------------------------------------------------------------------------
 GOOGLE_PCI_VENDOR = "0x1ae0"
 NVIDIA_PCI_VENDOR = "0x10de"
-# PCI device id -> TPU generation. 0x0027 is shared by v2 and v3.
-TPU_PCI_DEVICES = {
-    "0x0027": "v2/v3",
-    "0x005e": "v4",
-    "0x0063": "v5e",
-    "0x0062": "v5p",
-    "0x006f": "v6e",
-}
-# XLA devices per chip as seen by xmp.spawn: v2/v3 have two TensorCores per chip
-# that PJRT exposes separately (one process per chip, two threads each); v4/v5p
-# fuse them (megacore); v5e/v6e have one core per chip.
-DEVICES_PER_CHIP = {"v2": 2, "v3": 2, "v2/v3": 2, "v4": 1, "v5p": 1, "v5e": 1, "v6e": 1}
-# Generations whose accelerator-type suffix counts TensorCores, not chips
-# (v3-8 = 4 chips, v4-8 = 4 chips, v5p-8 = 4 chips; v5litepod-8 = 8 chips).
-_TYPE_COUNTS_CORES = {"v2", "v3", "v4", "v5p"}
-
 # torch_xla major.minor -> Python versions with Linux x86_64 wheels on PyPI
 # (checked with `pip index versions torch_xla --python-version X`).
 TORCH_XLA_WHEELS: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
@@ -198,6 +189,14 @@ def _metadata_version(name: str) -> str | None:
         return None
 
 
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` for a fresh interpreter started from this one: the folder holding
+    this ``xla_utils`` first (so the child imports the same copy), then this process's
+    ``sys.path`` (a notebook's added folders, the venv's site-packages), empty entries left out."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(dict.fromkeys([here] + [p for p in sys.path if p]))
+
+
 # seconds `import torch_xla` may take in the probe (about 20 s on a loaded 2-core machine)
 IMPORT_PROBE_TIMEOUT = 180.0
 _import_probes: dict[tuple, tuple[bool | None, str]] = {}
@@ -214,7 +213,7 @@ def _probe_torch_xla_import(timeout: float = IMPORT_PROBE_TIMEOUT) -> tuple[bool
     key = (sys.executable, tuple(sys.path), _metadata_version("torch"), _metadata_version("torch_xla"))
     if key in _import_probes:
         return _import_probes[key]
-    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=child_pythonpath())
     try:
         proc = subprocess.run([sys.executable, "-c", "import torch_xla"], env=env, capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -273,7 +272,7 @@ def _parse_accelerator_type(value: str | None) -> tuple[str, int] | None:
 def _tpu_type_name(gen: str | None, chips: int) -> str | None:
     if not gen or gen == "unknown" or chips <= 0:
         return None
-    n = chips * 2 if gen in _TYPE_COUNTS_CORES or gen == "v2/v3" else chips
+    n = chips * 2 if gen in TYPE_COUNTS_CORES or gen == "v2/v3" else chips
     return f"{gen}-{n}"
 
 

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .memory import strategy_advice
+from .tpus import TPU_CHIPS, TPUChip
+from .units import format_bytes
 
-__all__ = ["Finding", "ReadinessReport", "ReadinessError", "TPUChip", "TPU_CHIPS", "CODES",
+__all__ = ["Finding", "ReadinessReport", "ReadinessError", "CODES",
            "SEVERITIES", "UTILIZATION", "HBM_USABLE", "WARMUP_STEPS", "DYNAMIC_OPS",
            "resolve_tpu", "findings_from", "padding_finding", "memory_finding", "input_finding",
            "pad_to"]
@@ -52,45 +54,6 @@ PADDING_INFO = 0.10
 # A loader (not a uint8 cache) that would keep the chip waiting at least this share of
 # the time makes a warning; a slower-than-the-chip loader otherwise is a suggestion.
 INPUT_WAIT_WARN = 0.5
-
-
-@dataclass(frozen=True)
-class TPUChip:
-    """Public spec-sheet figures of one TPU generation (per chip).
-
-    Attributes:
-        name: generation, e.g. ``"v5e"``.
-        bf16_tflops: peak bfloat16 TFLOP/s of one chip.
-        hbm_gib: HBM of one chip in GiB.
-        mxu: side of the matrix unit (128 -> 128x128); matmul/conv widths are padded to it.
-        devices_per_chip: XLA devices (replicas) per chip in torch_xla (2 on v2/v3).
-    """
-
-    name: str
-    bf16_tflops: float
-    hbm_gib: float
-    mxu: int
-    devices_per_chip: int
-
-    @property
-    def hbm_per_device(self) -> float:
-        """HBM of one XLA device, in bytes."""
-        return self.hbm_gib * 2**30 / self.devices_per_chip
-
-    @property
-    def flops_per_device(self) -> float:
-        """Peak bf16 FLOP/s of one XLA device."""
-        return self.bf16_tflops * 1e12 / self.devices_per_chip
-
-
-TPU_CHIPS: dict[str, TPUChip] = {c.name: c for c in (
-    TPUChip("v2", 45, 16, 128, 2),
-    TPUChip("v3", 123, 32, 128, 2),
-    TPUChip("v4", 275, 32, 128, 1),
-    TPUChip("v5e", 197, 16, 128, 1),
-    TPUChip("v5p", 459, 95, 128, 1),
-    TPUChip("v6e", 918, 32, 256, 1),
-)}
 
 
 @dataclass(frozen=True)
@@ -281,10 +244,6 @@ def pad_to(n: int, m: int) -> int:
 # ---------------------------------------------------------------------------
 # Findings from measurements (pure Python, runs in the caller)
 # ---------------------------------------------------------------------------
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
 def findings_from(meas: dict[str, Any], chip: TPUChip) -> list[Finding]:
     """Every finding the measurements of one check support, errors first."""
     found: list[Finding] = []
@@ -542,11 +501,11 @@ def memory_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
         return b - b % 8 if b >= 8 else max(b, 0)
 
     fit, fit_tiled = largest(act / rows), largest(act_tiled / rows)
-    msg = (f"one step at per-core batch {rows} needs about {_gib(total)} (parameters "
-           f"{_gib(meas['param_bytes'])} + gradients {_gib(meas['grad_bytes'])} + optimizer state "
-           f"{_gib(meas['optimizer_state_bytes'])} + activations saved for backward {_gib(act)}; "
-           f"{_gib(total_tiled)} if every activation is padded to TPU (8, 128) tiles) of "
-           f"{_gib(hbm)} HBM per {chip.name} core. ")
+    msg = (f"one step at per-core batch {rows} needs about {format_bytes(total)} (parameters "
+           f"{format_bytes(meas['param_bytes'])} + gradients {format_bytes(meas['grad_bytes'])} + optimizer state "
+           f"{format_bytes(meas['optimizer_state_bytes'])} + activations saved for backward {format_bytes(act)}; "
+           f"{format_bytes(total_tiled)} if every activation is padded to TPU (8, 128) tiles) of "
+           f"{format_bytes(hbm)} HBM per {chip.name} core. ")
     sharded_fix = None
     if (meas.get("tpu_devices") or 0) > 1 and meas.get("param_shapes"):  # per strategy (memory.py)
         states = round(meas["optimizer_state_bytes"] / max(meas["param_bytes"], 1))
@@ -558,7 +517,7 @@ def memory_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
         return Finding("memory", "error", msg, sharded_fix or
                        "shrink the model, train in bfloat16 (model.to(torch.bfloat16)), use SGD "
                        "(one state tensor per parameter) instead of Adam (two), or pick a TPU with "
-                       "more HBM per core (v5p: 95 GiB).")
+                       f"more HBM per core (v5p: {TPU_CHIPS['v5p'].hbm_gib:g} GiB).")
     def show(b: int) -> str:
         return "more than 65,536" if b > 65536 else f"about {b:,}"
 

@@ -11,12 +11,13 @@ import io
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .atomic import atomic_write
 
 __all__ = ["History", "BestTracker", "check_monitor", "monitor_mode", "write_csv_atomic"]
 
@@ -192,18 +193,7 @@ def write_csv_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -> 
     w.writeheader()
     for r in records:
         w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(buf.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, buf.getvalue())
     return path
 
 

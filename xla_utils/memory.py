@@ -20,22 +20,17 @@ Nothing here imports torch_xla; the measurement runs in another process.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from .units import format_bytes
+
 __all__ = ["DeviceMemory", "MemoryReport", "measure_memory", "paper_memory", "llama_shapes",
-           "tpu_devices", "strategy_advice", "optimizer_state_count", "state_bytes",
-           "activation_bytes", "format_gib",
+           "strategy_advice", "optimizer_state_count", "state_bytes",
+           "activation_bytes",
            "STRATEGIES"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
-_GIB = 2**30
-
-
-def format_gib(n: float) -> str:
-    """``n`` bytes as text: GiB from 0.1 GiB up (``"1.50 GiB"``), MiB below (``"12.0 MiB"``)."""
-    return f"{n / _GIB:.2f} GiB" if n >= 0.1 * _GIB else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -70,9 +65,9 @@ class DeviceMemory:
         return self.states + (self.activations or 0)
 
     def __str__(self) -> str:
-        act = "n/a" if self.activations is None else format_gib(self.activations)
-        return (f"{self.strategy:>5}: params {format_gib(self.params)} + grads {format_gib(self.grads)} + AdamW "
-                f"{format_gib(self.optimizer)} + activations {act} = {format_gib(self.total)} per device "
+        act = "n/a" if self.activations is None else format_bytes(self.activations)
+        return (f"{self.strategy:>5}: params {format_bytes(self.params)} + grads {format_bytes(self.grads)} + AdamW "
+                f"{format_bytes(self.optimizer)} + activations {act} = {format_bytes(self.total)} per device "
                 f"({self.source})")
 
 
@@ -115,7 +110,7 @@ class MemoryReport:
 
     def __str__(self) -> str:
         head = (f"{self.n_params / 1e6:,.1f}M parameters; replicated params + grads + AdamW = "
-                f"{format_gib(self.replicated_states)}; per device on {self.devices} devices:")
+                f"{format_bytes(self.replicated_states)}; per device on {self.devices} devices:")
         return "\n".join([head] + [f"  {r}" for r in self.rows])
 
 
@@ -183,7 +178,8 @@ def measure_memory(model: Any, batch: Any, *, strategies: Sequence[str] = STRATE
 
     Raises:
         ValueError: bad ``strategies``, ``devices``, ``fsdp_wrap`` or no step to run.
-        MeasurementError: a measuring process failed (its output's tail included).
+        ReplicaError: a measuring process raised (its traceback) or died (its output's tail).
+        TimeoutError: a measuring process ran past ``timeout``.
     """
     from .runtime import shardinfo
 
@@ -276,16 +272,6 @@ def llama_shapes(size: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-def tpu_devices(tpu: Any, devices_per_chip: int = 1) -> int | None:
-    """XLA devices of a slice name (``"v5e-8"`` -> 8, ``"v3-8"`` -> 8, ``"v4-8"`` -> 4:
-    v4/v5p names count TensorCores, two per device), or None without a ``-N`` suffix."""
-    m = re.fullmatch(r"\s*(v\d+[a-z]*)-(\d+)\s*", str(tpu).lower())
-    if m is None:
-        return None
-    n = int(m.group(2))
-    return max(n // 2, 1) if m.group(1) in ("v4", "v5p") else n
-
-
 def strategy_advice(param_shapes: Iterable[Sequence[int]], param_bytes: int, activations: int,
                     optimizer_states: int, devices: int, usable_bytes: float, chip: str
                     ) -> tuple[str, str | None]:
@@ -297,14 +283,14 @@ def strategy_advice(param_shapes: Iterable[Sequence[int]], param_bytes: int, act
     per = max(round(param_bytes / n), 1)
     rep = paper_memory(shapes, devices, bytes_per_param=per, optimizer_states=optimizer_states,
                        activations=activations)
-    parts = "; ".join(f'strategy="{r.strategy}" {format_gib(r.total)}' for r in rep.rows)
+    parts = "; ".join(f'strategy="{r.strategy}" {format_bytes(r.total)}' for r in rep.rows)
     text = (f"Per device on {devices} {chip} devices (sharding rules on paper, activations as "
             f"measured at this per-core batch): {parts}.")
     fsdp = rep["fsdp"]
     if rep["spawn"].total > usable_bytes and fsdp.total <= usable_bytes:
         return text, (f'train with strategy="fsdp" (FSDPv2: parameters, gradients and optimizer '
-                      f"state sharded over the {devices} devices): about {format_gib(fsdp.total)} per "
-                      f"device ({format_gib(fsdp.states)} of states + {format_gib(activations)} of activations)")
+                      f"state sharded over the {devices} devices): about {format_bytes(fsdp.total)} per "
+                      f"device ({format_bytes(fsdp.states)} of states + {format_bytes(activations)} of activations)")
     return text, None
 
 

@@ -19,6 +19,7 @@ from .data import iterate_batches
 from .inputs import inspect_inputs, require_labels
 from .loop import input_preparer
 from .strategy import plan_strategy, planned_world_size
+from .units import format_bytes
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
@@ -42,7 +43,7 @@ def sweep_placement(cfg: TrainerConfig, model: torch.nn.Module, sample: Callable
     ``sample()``'s few rows, scaled; skipped
     when the states alone do not fit) above ``HBM_USABLE`` (90%) of its HBM.
     """
-    from .memory import format_gib, activation_bytes, state_bytes
+    from .memory import activation_bytes, state_bytes
     from .findings import HBM_USABLE, resolve_tpu
 
     if cfg.strategy == "spawn" and on_mesh:
@@ -61,9 +62,9 @@ def sweep_placement(cfg: TrainerConfig, model: torch.nn.Module, sample: Callable
         x, y = sample()
         act = activation_bytes(model, x, y, step=step, loss=loss, batch_size=cfg.batch_size,
                                bf16=cfg.bf16)
-    need = (f"parameters + gradients + optimizer state {format_gib(states)}"
-            + (f" + activations at batch {cfg.batch_size} {format_gib(act)}" if act else "")
-            + f" = {format_gib(states + act)}; {format_gib(usable)} usable of {format_gib(chip.hbm_per_device)}")
+    need = (f"parameters + gradients + optimizer state {format_bytes(states)}"
+            + (f" + activations at batch {cfg.batch_size} {format_bytes(act)}" if act else "")
+            + f" = {format_bytes(states + act)}; {format_bytes(usable)} usable of {format_bytes(chip.hbm_per_device)}")
     if states + act > usable:
         return True, f"{mesh}: one {chip.name} core cannot hold the model whole ({need})"
     return False, (f"on one core: the model fits one {chip.name} core ({need}); its "
@@ -132,7 +133,7 @@ def check_on_mesh(trainer: OneCycleTrainer, report: ReadinessReport, *, spec: In
     plain step.
     """
     from .debug import debug_run
-    from .memory import tpu_devices
+    from .tpus import tpu_devices
     from .findings import Finding
 
     cfg = trainer.config
@@ -179,7 +180,7 @@ def _sharded_memory(report: ReadinessReport, devices: int, tpu: Any) -> None:
     at the per-device batch (each device runs ``batch_size`` samples, as one core does)."""
     import math
 
-    from .memory import format_gib, paper_memory
+    from .memory import paper_memory
     from .findings import HBM_USABLE, Finding, resolve_tpu
 
     meas = report.measurements
@@ -199,8 +200,8 @@ def _sharded_memory(report: ReadinessReport, devices: int, tpu: Any) -> None:
     report.findings[at] = Finding(
         "memory", "info" if fits else "error",
         f"{old.message} Under strategy='fsdp' on {devices} {chip.name} devices (sharding rules "
-        f"on paper): about {format_gib(row.total)} per device ({format_gib(row.states)} of sharded states + "
-        f"{format_gib(act)} of activations) of {format_gib(usable)} usable: "
+        f"on paper): about {format_bytes(row.total)} per device ({format_bytes(row.states)} of sharded states + "
+        f"{format_bytes(act)} of activations) of {format_bytes(usable)} usable: "
         + ("it fits." if fits else "it does not fit either."),
         "" if fits else "more devices (a larger slice), bf16 weights, activation_checkpointing="
         "True or a smaller per-core batch")

@@ -43,12 +43,11 @@ from typing import Any, Callable
 import torch
 
 from . import runtime
-from .findings import (CODES, DYNAMIC_OPS, HBM_USABLE, TPU_CHIPS, UTILIZATION, Finding,
-                       ReadinessError, ReadinessReport, TPUChip, findings_from, pad_to,
-                       resolve_tpu)
-from .memory import tpu_devices
+from .findings import (CODES, DYNAMIC_OPS, HBM_USABLE, UTILIZATION, Finding, ReadinessError,
+                       ReadinessReport, findings_from, pad_to, resolve_tpu)
 from .progress import progress_bar
 from .steps import PlainStep
+from .tpus import TPU_CHIPS, TPUChip, tpu_devices
 
 # The report's names are also this module's (``xla_utils.readiness.TPU_CHIPS``, ...).
 __all__ = ["check", "ReadinessReport", "Finding", "ReadinessError", "TPU_CHIPS", "TPUChip",
@@ -115,19 +114,39 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
             ``train_step`` and ``bf16``.
         print_report: Print the report when it is ready (default True, as ``debug_run``).
 
-    Returns:
-        A :class:`ReadinessReport`: ``report.verdict`` (``"READY"``, ``"READY, could be
-        faster (n suggestions)"`` or ``"NOT READY (...)"``), ``report.findings``.
+    Returns a :class:`ReadinessReport`: ``report.verdict`` (``"READY"``, ``"READY, could
+    be faster (n suggestions)"`` or ``"NOT READY (...)"``), ``report.findings``.
 
     Raises:
         XLAUnavailableError: torch_xla is missing or does not match torch.
         ReplicaError: the training step itself raised (its traceback included).
     """
+    _check_options(compile_cache, steps)
+    chip = resolve_tpu(tpu)
+    module, x, y, prepare, inputs, loss_fn, loss_name = _step_inputs(
+        model, batch, optimizer, loss, prepare, inputs)
+    t0 = time.perf_counter()
+    job = _Job(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)
+    job.compile_cache, job.make_step = compile_cache, make_step
+    with _fast_xla_cpu_compile():
+        meas = runtime.launch_job(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
+    report = _report_of(meas, module, loss_name, tpu, chip, steps, inputs, time.perf_counter() - t0)
+    if print_report:
+        print(report.report, flush=True)
+    return report
+
+
+def _check_options(compile_cache: Any, steps: Any) -> None:
     runtime.check_compile_cache_option(compile_cache)
     if not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be an int >= 3 (1-2 warm up, 3.. must not compile), "
                          f"got {steps!r}")
-    chip = resolve_tpu(tpu)
+
+
+def _step_inputs(model: Any, batch: Any, optimizer: Any, loss: Callable | None,
+                 prepare: Callable | None, inputs: str | None) -> tuple:
+    """``(module, x, y, prepare, inputs line, loss function, loss name)`` checked on the
+    host before any child starts (torch_xla loadable too)."""
     prepare, inputs = (prepare, inputs) if prepare is not None else _default_prepare(batch)
     x, y = _split_batch(batch)
     module = model if isinstance(model, torch.nn.Module) else model()
@@ -138,22 +157,19 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     loss_fn, loss_name = (loss, "your loss") if loss is not None else _auto_loss(y)
     if not runtime.xla_installed():  # without importing it here: the zygote does
         runtime.load_xla()  # raises XLAUnavailableError with the fix
-    t0 = time.perf_counter()
-    job = _Job(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)
-    job.compile_cache, job.make_step = compile_cache, make_step
-    with _fast_xla_cpu_compile():
-        meas = runtime.launch_job(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
+    return module, x, y, prepare, inputs, loss_fn, loss_name
+
+
+def _report_of(meas: dict[str, Any], module: torch.nn.Module, loss_name: str, tpu: Any,
+               chip: TPUChip, steps: int, inputs: str | None, seconds: float) -> ReadinessReport:
+    """The report of the child's measurements ``meas`` against ``chip``."""
     meas["loss"] = loss_name
     meas["param_shapes"] = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
     meas["tpu_devices"] = tpu_devices(tpu) if isinstance(tpu, str) else None  # "v5e-8" -> 8
-    seconds = time.perf_counter() - t0
-    report = ReadinessReport(findings_from(meas, chip), tpu=chip.name,
-                             batch_size=meas["batch_rows"], steps=steps, per_step=meas["per_step"],
-                             losses=meas["losses"], seconds=seconds, measurements=meas,
-                             inputs=inputs or "", step=meas["step"])
-    if print_report:
-        print(report.report, flush=True)
-    return report
+    return ReadinessReport(findings_from(meas, chip), tpu=chip.name,
+                           batch_size=meas["batch_rows"], steps=steps, per_step=meas["per_step"],
+                           losses=meas["losses"], seconds=seconds, measurements=meas,
+                           inputs=inputs or "", step=meas["step"])
 
 
 # ---------------------------------------------------------------------------

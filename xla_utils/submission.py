@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .atomic import atomic_write
 from .cache.sources import IMAGE_EXTENSIONS
 
 __all__ = ["write_submission", "training_multilabel", "missing_note"]
@@ -42,9 +43,8 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
             or the list of ids itself. Ids must be unique and ``N`` long. A cache
             also knows the ids its build skipped (``data.requested_ids``): their
             rows are missing (see ``missing``).
-        path: the CSV to write (parent folders are created; written to a temporary
-            file and renamed, so an interrupted or refused write never touches the
-            existing file).
+        path: the CSV to write (folders created; written atomically, so an interrupted
+            or refused write never touches the existing file).
         id_column, label_column: headers of the id and (``kind="label"``) label columns.
             Default: the ``sample``'s first two headers, else ``"image_id"`` and ``"label"``.
         classes: class names, ``C`` of them, in the model's output order. Default: the
@@ -56,8 +56,8 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
             plant-pathology format ``image_id,healthy,multiple_diseases,rust,scab``),
             which must then be probabilities.
         threshold: multi-label decision threshold on probabilities. Default 0.5.
-        overwrite: replace an existing ``path`` that is not a submission of the same
-            layout (same header). Default False: such a file is refused.
+        overwrite: replace an existing ``path`` that is not a submission with the same
+            header (default False: refused).
         multilabel: single- (False) or multi-label (True). Default None: from ``train``
             (its training data's ``multilabel``, or a trainer's ``BCEWithLogitsLoss``);
             without ``train``, rows that are probability distributions (softmax, summing
@@ -83,21 +83,55 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
             the class frequencies), which needs ``train``; or class name(s), space
             separated for multi-label (a one-hot row of probabilities).
 
-    Returns:
-        The path written.
+    Returns the path written.
 
     Raises:
         ValueError: ids missing (``missing="error"``), not unique or not matching ``preds``
             in number or (with ``sample``) in name; ``classes`` not matching the number of
-            outputs; non-finite predictions; single/multi-label undecidable; multi-label
-            predictions or ``kind="probabilities"`` values outside [0, 1]. Nothing is
-            written then.
+            outputs; non-finite predictions; single/multi-label undecidable; multi-label or
+            ``kind="probabilities"`` values outside [0, 1]. Nothing is written then.
         FileExistsError: ``path`` exists and is not a submission with this header.
     """
+    _check_options(kind, missing, threshold)
+    p, ids, seen = _checked_predictions(preds, data)
+    classes, multilabel, prior = _checked_classes(p, train, data, classes, multilabel)
+    multilabel = _check_values(p, kind, multilabel)
+    wanted, order, head = _wanted_rows(data, ids, seen, sample)
+    header = _header(kind, classes, head, id_column, label_column)
+    gaps = [x for x, r in zip(wanted, order) if r is None]
+    if gaps and missing == "error":
+        raise ValueError(_missing_error(gaps, data, len(wanted), sample))
+    filler = _fill_row(fill, classes, prior, multilabel, threshold, kind, gaps) if gaps else None
+    rows = _rows(p, wanted, order, header, classes, kind, multilabel, threshold, filler)
+    path = _checked_path(path, header, overwrite)
+    _write_atomic(path, header, rows)
+    _say_written(path, header, rows, gaps, filler, kind, fill, threshold, verbose)
+    return path
+
+
+def _header(kind: str, classes: list[str], head: list[str] | None, id_column: str | None,
+            label_column: str | None) -> list[str]:
+    """The CSV's header: the id column, then the label column or one column per class
+    (in the sample's order when it has one)."""
+    class_columns = _class_columns(kind, classes, head)
+    id_column = id_column or (head[0] if head else "image_id")
+    if kind == "probabilities":
+        return [id_column] + class_columns
+    return [id_column, label_column or (head[1] if head and len(head) > 1 else "label")]
+
+
+def _check_options(kind: str, missing: str, threshold: float) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if missing not in MISSING:
         raise ValueError(f"missing must be one of {MISSING}, got {missing!r}")
+    if kind == "label" and not 0.0 < threshold < 1.0:
+        raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
+
+
+def _checked_predictions(preds: Any, data: Any) -> tuple[np.ndarray, list[str], dict[str, int]]:
+    """``(predictions [N, C], the test set's ids, id -> row)``; refuses a count mismatch
+    and repeated ids."""
     p = _matrix(preds)
     ids = _ids(data)
     if len(ids) != len(p):
@@ -108,6 +142,12 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
         if x in seen:
             raise ValueError(f"id {x!r} appears twice (rows {seen[x]} and {i}): ids must be unique")
         seen[x] = i
+    return p, ids, seen
+
+
+def _checked_classes(p: np.ndarray, train: Any, data: Any, classes: Sequence[str] | None,
+                     multilabel: bool | None) -> tuple[list[str], bool | None, Any]:
+    """:func:`_training_info`, with the class names checked against the outputs."""
     classes, multilabel, prior = _training_info(train, data, classes, multilabel)
     if len(classes) != p.shape[1]:
         raise ValueError(f"{len(classes)} classes {classes[:5]}{'...' if len(classes) > 5 else ''} but "
@@ -115,38 +155,36 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
                          "training cache's classes (classes=train.classes, or train=trainer)")
     if len(set(classes)) != len(classes):
         raise ValueError(f"class names must be unique, got {classes}")
-    multilabel = _check_values(p, kind, multilabel)
-    head = None
+    return classes, multilabel, prior
+
+
+def _wanted_rows(data: Any, ids: list[str], seen: dict[str, int], sample: Any
+                 ) -> tuple[list[str], list[int | None], list[str] | None]:
+    """``(ids to write in order, the prediction row of each or None, the sample's header)``."""
     if sample is not None:
         wanted, head = _sample_ids(sample)
-        order = _match(wanted, seen, sample)
-    else:
-        wanted = _requested(data, ids)
-        order = [seen.get(x) for x in wanted]
-    class_columns = _class_columns(kind, classes, head)
-    id_column = id_column or (head[0] if head else "image_id")
-    label_column = label_column or (head[1] if head and len(head) > 1 else "label")
-    gaps = [x for x, r in zip(wanted, order) if r is None]
-    if gaps and missing == "error":
-        raise ValueError(_missing_error(gaps, data, len(wanted), sample))
+        return wanted, _match(wanted, seen, sample), head
+    wanted = _requested(data, ids)
+    return wanted, [seen.get(x) for x in wanted], None
+
+
+def _rows(p: np.ndarray, wanted: list[str], order: list[int | None], header: list[str],
+          classes: list[str], kind: str, multilabel: bool, threshold: float,
+          filler: Any) -> list[list[str]]:
+    """The CSV's rows under ``header``; a missing id's row is ``filler``."""
     if kind == "probabilities":
-        header = [id_column] + class_columns
         cols = [classes.index(c) for c in header[1:]]
-        filler = _fill_row(fill, classes, prior, multilabel, threshold, kind, gaps) if gaps else None
-        cells = [[f"{v:.6g}" for v in (p[r] if r is not None else filler)[cols]] for r in order]
-        rows = [[x] + c for x, c in zip(wanted, cells)]
-        empty = 0
+        return [[x] + [f"{v:.6g}" for v in (p[r] if r is not None else filler)[cols]]
+                for x, r in zip(wanted, order)]
+    if multilabel:
+        names = [" ".join(classes[j] for j in np.flatnonzero(row > threshold)) for row in p]
     else:
-        if not 0.0 < threshold < 1.0:
-            raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
-        header = [id_column, label_column]
-        if multilabel:
-            names = [" ".join(classes[j] for j in np.flatnonzero(row > threshold)) for row in p]
-        else:
-            names = [classes[j] for j in p.argmax(axis=1)]
-        filler = _fill_row(fill, classes, prior, multilabel, threshold, kind, gaps) if gaps else None
-        rows = [[x, names[r] if r is not None else filler] for x, r in zip(wanted, order)]
-        empty = sum(1 for _, n in rows if not n)
+        names = [classes[j] for j in p.argmax(axis=1)]
+    return [[x, names[r] if r is not None else filler] for x, r in zip(wanted, order)]
+
+
+def _checked_path(path: str | os.PathLike, header: list[str], overwrite: bool) -> Path:
+    """``path``, refused when it exists and is not a submission with ``header``."""
     path = Path(path).expanduser()
     if path.exists() and not overwrite:
         first = _first_line(path)
@@ -155,19 +193,23 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
                 f"{path} exists and is not a submission with the header {_csv_line(header)!r} "
                 f"(its first line is {first[:80]!r}): pass overwrite=True to replace it, or choose "
                 "another path")
-    _write_atomic(path, header, rows)
+    return path
+
+
+def _say_written(path: Path, header: list[str], rows: list[list[str]], gaps: list[str],
+                 filler: Any, kind: str, fill: str, threshold: float, verbose: bool) -> None:
     if gaps:
         what = filler if kind == "label" else "the row " + ", ".join(f"{v:.3g}" for v in filler)
         print(f"write_submission: filled {len(gaps)} missing row(s) with {what!r} (fill={fill!r}): "
               f"{_shown(gaps)}", flush=True)
     if verbose:
+        empty = sum(1 for r in rows if not r[1]) if kind == "label" else 0
         msg = (f"wrote {path}: {len(rows):,} rows x {len(header)} columns ({', '.join(header[:6])}"
                f"{', ...' if len(header) > 6 else ''}); first row: {_csv_line(rows[0])}")
         if empty:
             msg += (f"\nwarning: {empty} row(s) have no class above threshold {threshold} "
                     "(an empty label); lower threshold= if the competition needs one")
         print(msg, flush=True)
-    return path
 
 
 def training_multilabel(train: Any) -> bool | None:
@@ -393,10 +435,7 @@ def _write_atomic(path: Path, header: list[str], rows: list[list[str]]) -> None:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(header)
     w.writerows(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buf.getvalue(), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, buf.getvalue())
 
 
 def _csv_line(cells: Sequence[str]) -> str:

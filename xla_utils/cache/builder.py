@@ -32,16 +32,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..suggest import unknown_keywords
+from ..units import format_bytes
 from .config import CacheConfig
 from .errors import BuildError
 from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text
 from .sources import Source, resolve_source
-from .space import check_space, disk_full, estimate_bytes, fmt_bytes, is_disk_full
+from .space import check_space, disk_full, estimate_bytes, is_disk_full
 from .storage import LockedError, Store, load_manifest
 from .runners import ENGINES, mp_context, run_shards
 from .worker import init_worker, pilot_item
 
-__all__ = ["BuildReport", "DryRunEstimate", "build_cache", "fmt_bytes", "missing_rows_warning"]
+__all__ = ["BuildReport", "DryRunEstimate", "build_cache", "missing_rows_warning"]
 
 
 @dataclass
@@ -86,7 +87,7 @@ class BuildReport:
         lines = [
             f"BuildReport({self.path!r}: {self.num_images:,} of {self.num_sources:,} images, "
             f"{self.num_shards} shards ({self.shards_built} built, {self.shards_reused} reused), "
-            f"{self.files} files, {fmt_bytes(self.bytes)}, {self.seconds:.1f} s"
+            f"{self.files} files, {format_bytes(self.bytes)}, {self.seconds:.1f} s"
             + (", UNLABELLED" if self.unlabeled else ""),
             f"  skipped {len(self.skipped):,}, upscaled {len(self.upscaled):,} (full lists: .skipped, .upscaled)",
         ]
@@ -184,16 +185,8 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         TypeError: an unknown keyword (``varients=2``): the message suggests the
             nearest option (``variants``) and lists them all.
     """
-    fields = [f.name for f in dataclasses.fields(CacheConfig)]
-    if set(config_fields) - set(fields):
-        own = [k for k, p in inspect.signature(build_cache).parameters.items() if p.kind is p.KEYWORD_ONLY]
-        raise unknown_keywords("build_cache()", [k for k in config_fields if k not in fields], fields + own)
-    cfg = dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
-    workers = workers or _default_workers()
-    if workers < 1:
-        raise ValueError(f"workers={workers} must be >= 1")
+    cfg = _config_of(config, config_fields)
+    workers = _checked_workers(engine, workers)
     out = Store(out)  # a URL whose protocol is not installed: ImportError naming the package
     src = resolve_source(source, labels, cfg, classes, unlabeled)
     if src.num_items == 0:
@@ -207,6 +200,34 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         state, old = _existing_state(out, src, cfg)
         if state == "complete":
             return _labels_note(_complete_report(out, old, t0, verbose), src, unlabeled, verbose)
+    _make_folder(out, src, cfg)
+    with _locked(out, src, cfg):
+        report = _build(src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address)
+    return _labels_note(report, src, unlabeled, verbose)
+
+
+def _config_of(config: CacheConfig | None, config_fields: dict[str, Any]) -> CacheConfig:
+    """``config`` with ``build_cache``'s keyword fields applied; an unknown keyword is a
+    ``TypeError`` naming the nearest option."""
+    fields = [f.name for f in dataclasses.fields(CacheConfig)]
+    if set(config_fields) - set(fields):
+        own = [k for k, p in inspect.signature(build_cache).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        raise unknown_keywords("build_cache()", [k for k in config_fields if k not in fields], fields + own)
+    return dataclasses.replace(config, **config_fields) if config else CacheConfig(**config_fields)
+
+
+def _checked_workers(engine: str, workers: int | None) -> int:
+    """The worker count (default: all cores), checked with the engine's name."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} must be one of {ENGINES}")
+    workers = workers or _default_workers()
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1")
+    return workers
+
+
+def _make_folder(out: Store, src: Source, cfg: CacheConfig) -> None:
+    """Create ``out``; a folder that cannot be written is a :class:`BuildError` naming it."""
     try:
         out.mkdir()
     except OSError as e:
@@ -214,9 +235,6 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         if err is None:
             raise
         raise err from e
-    with _locked(out, src, cfg):
-        report = _build(src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address)
-    return _labels_note(report, src, unlabeled, verbose)
 
 
 def _labels_note(report: BuildReport, src: Source, intended: bool, verbose: bool) -> BuildReport:
@@ -526,7 +544,7 @@ def _summary(r: BuildReport, m: dict[str, Any]) -> str:
     h, w = m["image_size"]
     lines = [
         f"cached {r.num_images:,} of {r.num_sources:,} images x {m['num_variants']} variant(s) at {w}x{h} "
-        f"({m['codec']}) in {r.path}: {r.num_shards} shards, {r.files} files, {fmt_bytes(r.bytes)}; "
+        f"({m['codec']}) in {r.path}: {r.num_shards} shards, {r.files} files, {format_bytes(r.bytes)}; "
         f"{r.seconds:.1f} s ({r.shards_built} shards built, {r.shards_reused} reused"
         + (f", {r.images_per_s:,.1f} images/s)" if r.shards_built else ")")]
     if r.skipped:
@@ -573,7 +591,7 @@ def _dry_run(src: Source, cfg: CacheConfig, out: Store, workers: int, verbose: b
         h, w = cfg.size
         print(f"dry run (pilot of {est.pilot_images} images, {sec * 1000:.0f} ms each on one core): "
               f"{src.num_items:,} images x {cfg.variants} variant(s) at {w}x{h} ({cfg.codec}) -> "
-              f"~{fmt_bytes(est.estimated_bytes)} in {num_shards} shards of {per_shard} images, "
+              f"~{format_bytes(est.estimated_bytes)} in {num_shards} shards of {per_shard} images, "
               f"~{est.estimated_seconds / 60:.1f} min with {workers} workers, "
               f"~{est.estimated_skipped} skipped; output directory: {est.existing}")
     return est

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ..atomic import atomic_write
 from .storage import Store
 
 __all__ = ["ShardCache", "default_local_cache", "DOWNLOADS"]
@@ -117,7 +118,7 @@ class ShardCache:
                     ".part-" not in p.name or time.time() - p.stat().st_mtime > 3600):
                 with contextlib.suppress(FileNotFoundError):  # another process's download stays
                     p.unlink()
-        stamp_file.write_text(stamp)
+        atomic_write(stamp_file, stamp)
 
     def local_bytes(self) -> int:
         """Bytes of files in the folder now (partial downloads included)."""

@@ -11,10 +11,12 @@ import dataclasses
 import errno
 from typing import Any
 
+from ..units import format_bytes
+
 from .config import JPEG_RATIO_GUESS, CacheConfig
 from .errors import BuildError
 
-__all__ = ["DiskFullError", "estimate_bytes", "check_space", "is_disk_full", "fmt_bytes"]
+__all__ = ["DiskFullError", "estimate_bytes", "check_space", "is_disk_full"]
 
 _HEADER = 128  # per shard: the .npy header
 _FIXED = 2**16  # labels.npy and manifest.json, about
@@ -22,15 +24,6 @@ _FIXED = 2**16  # labels.npy and manifest.json, about
 
 class DiskFullError(BuildError):
     """The disk filled during the build (temporary files removed; rerun to resume once space is freed)."""
-
-
-def fmt_bytes(n: float) -> str:
-    """``n`` bytes in words: ``"512 B"``, ``"1.50 MiB"`` (binary units up to TiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def estimate_bytes(cfg: CacheConfig, num_items: int, num_shards: int) -> int:
@@ -84,13 +77,13 @@ def check_space(where: str, free: int | None, cfg: CacheConfig, num_items: int, 
         return
     opts = _options(cfg, num_items, num_shards, free)
     hint = ("; options that fit: " + ", ".join(opts)) if opts else ""
-    raise BuildError(f"not enough space in {where}: this build needs about {fmt_bytes(need)} ({need:,} bytes; "
-                     f"the --dry-run estimate) and the disk has {fmt_bytes(free)} ({free:,} bytes) free{hint}; "
+    raise BuildError(f"not enough space in {where}: this build needs about {format_bytes(need)} ({need:,} bytes; "
+                     f"the --dry-run estimate) and the disk has {format_bytes(free)} ({free:,} bytes) free{hint}; "
                      "or free space, build into another disk or into a gs:// bucket. Nothing was written.")
 
 
 def disk_full(where: str, done: int, total: int, still_needed: int, cause: Any = None) -> DiskFullError:
     """The one-line :class:`DiskFullError` of a build whose disk filled."""
-    return DiskFullError(f"{where}: disk full ({done}/{total} shards written, about {fmt_bytes(still_needed)} "
+    return DiskFullError(f"{where}: disk full ({done}/{total} shards written, about {format_bytes(still_needed)} "
                          f"= {still_needed:,} bytes still needed): free space and rerun the same command "
                          "to resume (temporary files were removed, finished shards are kept)")

@@ -34,6 +34,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from ..atomic import atomic_writer
 from .format import MANIFEST, parse_manifest, read_manifest
 
 __all__ = ["is_url", "Store", "StorageError", "LockedError", "filesystem", "install_hint", "load_manifest",
@@ -530,24 +531,15 @@ def _pid_alive(pid: Any) -> bool:
 
 def _write_local(path: Path, chunks: Sequence[Any]) -> tuple[int, int]:
     """Write ``chunks`` to ``path`` via temp file + fsync + rename; the temp file goes on failure."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     crc, nbytes = 0, 0
-    try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                if not len(c):  # an empty slab (every image of the shard skipped) cannot be cast
-                    continue
-                mv = memoryview(c).cast("B") if not isinstance(c, bytes) else c
-                f.write(mv)
-                crc = zlib.crc32(mv, crc)
-                nbytes += len(mv)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    with atomic_writer(path) as f:
+        for c in chunks:
+            if not len(c):  # an empty slab (every image of the shard skipped) cannot be cast
+                continue
+            mv = memoryview(c).cast("B") if not isinstance(c, bytes) else c
+            f.write(mv)
+            crc = zlib.crc32(mv, crc)
+            nbytes += len(mv)
     return nbytes, crc
 
 

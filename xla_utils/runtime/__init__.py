@@ -53,6 +53,11 @@ Layout
               thing in every replica of the entry points (``compile_cache=``).
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
+``relay``     a child process's output re-printed here (a notebook's streams), its tail kept.
+``fresh``     ``run_fresh``: a callable in a fresh interpreter (one environment,
+              ``child_env``; result or ``ReplicaError``; timeout): SPMD functions and
+              scripts, a strategy's mesh run, the memory measurement.
+``shardinfo`` per-device bytes read from XLA shardings (in a fresh process).
 ``launcher``  ``launch``: TPU jobs, simulated jobs (through the launcher
               :mod:`xla_utils.simulate` registers, :func:`.launcher.register_simulator`),
               or in-process.

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from ..units import format_bytes
+
 from .state import STATE
 from .world import backend, master_print, rank
 from .xla import load_xla
@@ -148,8 +150,8 @@ def _usable(folder: Path) -> tuple[str, str | None, int]:
     if problem is None:
         free = shutil.disk_usage(folder).free
         if free < MIN_FREE_BYTES:
-            problem = (f"only {free / 2**20:.0f} MiB free on the disk of {folder} "
-                       f"(the cache writes only with {MIN_FREE_BYTES // 2**20} MiB free)")
+            problem = (f"only {format_bytes(free, 'MiB')} free on the disk of {folder} "
+                       f"(the cache writes only with {format_bytes(MIN_FREE_BYTES, 'MiB')} free)")
     if problem is None:
         return "read-write", None, entries
     if entries:

@@ -20,22 +20,15 @@ XLA's sharding propagation has placed them, minus parameters and views of them.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from typing import Any, Callable
 
+from .fresh import child_env, run_fresh
 from .xla import fast_cpu_compile_flags
 
-__all__ = ["run_measurement", "measure", "shard_bytes", "MeasurementError"]
+__all__ = ["run_measurement", "measure", "measure_job", "shard_bytes"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
-
-
-class MeasurementError(RuntimeError):
-    """The fresh measuring process failed; the message holds the end of its output."""
 
 
 def shard_bytes(t: Any) -> int:
@@ -144,49 +137,28 @@ def measure(model: Any, batch: Any, strategy: str, devices: int, *, train_step: 
 
 
 def run_measurement(job: dict[str, Any], devices: int, timeout: float | None = None) -> dict[str, Any]:
-    """Run :func:`measure` with ``job``'s arguments in a fresh interpreter with ``devices``
-    XLA:CPU devices (cloudpickled in, JSON out); raise :class:`MeasurementError` on failure."""
-    import cloudpickle
+    """Run :func:`measure` with ``job``'s arguments in a fresh interpreter
+    (:func:`xla_utils.runtime.fresh.run_fresh`) with ``devices`` XLA:CPU devices; its output
+    is kept, not printed, and shown only in the error of a process that died.
 
-    with tempfile.TemporaryDirectory(prefix="xla_utils_mem_") as d:
-        src, dst = os.path.join(d, "job.pkl"), os.path.join(d, "out.json")
-        with open(src, "wb") as f:
-            cloudpickle.dump(job, f)
-        env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
-                   XLA_THREAD_POOL_SIZE=str(max(16, devices)),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        env.pop("XLA_USE_SPMD", None)
-        env["XLA_FLAGS"] = fast_cpu_compile_flags(env.get("XLA_FLAGS"))
-        try:
-            proc = subprocess.run([sys.executable, "-m", "xla_utils.runtime.shardinfo", src, dst],
-                                  env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise MeasurementError(f"the {job['strategy']!r} memory measurement on {devices} "
-                                   f"XLA:CPU devices ran past timeout={timeout} s") from None
-        if proc.returncode != 0 or not os.path.exists(dst):
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-            raise MeasurementError(f"the {job['strategy']!r} memory measurement on {devices} "
-                                   f"XLA:CPU devices failed (exit {proc.returncode}):\n{tail}")
-        with open(dst) as f:
-            return json.load(f)
+    Raises:
+        ReplicaError: the measurement raised (its traceback), or the process died.
+        TimeoutError: ``timeout`` seconds passed; the process was killed.
+    """
+    env = child_env(devices, {"XLA_THREAD_POOL_SIZE": str(max(16, devices)),
+                              "XLA_FLAGS": fast_cpu_compile_flags(os.environ.get("XLA_FLAGS"))})
+    return run_fresh(measure_job, (job,), env=env, timeout=timeout, echo=False,
+                     what=f"the {job['strategy']!r} memory measurement on {devices} XLA:CPU devices")
 
 
-def _main(src: str, dst: str) -> None:
-    import pickle
-
-    with open(src, "rb") as f:
-        job = pickle.load(f)
+def measure_job(job: dict[str, Any]) -> dict[str, Any]:
+    """In the measuring process: build the model (a factory is called after seeding 0),
+    then :func:`measure`."""
+    job = dict(job)
     model = job.pop("model")
     if not hasattr(model, "parameters"):
         import torch
 
         torch.manual_seed(0)
         model = model()
-    result = measure(model, job.pop("batch"), job.pop("strategy"), job.pop("devices"), **job)
-    with open(dst + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(dst + ".tmp", dst)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    return measure(model, job.pop("batch"), job.pop("strategy"), job.pop("devices"), **job)

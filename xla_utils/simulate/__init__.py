@@ -42,7 +42,7 @@ rank is.
 Modules: :mod:`.protocol` (store keys, events, payload files: the one place
 the two sides meet), :mod:`.caller` (zygote, job, :func:`run_replicas`),
 :mod:`.forms` (which form a script or function is: spawn, SPMD, torchrun),
-:mod:`.relay` (a child process's output re-printed here), :mod:`.runner` (``python -m xla_utils.simulate``, :func:`run_script`,
+:mod:`.runner` (``python -m xla_utils.simulate``, :func:`run_script`,
 :func:`simulated_spawn`), :mod:`.job` (the zygote's and job's code, replica
 bootstrap), :mod:`.collectives` (torch_xla patched inside a replica),
 :mod:`.dist` (torch.distributed's ``xla`` backend in a replica), :mod:`.compiled`

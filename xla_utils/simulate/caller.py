@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from .dist import LOOPBACK_ENV
@@ -26,7 +25,8 @@ from .footprint import ReplicaMeter, check_fits, record
 from .protocol import (ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
                        TransportError, describe_status, lost_name, read_error, read_payload,
                        recv_msg, send_msg, serve_store)
-from .relay import forward_output
+from ..runtime.fresh import child_env
+from ..runtime.relay import forward_output
 
 # Seconds the zygote may take to import torch and torch_xla (cold disk: ~25 s).
 _ZYGOTE_START_S = 300.0
@@ -37,12 +37,11 @@ class _Zygote:
 
     def __init__(self) -> None:
         parent, child = socket.socketpair()
-        env = dict(os.environ, PJRT_DEVICE="CPU")
+        # The zygote sets each job's devices itself (_caller_env).
+        env = child_env(None, {"PJRT_DEVICE": "CPU"})
         # Replicas wait in the store in short slices; c10d logs a warning for each
         # slice that times out. Read once, when torch loads in the zygote.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).resolve().parents[2])] + [p for p in sys.path if p])
         self.owner = os.getpid()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "xla_utils.simulate", "--zygote", str(child.fileno())],

@@ -25,6 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import atomic_write
+from ..units import format_bytes
+
 GIB = float(1 << 30)
 
 # Private memory of a replica that ran a small graph (torch_xla 2.9, XLA:CPU): about
@@ -139,8 +142,8 @@ def cgroup_room() -> tuple[int, str] | None:
         used = max(used - inactive, 0)
         left = max(limit - used, 0)
         if best is None or left < best[0]:
-            best = (left, f"the memory limit of cgroup {path} ({limit / GIB:.1f} GiB, "
-                          f"{used / GIB:.1f} GiB in use)")
+            best = (left, f"the memory limit of cgroup {path} ({format_bytes(limit, 'GiB')}, "
+                          f"{format_bytes(used, 'GiB')} in use)")
     return best
 
 
@@ -188,10 +191,7 @@ def record(program: str, replica_bytes: int, cores: int) -> None:
         keep = sorted(data, key=lambda k: str(data[k].get("when", "")))[-MAX_RECORDS:]
         data = {k: data[k] for k in keep}
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _private_bytes(pid: int) -> int:
@@ -252,15 +252,15 @@ def check_fits(program: str, n: int, zygote_running: bool) -> None:
         return
     fit = max(int(room.free * HEADROOM - (0 if zygote_running else ZYGOTE_BYTES)) // per, 0)
     cores = [c for c in (8, 4, 2, 1) if c <= fit]
-    source = (f"{per / GIB:.2f} GiB per replica, measured in its run on {rec['cores']} "
+    source = (f"{format_bytes(per, 'GiB')} per replica, measured in its run on {rec['cores']} "
               f"core(s) at {rec['when']}" if rec else
-              f"{per / GIB:.2f} GiB per replica, the least a replica takes")
+              f"{format_bytes(per, 'GiB')} per replica, the least a replica takes")
     fewer = (f"simulate {cores[0]} core(s) (--cores {cores[0]}, cores={cores[0]} or "
              f"simulate={cores[0]})" if cores else "free memory (no core count fits now)")
     raise SimulatedMemoryError(
-        f"{n} simulated replica processes of {program} need about {need / GIB:.1f} GiB "
+        f"{n} simulated replica processes of {program} need about {format_bytes(need, 'GiB')} "
         f"({source}{'' if zygote_running else ', plus the zygote'}), but this machine has "
-        f"{room.free / GIB:.1f} GiB left ({room.why}); no replica was started. Fix: "
+        f"{format_bytes(room.free, 'GiB')} left ({room.why}); no replica was started. Fix: "
         f"{fewer}, or use a lighter form: an SPMD program (xr.use_spmd(); one process "
         f"owning all {n} devices, --form spmd) or xla_utils' fit/predict(simulate={n}), "
         "whose replicas are threads of one process. XLA_UTILS_SIM_MEMORY_CHECK=0 starts "

@@ -27,6 +27,8 @@ import socket
 import struct
 from typing import Any, Iterator
 
+from ..atomic import atomic_write
+
 # Seconds a replica waits in a collective for the others to arrive, when none of
 # them has returned, died or reached a different collective (those end the wait
 # at once). Override with the environment variable XLA_UTILS_COLLECTIVE_TIMEOUT.
@@ -96,14 +98,10 @@ def write_payload(folder: str, name: str, data: bytes) -> str:
         TransportError: The file could not be written (folder gone, ``/dev/shm`` full).
     """
     path = os.path.join(folder, name)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+    try:  # the job's own file on /dev/shm: a crash loses the job, so no fsync; a
+        # deleted job folder is a transport error, not recreated
+        atomic_write(path, data, durable=False, parents=False)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         hint = (" /dev/shm is full: free it (`df -h /dev/shm`) or simulate fewer cores"
                 if exc.errno == errno.ENOSPC else "")
         raise TransportError(f"could not write {len(data):,} bytes to {path}: "

@@ -133,14 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         zygote_main(int(argv[1]))
         return 0
-    if argv[:1] == ["--spmd-child"]:
-        from .spmd import spmd_child_main
-
-        return spmd_child_main(int(argv[1]), argv[2], argv[3:])
-    if argv[:1] == ["--spmd-fn"]:
-        from .spmd_fn import spmd_fn_child_main
-
-        return spmd_fn_child_main(int(argv[1]), argv[2], argv[3] == "1")
     p = argparse.ArgumentParser(
         prog="python -m xla_utils.simulate",
         description="Run a torch_xla script (xmp.spawn / torch_xla.launch) on N simulated "

@@ -5,7 +5,7 @@ An SPMD program (``xr.use_spmd()``, ``xs.Mesh``, ``mark_sharding``, FSDPv2,
 XLA's own partitioner inserts the collectives. Its faithful simulation is that
 process with ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N`` (no host collectives). The
 runner decides the form before running by reading the script's names
-(:func:`.forms.detect_form`), says so, and runs the script through :func:`spmd_child_main`,
+(:func:`.forms.detect_form`), says so, and runs the script through :func:`spmd_script_child`,
 where ``xmp.spawn`` / ``torch_xla.launch`` raise a named error (a program that
 mixes the two forms); replicas of the multi-process form refuse ``xr.use_spmd()``
 (see :mod:`.collectives`), so a program never silently gets fewer devices than
@@ -13,36 +13,36 @@ mixes the two forms); replicas of the multi-process form refuse ``xr.use_spmd()`
 """
 from __future__ import annotations
 
-import os
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..runtime.fresh import child_env, run_fresh
 from .dist import LOOPBACK_ENV, patch_distributed_spmd
 
 
 def run_spmd(path: str, cores: int, args: Sequence[str] = (),
              timeout: float | None = None) -> int:
-    """Run the script as ``__main__`` in a fresh process with ``cores`` XLA:CPU
-    devices; returns its exit status."""
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cores), **LOOPBACK_ENV)
-    env.pop("XLA_USE_SPMD", None)
-    here = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "xla_utils.simulate", "--spmd-child", str(cores), path,
-           *map(str, args)]
+    """Run the script as ``__main__`` in a fresh process with ``cores`` XLA:CPU devices
+    (:func:`xla_utils.runtime.fresh.run_fresh`); returns its exit status (1 after a timeout).
+
+    Raises:
+        ReplicaError: the script raised (its traceback), or its process died.
+    """
     try:
-        return subprocess.run(cmd, env=env, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
+        return run_fresh(spmd_script_child, (cores, path, tuple(map(str, args))),
+                         env=child_env(cores, LOOPBACK_ENV),
+                         what=f"the SPMD process running {path}", timeout=timeout)
+    except TimeoutError:
         print(f"xla_utils.simulate: SPMD run of {path} killed after {timeout:g} s (--timeout)",
               file=sys.stderr)
         return 1
 
 
-def spmd_child_main(cores: int, path: str, args: Sequence[str]) -> int:
-    """The SPMD process: refuse the multi-process entry points, run the script."""
+def spmd_script_child(cores: int, path: str, args: Sequence[str]) -> int:
+    """In the SPMD process: refuse the multi-process entry points, run the script; its
+    exit status."""
     refuse_multiprocess(path, cores)
     patch_distributed_spmd()
     sys.argv = [path, *args]
@@ -51,7 +51,10 @@ def spmd_child_main(cores: int, path: str, args: Sequence[str]) -> int:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
-        return 0 if code is None else code if isinstance(code, int) else 1
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
     return 0
 
 
