@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GPUFacts", "NVIDIA_SMI_QUERY", "parse_nvidia_smi", "visible_gpus", "gpu_facts",
-           "cuda_facts", "CPU_REPLICAS_ENV", "TorchDevices", "torch_devices"]
+           "cuda_facts", "CPU_REPLICAS_ENV", "TorchDevices", "torch_devices", "report_lines"]
 
 # ``XLA_UTILS_CPU_REPLICAS=N``: the torch backend behaves as a machine with N devices, N CPU
 # processes over gloo (rehearse a multi-GPU run, or test it, on a machine without GPUs).
@@ -193,3 +193,20 @@ def torch_devices(environ: dict | None = None, gpus: list[GPUFacts] | None = Non
     if not found:
         return TorchDevices(1, "cpu", why="no NVIDIA GPU (nvidia-smi)")
     return TorchDevices(len(found), "cuda", tuple(found), why="nvidia-smi")
+
+
+def report_lines(gpus: list[GPUFacts], replicas: int, kind: str) -> list[str]:
+    """``python -m xla_utils.env``'s lines about the GPUs: each one's name, memory, compute
+    capability and what ``precision="auto"`` picks on it, then how many replicas
+    ``fit(cores="all")`` runs (``replicas`` of ``kind``, from :func:`torch_devices`)."""
+    lines = [f"  gpu {i}        {g.describe()}: precision='auto' -> "
+             + ("bf16 autocast" if g.bf16_matrix_units else
+                "fp16 autocast + gradient scaler (no bf16 matrix units below sm_80)")
+             for i, g in enumerate(gpus)]
+    if kind == "cpu" and replicas > 1:
+        use = f"{replicas} CPU processes over gloo ({CPU_REPLICAS_ENV}={replicas})"
+    elif replicas > 1:
+        use = f"{replicas} GPU processes over NCCL, one per GPU (cores=1: one GPU)"
+    else:
+        use = "one process" + (" on the GPU" if kind == "cuda" else "")
+    return lines + [f"  trainer      fit(cores='all') runs {use}"]
