@@ -128,3 +128,27 @@ def test_checkpoint_of_two_replicas_resumes_on_two_and_is_refused_on_one(two_cpu
     one = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val, **kw)
     with pytest.raises(ResumeError, match="cores: 2 in the checkpoint, 1 now"):
         one.fit(resume=ckpt, cores=1)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_fp16_step_skipped_on_every_replica_when_one_overflows(two_cpu_replicas):
+    """The gradients are averaged before the gradient scaler steps: an inf on replica 1
+    alone makes replica 0 (whose history is returned) skip that step too."""
+    train, _ = _digits(n_train=128)  # 4 steps per epoch at 2 x 16
+    calls = {"n": 0}
+
+    def step(model, batch, loss_fn):
+        x, y = batch
+        out = model(x)
+        loss = loss_fn(out, y)
+        calls["n"] += 1
+        if runtime.rank() == 1 and calls["n"] == 2:  # + 0.0 whose gradient overflows fp16
+            loss = loss + (out.float() - out.float().detach()).sum() * 1e30
+        return loss
+
+    t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16, epochs=2,
+                        max_lr=1e-2, precision="fp16", train_step=step)
+    h = t.fit(timeout=120)
+    assert h.world_size == 2
+    assert [r["skipped_steps"] for r in h.epochs] == [1, 0]
