@@ -152,3 +152,34 @@ def test_fp16_step_skipped_on_every_replica_when_one_overflows(two_cpu_replicas)
     h = t.fit(timeout=120)
     assert h.world_size == 2
     assert [r["skipped_steps"] for r in h.epochs] == [1, 0]
+
+
+class _Headed(nn.Module):
+    """An MLP without batch norm, with a torchvision-style ``fc`` head for fine_tune."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_fine_tune_on_two_replicas_as_on_one(two_cpu_replicas):
+    """The frozen phase (body parameters without gradients on every replica), then the
+    unfrozen one with discriminative LRs: the same weights as one replica, global batch."""
+    train, _ = _digits(n_train=128)
+    out = {}
+    for cores, bs in (("all", 16), (1, 32)):
+        t = OneCycleTrainer(_Headed(), nn.CrossEntropyLoss(), train, batch_size=bs, epochs=1,
+                            max_lr=0.05, optimizer="sgd", lr_scaling="none", seed=2)
+        h = t.fine_tune(1, freeze_epochs=1, cores=cores, timeout=120)
+        assert [e["phase"] for e in h.epochs] == ["frozen", "unfrozen"]
+        out[cores] = h
+    assert out["all"].world_size == 2
+    for k, v in out[1].state_dict.items():
+        torch.testing.assert_close(out["all"].state_dict[k], v, rtol=1e-5, atol=1e-6)
