@@ -153,12 +153,16 @@ def _session_listeners():
         try:
             if os.getsid(int(pid)) != sid:
                 continue
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
+        for fd in fds:  # some close while we look (the listing's own, a queue's pipe)
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
     listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:

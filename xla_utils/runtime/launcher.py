@@ -246,9 +246,7 @@ def run_forked_job(target: Callable[..., None], target_args: tuple, timeout: flo
             if kind == "result":
                 result, got_result = pickle.loads(payload), True
             elif kind == "error":
-                tb, exc_type = payload
-                if first_error is None:
-                    first_error = ReplicaError(r, tb, exc_type)
+                first_error = _cause(first_error, ReplicaError(r, *payload))
                 if error_deadline is None:
                     error_deadline = time.monotonic() + ERROR_GRACE_S
             elif kind == "finished":
@@ -267,8 +265,8 @@ def run_forked_job(target: Callable[..., None], target_args: tuple, timeout: flo
                         kind, r, payload = results.get(timeout=0.5)
                         if kind == "result":
                             result, got_result = pickle.loads(payload), True
-                        elif kind == "error" and first_error is None:
-                            first_error = ReplicaError(r, *payload)
+                        elif kind == "error":
+                            first_error = _cause(first_error, ReplicaError(r, *payload))
                 break
             now = time.monotonic()
             if error_deadline is not None and now > error_deadline:
@@ -288,6 +286,15 @@ def run_forked_job(target: Callable[..., None], target_args: tuple, timeout: flo
     if job.exitcode not in (0, None) and not got_result:
         raise _died(job.exitcode)
     return result
+
+
+def _cause(first: ReplicaError | None, new: ReplicaError) -> ReplicaError:
+    """The error to raise: the first reported, unless a replica process died (a death is
+    a cause; the others' errors, such as a collective's lost connection, follow from it
+    and may be reported before the job notices the death)."""
+    if first is None or (new.exc_type == "ProcessDied" and first.exc_type != "ProcessDied"):
+        return new
+    return first
 
 
 def _died(exitcode: int) -> ReplicaError:
