@@ -212,7 +212,7 @@ def run_fit(name: str, ds, args):
     t = OneCycleTrainer(make_model(name), torch.nn.CrossEntropyLoss(), ds, batch_size=args.batch,
                         epochs=args.epochs, optimizer="sgd", max_lr=MAX_LR, flip=False,
                         num_workers=args.fit_workers)
-    h = t.fit()
+    h = t.fit(cores=1)  # beside the one-GPU hand loop, and CUDA is in use here already
     images = [r["images_per_s"] * r["seconds"] for r in h.epochs]
     return rate(images, [r["seconds"] for r in h.epochs]), t
 
@@ -248,7 +248,7 @@ def bench_model(name: str, ds, args, dev, precision: str, rep: int) -> dict:
         fit, trainer = run_fit(name, ds, args)
         hand, step = run_hand(name, ds, args, dev, precision)
     hs, hand_preds = timed(lambda: hand_predict(step, ds, args, dev), args.predict_reps)
-    ps, preds = timed(lambda: trainer.predict(ds), args.predict_reps)
+    ps, preds = timed(lambda: trainer.predict(ds, cores=1), args.predict_reps)
     r = {"model": name, "ceiling": ceiling, "hand": hand, "fit": fit, "fit_over_hand": fit / hand,
          "predict": len(ds) / ps, "hand_predict": len(ds) / hs, "predict_over_hand": hs / ps,
          "predict_shape": list(preds.shape), "hand_predict_shape": list(hand_preds.shape)}

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from xla_utils.runtime.gpu import NVIDIA_SMI_QUERY, GPUFacts, gpu_facts, parse_nvidia_smi, visible_gpus
+from xla_utils import env as xenv
+from xla_utils.runtime.gpu import (NVIDIA_SMI_QUERY, GPUFacts, gpu_facts, parse_nvidia_smi,
+                                   report_lines, visible_gpus)
 
 # What nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv,noheader,nounits
 # prints for the GPUs of Kaggle (T4 x2, P100), Colab (T4) and the bigger clouds.
@@ -76,3 +78,28 @@ def test_gpu_facts_are_comparable():
     assert min([a100, t4], key=lambda g: g.compute_capability) is t4
     with pytest.raises(AttributeError):
         t4.name = "x"  # frozen
+
+
+def test_env_reports_the_gpus_and_what_the_trainer_uses(tmp_path, monkeypatch):
+    """Kaggle's T4 x2 as ``python -m xla_utils.env`` shows it (nvidia-smi, no CUDA)."""
+    _fake_nvidia_smi(tmp_path, ROWS["t4"] + "\n" + ROWS["t4b"] + "\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("XLA_UTILS_CPU_REPLICAS", raising=False)
+    info = xenv.detect()
+    assert (info.torch_replicas, info.torch_replica_kind) == (2, "cuda")
+    text = xenv.report(info)
+    assert text.count("Tesla T4 (sm_75, 15 GiB): precision='auto' -> fp16 autocast + gradient "
+                      "scaler") == 2
+    assert "fit(cores='all') runs 2 GPU processes over NCCL, one per GPU (cores=1: one GPU)" in text
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert xenv.detect().torch_replicas == 1
+    monkeypatch.setenv("XLA_UTILS_CPU_REPLICAS", "3")
+    assert "runs 3 CPU processes over gloo" in xenv.report(xenv.detect())
+
+
+def test_report_lines_say_bf16_from_sm_80():
+    h100 = parse_nvidia_smi(ROWS["h100"])
+    lines = report_lines(h100, 1, "cuda")
+    assert lines == ["  gpu 0        NVIDIA H100 80GB HBM3 (sm_90, 80 GiB): precision='auto' -> "
+                     "bf16 autocast", "  trainer      fit(cores='all') runs one process on the GPU"]

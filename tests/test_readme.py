@@ -131,14 +131,7 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     """The 15-line example, the loading loop and the debug call, in one namespace."""
     _image_folders(tmp_path)
     monkeypatch.chdir(tmp_path)
-    quick = _substitute(_block("python", "trainer.fit(max_lr=\"find\")"), {
-        "/kaggle/input/plants/train": str(tmp_path / "train_images"),
-        "/kaggle/input/plants/val": str(tmp_path / "val_images"),
-        "/kaggle/input/plants/test": str(tmp_path / "test_images"),
-        "size=224": "size=32",
-        "batch_size=64": "batch_size=4",
-        "epochs=5": "epochs=1",
-    })
+    quick = _fifteen_lines(tmp_path)
     ns: dict = {}
     exec(compile(quick, "README:fifteen-lines", "exec"), ns)
     h = ns["history"]
@@ -188,6 +181,38 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     assert sum(s["compiles"] for s in report.per_step[2:]) == 0, report.per_step
     assert {"memory", "input_bound"} <= set(report.codes)
     assert capsys.readouterr().out.count("xla_utils.check for TPU v5e:") == 1  # printed once
+
+def _fifteen_lines(tmp_path: Path) -> str:
+    """The Fifteen lines with generated image folders, 32 px, batch 4 and one epoch."""
+    return _substitute(_block("python", "trainer.fit(max_lr=\"find\")"), {
+        "/kaggle/input/plants/train": str(tmp_path / "train_images"),
+        "/kaggle/input/plants/val": str(tmp_path / "val_images"),
+        "/kaggle/input/plants/test": str(tmp_path / "test_images"),
+        "size=224": "size=32",
+        "batch_size=64": "batch_size=4",
+        "epochs=5": "epochs=1",
+    })
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_fifteen_lines_on_two_torch_replicas(tmp_path, monkeypatch, capfd):
+    """Unchanged on a machine with two devices (XLA_UTILS_CPU_REPLICAS=2: two CPU processes
+    over gloo, as Kaggle's T4 x2 over NCCL): trained, evaluated and predicted on both."""
+    _image_folders(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XLA_UTILS_CPU_REPLICAS", "2")
+    ns: dict = {}
+    exec(compile(_fifteen_lines(tmp_path), "README:fifteen-lines", "exec"), ns)
+    h = ns["history"]
+    assert h.world_size == 2 and h.global_batch == 8 and len(h) == 1
+    out = capfd.readouterr().out
+    assert "lr_find suggests max_lr" in out and "2 cores x 4 per core = 8 global batch" in out
+    assert (tmp_path / "ckpt" / "final.pt").exists()
+    assert ns["preds"].shape == (5, 3) and "wrote submission.csv: 5 rows" in out
+    rows = (tmp_path / "submission.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == [f"test_{i}.png" for i in range(5)]
+
 
 @pytest.mark.multicore
 @pytest.mark.timeout(600)

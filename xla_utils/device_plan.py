@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from . import runtime
-from .runtime.gpu import cuda_facts, gpu_facts
+from .runtime.gpu import cuda_facts
 
 __all__ = ["PRECISIONS", "PrecisionError", "check_config", "resolve_precision",
            "check_before_launch", "DeviceRequest", "DevicePlan"]
@@ -123,7 +123,7 @@ def resolve_precision(requested: str, device_type: str, capability: tuple[int, i
 def check_before_launch(precision: str, *, simulate: int | None = None, mesh: bool = False) -> None:
     """Refuse, in the calling process and before any device time, a precision the run's
     device cannot use (:func:`resolve_precision`). XLA: ``simulate``, a mesh strategy or a
-    TPU. A GPU is read with ``nvidia-smi`` (:func:`xla_utils.runtime.gpu.gpu_facts`), so
+    TPU. A GPU is read with ``nvidia-smi`` (:func:`xla_utils.runtime.gpu.torch_devices`), so
     CUDA is not initialised here; without it the replica decides, first thing.
 
     Raises:
@@ -131,8 +131,10 @@ def check_before_launch(precision: str, *, simulate: int | None = None, mesh: bo
     """
     if simulate is not None or mesh or runtime.backend() == "xla":
         resolve_precision(precision, "xla")
-    elif precision == "bf16" and torch.cuda.is_available():  # the one a GPU can refuse
-        gpus = gpu_facts()
+    elif precision == "bf16":  # the one a GPU can refuse
+        # Not torch.cuda.is_available(): without PYTORCH_NVML_BASED_CUDA_CHECK=1 it starts
+        # the CUDA driver here, and forked GPU replicas could not use CUDA any more.
+        gpus = runtime.torch_devices().gpus
         if gpus:
             worst = min(gpus, key=lambda g: g.compute_capability)
             resolve_precision(precision, "cuda", worst.compute_capability, worst.describe())
@@ -253,6 +255,7 @@ class DevicePlan:
             runtime.optimizer_step(opt, barrier=barrier)
             return
         before = self.scaler.scale(self._one)
+        runtime.reduce_gradients(opt)  # every replica then sees the same inf/NaN and skips
         self.scaler.step(opt)
         self.scaler.update()
         skipped = (self.scaler.scale(self._one) < before).to(torch.int64)

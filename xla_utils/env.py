@@ -40,6 +40,7 @@ in :mod:`xla_utils.tpus`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import importlib
@@ -56,6 +57,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 from .tpus import DEVICES_PER_CHIP, TPU_PCI_DEVICES, TYPE_COUNTS_CORES
 from .libtpu_pairs import libtpu_warning
+from .runtime.gpu import GPUFacts, gpu_facts, report_lines, torch_devices
 
 __all__ = [
     "EnvInfo",
@@ -136,6 +138,10 @@ class EnvInfo:
     ready: bool = False  # nothing to install or fix before training
     next_step: str = ""  # one line: "ready ..." or what to do, with the exact command
     next_command: str | None = None  # just the shell command of next_step, if any
+    # nvidia-smi's GPUs (name, compute_capability, memory_mib, index, uuid), on root "/" only
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    torch_replicas: int = 1  # processes fit(cores="all") runs on the torch backend
+    torch_replica_kind: str = "cpu"  # "cuda" (NCCL) or "cpu"
 
     def to_dict(self) -> dict[str, Any]:
         """Fields as a plain dict (stable keys, declaration order)."""
@@ -499,6 +505,12 @@ def detect(
         warnings=warnings,
         import_error=import_error,
     )
+    if root == "/" and accelerator != "tpu":
+        facts = gpu_facts()  # nvidia-smi (none: no GPU facts); CUDA is not initialised
+        info.gpus = [dataclasses.asdict(g) for g in facts]
+        with contextlib.suppress(ValueError):  # a bad XLA_UTILS_CPU_REPLICAS fails at fit
+            devs = torch_devices(dict(env), gpus=facts)
+            info.torch_replicas, info.torch_replica_kind = devs.count, devs.kind
     adv = advise(info)
     info.ready = adv.kind == "ready"
     info.next_step = adv.message + (f": {adv.command}" if adv.command else "")
@@ -846,6 +858,10 @@ def report(info: EnvInfo) -> str:
         + (f"   libtpu {info.libtpu}" if info.libtpu else ""),
         f"  host         {', '.join(host)}",
     ]
+    if info.gpus or info.torch_replicas > 1:
+        gpus = [GPUFacts(**{**g, "compute_capability": tuple(g["compute_capability"])})
+                for g in info.gpus]
+        lines += report_lines(gpus, info.torch_replicas, info.torch_replica_kind)
     lines += [f"  warning: {w}" for w in info.warnings]
     lines.append(f"next step: {info.next_step}")
     return "\n".join(lines)

@@ -660,7 +660,7 @@ def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
     pending: torch.Tensor | None = None  # the last step's loss, still on the device
 
     where = "one core" if run is None else f"a mesh of {run.devices} devices"
-    pb = progress_bar(cfg.num_it, show=cfg.show_progress, console=runtime.backend() == "xla",
+    pb = progress_bar(cfg.num_it, show=cfg.show_progress, console=runtime.text_progress(),
                       title=f"lr_find: {cfg.num_it} steps x {k} micro-batch{'es' if k > 1 else ''} "
                             f"on {where}")
     try:

@@ -624,7 +624,7 @@ class _Job:
         per_step, texts, losses = [], [], []
         bar = range(self.steps)
         if self.verbose and runtime.is_master():
-            bar = progress_bar(self.steps, console=runtime.backend() == "xla",
+            bar = progress_bar(self.steps, console=runtime.text_progress(),
                                title=f"check: {self.steps} training steps on one XLA:CPU device")
         prev = runtime.xla_counters()
         for i in bar:

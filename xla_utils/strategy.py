@@ -180,7 +180,7 @@ def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
 
 def planned_world_size(cores: int | str, simulate: int | None) -> int:
     """The world size a launch will have (``cores``: ``"all"`` or 1; ``simulate``: N
-    simulated devices or None), found without touching the XLA runtime."""
+    simulated devices or None), found without touching the XLA runtime or CUDA."""
     if cores == 1:
         return 1
     if simulate is not None:
@@ -188,7 +188,7 @@ def planned_world_size(cores: int | str, simulate: int | None) -> int:
     if runtime.backend() == "xla":
         from . import env
         return max(env.detect().num_devices or 1, 1)
-    return 1
+    return runtime.torch_devices().count  # every GPU, or XLA_UTILS_CPU_REPLICAS
 
 
 def launch(fn: Callable, args: tuple, plan: StrategyPlan, timeout: float | None) -> Any:

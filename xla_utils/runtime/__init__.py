@@ -9,9 +9,11 @@ the API moves (``xm.xla_device`` -> ``torch_xla.device``, ``xm.mark_step`` ->
 Backends
 --------
 ``"xla"``   torch_xla devices: TPU cores, or ``simulate=N`` XLA:CPU devices.
-``"torch"`` plain PyTorch on one CUDA device or the CPU, world size 1. Used when
-            no TPU is present and no simulation was asked for, and whenever
-            torch_xla is missing.
+``"torch"`` plain PyTorch: one CUDA device or the CPU in-process (world size 1), or,
+            on a machine with several GPUs, one forked replica process per GPU over
+            torch.distributed (NCCL); ``XLA_UTILS_CPU_REPLICAS=N`` makes it N CPU
+            processes over gloo. Used when no TPU is present and no simulation was
+            asked for, and whenever torch_xla is missing.
 
 Inside :func:`launch` each replica knows its backend. Outside it, the backend is
 ``"xla"`` on a TPU machine (calling :func:`device` then initialises the XLA
@@ -43,9 +45,12 @@ Layout
 ``state``     :data:`~.state.STATE`, the one state object (per-thread backend
               inside), with ``reset()`` for tests.
 ``xla``       the lazy torch_xla import and its error message; TPU probe.
+``gpu``       the host's NVIDIA GPUs from ``nvidia-smi`` (no CUDA initialised), a replica's
+              from torch; ``torch_devices``: how many replicas the torch backend runs.
+``torch_world``  the torch backend's ranks and collectives over a torch.distributed
+              process group (the only caller of its collectives).
 ``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
 ``transfer``  ``to_device``, ``device_prefetch`` (on CUDA: copies on a side stream, ``overlapped``).
-``gpu``       the host's NVIDIA GPUs from ``nvidia-smi`` (no CUDA initialised), a replica's from torch.
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
 ``forksafe``  which forks may inherit an OpenMP team (the zygote's check before
               every fork; a fresh thread for TPU jobs) and the one-thread guard.
@@ -58,7 +63,9 @@ Layout
               ``child_env``; result or ``ReplicaError``; timeout): SPMD functions and
               scripts, a strategy's mesh run, the memory measurement.
 ``shardinfo`` per-device bytes read from XLA shardings (in a fresh process).
-``launcher``  ``launch``: TPU jobs, simulated jobs (through the launcher
+``torch_launch``  the torch backend's job: one forked replica per GPU (or CPU device),
+              a file-store rendezvous, NCCL/gloo bound to loopback, the CUDA check.
+``launcher``  ``launch``: TPU jobs, torch jobs, simulated jobs (through the launcher
               :mod:`xla_utils.simulate` registers, :func:`.launcher.register_simulator`),
               or in-process.
 The names in :data:`INTERNAL_API` (``launch_job``, ``prestart_simulation``,
@@ -78,18 +85,21 @@ from .compile_cache import (CompileCacheOption, check_compile_cache_option, comp
 from .counters import xla_counters, xla_counters_report
 from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
                        register_simulator)
+from .gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
+from .torch_launch import CUDAInitializedError
 from .transfer import device_prefetch, to_device
 from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
-                    master_print, optimizer_step, rank, rendezvous, save, set_seed, sync,
-                    world_size)
+                    master_print, optimizer_step, rank, reduce_gradients, rendezvous, save,
+                    set_seed, sync, text_progress, world_size)
 from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_compile_flags,
                   load_xla, tpu_present, xla_available, xla_installed, xla_runtime_initialized)
 
 __all__ = [
     "XLAUnavailableError",
     "RuntimeAlreadyInitializedError",
+    "CUDAInitializedError",
     "ReplicaError",
     "xla_available",
     "fast_cpu_compile_flags",
@@ -135,10 +145,15 @@ INTERNAL_API = (
     "xla_runtime_initialized",
     "load_xla",
     "register_simulator",
+    "reduce_gradients",  # a gradient scaler's step: average the gradients, then step it
+    "text_progress",
+    "torch_devices",  # how many replicas the torch backend runs (no CUDA initialised)
+    "TorchDevices",
+    "CPU_REPLICAS_ENV",
 )
 
 
 def progress_bars() -> tuple[Callable, Callable]:
     """``(master_bar, progress_bar)`` that can draw in the calling replica: console
-    bars in an XLA replica (see :mod:`xla_utils.progress`)."""
-    return _progress.progress_bars(console=backend() == "xla")
+    bars in an XLA replica or a forked torch replica (see :mod:`xla_utils.progress`)."""
+    return _progress.progress_bars(console=text_progress())

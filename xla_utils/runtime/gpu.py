@@ -6,6 +6,8 @@ CUDA context its parent created). :func:`cuda_facts` asks torch about a device i
 that initialises CUDA, so call it only where CUDA is in use already (inside a replica).
 Both give :class:`GPUFacts`, whose compute capability decides what the trainer's
 ``precision="auto"`` means (:func:`xla_utils.device_plan.resolve_precision`).
+:func:`torch_devices` says how many replicas the torch backend's launch runs (every GPU, or
+``XLA_UTILS_CPU_REPLICAS`` CPU processes), also without initialising CUDA.
 """
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GPUFacts", "NVIDIA_SMI_QUERY", "parse_nvidia_smi", "visible_gpus", "gpu_facts",
-           "cuda_facts"]
+           "cuda_facts", "CPU_REPLICAS_ENV", "TorchDevices", "torch_devices", "report_lines"]
+
+# ``XLA_UTILS_CPU_REPLICAS=N``: the torch backend behaves as a machine with N devices, N CPU
+# processes over gloo (rehearse a multi-GPU run, or test it, on a machine without GPUs).
+CPU_REPLICAS_ENV = "XLA_UTILS_CPU_REPLICAS"
 
 # index and uuid pick the GPUs CUDA_VISIBLE_DEVICES leaves visible; compute_cap needs a
 # driver from 2022 or later (R510), older ones answer with an error and no facts.
@@ -136,3 +142,71 @@ def cuda_facts(dev: Any) -> GPUFacts:
     props = torch.cuda.get_device_properties(dev)
     return GPUFacts(name=props.name, compute_capability=(props.major, props.minor),
                     memory_mib=props.total_memory // 2**20)
+
+
+@dataclass(frozen=True)
+class TorchDevices:
+    """The devices a torch-backend launch with ``cores="all"`` uses.
+
+    Attributes:
+        count: Replicas (one process per device when more than one).
+        kind: ``"cuda"`` (NCCL between the replicas) or ``"cpu"`` (gloo).
+        gpus: The GPUs (empty on CPU).
+        why: Where the count comes from, for reports.
+    """
+
+    count: int
+    kind: str
+    gpus: tuple[GPUFacts, ...] = ()
+    why: str = ""
+
+
+def torch_devices(environ: dict | None = None, gpus: list[GPUFacts] | None = None) -> TorchDevices:
+    """How many replicas the torch backend runs, found without initialising CUDA.
+
+    ``XLA_UTILS_CPU_REPLICAS=N`` wins (N CPU processes over gloo); else every GPU that
+    ``nvidia-smi`` lists and this process may use (``CUDA_VISIBLE_DEVICES``), when torch
+    was built with CUDA; else one CPU.
+
+    Args:
+        environ: The environment to read (default ``os.environ``).
+        gpus: The host's GPUs (default :func:`gpu_facts`).
+
+    Raises:
+        ValueError: ``XLA_UTILS_CPU_REPLICAS`` is not a positive integer.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(CPU_REPLICAS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{CPU_REPLICAS_ENV}={raw!r}: set it to a positive integer (the "
+                             "number of CPU replica processes the torch backend runs), or unset "
+                             "it to use this machine's GPUs")
+        return TorchDevices(int(raw), "cpu", why=f"{CPU_REPLICAS_ENV}={raw}")
+    found = gpus
+    if found is None:
+        import torch
+
+        if torch.version.cuda is None:  # a CPU (or ROCm) build: no NVIDIA GPU to use
+            return TorchDevices(1, "cpu", why="torch has no CUDA")
+        found = gpu_facts()
+    if not found:
+        return TorchDevices(1, "cpu", why="no NVIDIA GPU (nvidia-smi)")
+    return TorchDevices(len(found), "cuda", tuple(found), why="nvidia-smi")
+
+
+def report_lines(gpus: list[GPUFacts], replicas: int, kind: str) -> list[str]:
+    """``python -m xla_utils.env``'s lines about the GPUs: each one's name, memory, compute
+    capability and what ``precision="auto"`` picks on it, then how many replicas
+    ``fit(cores="all")`` runs (``replicas`` of ``kind``, from :func:`torch_devices`)."""
+    lines = [f"  gpu {i}        {g.describe()}: precision='auto' -> "
+             + ("bf16 autocast" if g.bf16_matrix_units else
+                "fp16 autocast + gradient scaler (no bf16 matrix units below sm_80)")
+             for i, g in enumerate(gpus)]
+    if kind == "cpu" and replicas > 1:
+        use = f"{replicas} CPU processes over gloo ({CPU_REPLICAS_ENV}={replicas})"
+    elif replicas > 1:
+        use = f"{replicas} GPU processes over NCCL, one per GPU (cores=1: one GPU)"
+    else:
+        use = "one process" + (" on the GPU" if kind == "cuda" else "")
+    return lines + [f"  trainer      fit(cores='all') runs {use}"]

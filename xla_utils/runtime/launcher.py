@@ -1,11 +1,15 @@
-"""Launch: run a function on every replica (TPU cores, simulated cores, or here).
+"""Launch: run a function on every replica (TPU cores, simulated cores, GPUs, or here).
 
 ``launch`` on a TPU forks one job process into
 :func:`~xla_utils.runtime.replica.job_main`, which ``xmp.spawn``s the replicas;
 simulated jobs are started by the :class:`Simulator` that :mod:`xla_utils.simulate`
 registers here when it is imported (``import xla_utils`` imports it): simulate sits
 above this package and calls into it, so nothing in ``runtime`` imports ``simulate``.
-Without a TPU and without simulation, ``fn`` runs in-process on the torch backend.
+Without a TPU and without simulation the torch backend runs: on several GPUs (or
+``XLA_UTILS_CPU_REPLICAS=N`` CPU devices) one job process forks a replica per device
+(:func:`~xla_utils.runtime.torch_launch.torch_job_main`, torch.distributed); on one
+device ``fn`` runs in-process. Every forked job reports through the same queue and is
+collected, timed out and killed by :func:`run_forked_job`.
 """
 from __future__ import annotations
 
@@ -13,18 +17,22 @@ import contextlib
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .gpu import torch_devices
 from .replica import ReplicaError, job_main
 from .state import STATE
+from .torch_launch import check_cuda_fork, forks, torch_job_main
 from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_available,
                   xla_installed, xla_runtime_initialized)
 
-__all__ = ["launch", "Simulator", "register_simulator"]
+__all__ = ["launch", "Simulator", "register_simulator", "run_forked_job"]
 
 # After the first replica error, how long the others get to report before the
 # whole job is killed.
@@ -73,8 +81,12 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
     ``fn`` and ``args`` reach them through cloudpickle (notebook functions,
     lambdas and models work too). Either way the calling process stays free of
     XLA runtime state and can launch again later. Without a TPU and without
-    ``simulate`` (or without torch_xla), ``fn`` runs here, in-process, on one
-    CUDA device or the CPU with world size 1.
+    ``simulate`` (or without torch_xla) the torch backend runs ``fn``: on a
+    machine with k > 1 GPUs in k replica processes forked from this one, one per
+    GPU, over torch.distributed (NCCL), world size k; this process must not have
+    initialised CUDA. ``XLA_UTILS_CPU_REPLICAS=N`` runs N CPU processes over gloo
+    instead (a rehearsal without GPUs). On one GPU or the CPU ``fn`` runs here,
+    in-process, with world size 1.
 
     On a multi-host TPU pod slice run the same script on every host (e.g.
     ``gcloud compute tpus tpu-vm ssh ... --worker=all --command "python
@@ -83,7 +95,7 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
     Args:
         fn: The replica function; called as ``fn(*args)`` on every replica.
         *args: Its arguments.
-        cores: ``"all"`` (default) for every TPU core of this host, or ``1``.
+        cores: ``"all"`` (default) for every TPU core or GPU of this host, or ``1``.
         simulate: Run on N simulated XLA:CPU cores (world size N) instead of a
             TPU, e.g. ``simulate=8`` to exercise 8-core code without TPU quota.
             Needs torch_xla. With ``cores=1`` a single XLA:CPU device is used.
@@ -101,7 +113,8 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
             traceback; the other replicas are killed rather than left hanging.
         TimeoutError: ``timeout`` passed; every replica was killed.
         RuntimeAlreadyInitializedError: On a TPU, this process already
-            initialised the XLA runtime and can no longer fork replicas.
+            initialised the XLA runtime and can no longer fork replicas; on
+            several GPUs, it initialised CUDA (``CUDAInitializedError``).
         XLAUnavailableError: ``simulate`` without a working torch_xla.
     """
     return launch_job(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
@@ -132,7 +145,8 @@ def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulat
     process (xla_utils' own loops, which synchronise only through :func:`sync`;
     see :mod:`xla_utils.runtime`)."""
     if cores not in ("all", 1):
-        raise ValueError(f"cores must be 'all' or 1, got {cores!r} (TPUs run 1 or all cores)")
+        raise ValueError(f"cores must be 'all' or 1, got {cores!r} (TPUs and GPUs run 1 or all "
+                         "devices)")
     if simulate is not None and (not isinstance(simulate, int) or simulate < 1):
         raise ValueError(f"simulate must be a positive int (number of XLA:CPU devices), got {simulate!r}")
     use_xla = simulate is not None or (tpu_present() and xla_available())
@@ -154,6 +168,18 @@ def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulat
             )
         return _launch_xla(fn, args, cores=cores, simulate=simulate, timeout=timeout,
                            sim_threads=sim_threads)
+    if STATE.local.in_replica:  # a replica's own launch (lr_find inside fit): here
+        return fn(*args)
+    devices = torch_devices()
+    if devices.count > 1:
+        import torch
+
+        cuda_initialized = devices.kind == "cuda" and torch.cuda.is_initialized()
+        if forks(cores, devices.count, devices.kind, cuda_initialized):
+            n = 1 if cores == 1 else devices.count
+            if devices.kind == "cuda":
+                check_cuda_fork(cuda_initialized, n)
+            return _launch_torch(fn, args, n, devices.kind, timeout)
     # torch backend, in-process
     prev = STATE.local.backend, STATE.local.in_replica
     STATE.local.backend, STATE.local.in_replica = "torch", True
@@ -172,11 +198,34 @@ def _launch_xla(fn, args, *, cores, simulate, timeout, sim_threads) -> Any:
 
 def _launch_tpu(fn, args, *, cores, timeout) -> Any:
     """Fork one job process that ``xmp.spawn``s the TPU replicas; collect the result."""
+    return run_forked_job(job_main, (fn, args, cores), timeout)
+
+
+def _launch_torch(fn, args, n: int, kind: str, timeout) -> Any:
+    """Fork one job process that forks ``n`` torch replicas (``kind``: ``"cuda"`` or
+    ``"cpu"``), meeting through a file store in a private folder; collect the result."""
+    folder = tempfile.mkdtemp(prefix="xla_utils-dist-")  # mode 0700
+    try:
+        return run_forked_job(torch_job_main,
+                              (fn, args, n, kind, os.path.join(folder, "store")), timeout)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_forked_job(target: Callable[..., None], target_args: tuple, timeout: float | None) -> Any:
+    """Fork a job process running ``target(*target_args, results)`` and collect its
+    replicas' reports from ``results``: rank 0's result, or the first replica's error
+    (the others get :data:`ERROR_GRACE_S` to report, then the job's session is killed).
+
+    Raises:
+        ReplicaError: a replica raised or died.
+        TimeoutError: ``timeout`` seconds passed; every replica was killed.
+    """
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    job = ctx.Process(target=job_main, args=(fn, args, cores, results),
+    job = ctx.Process(target=target, args=(*target_args, results),
                       name="xla_utils-launch", daemon=False)
     # Flush so that buffered notebook output is not duplicated by the fork.
     sys.stdout.flush()
@@ -197,9 +246,7 @@ def _launch_tpu(fn, args, *, cores, timeout) -> Any:
             if kind == "result":
                 result, got_result = pickle.loads(payload), True
             elif kind == "error":
-                tb, exc_type = payload
-                if first_error is None:
-                    first_error = ReplicaError(r, tb, exc_type)
+                first_error = _cause(first_error, ReplicaError(r, *payload))
                 if error_deadline is None:
                     error_deadline = time.monotonic() + ERROR_GRACE_S
             elif kind == "finished":
@@ -218,8 +265,8 @@ def _launch_tpu(fn, args, *, cores, timeout) -> Any:
                         kind, r, payload = results.get(timeout=0.5)
                         if kind == "result":
                             result, got_result = pickle.loads(payload), True
-                        elif kind == "error" and first_error is None:
-                            first_error = ReplicaError(r, *payload)
+                        elif kind == "error":
+                            first_error = _cause(first_error, ReplicaError(r, *payload))
                 break
             now = time.monotonic()
             if error_deadline is not None and now > error_deadline:
@@ -239,6 +286,15 @@ def _launch_tpu(fn, args, *, cores, timeout) -> Any:
     if job.exitcode not in (0, None) and not got_result:
         raise _died(job.exitcode)
     return result
+
+
+def _cause(first: ReplicaError | None, new: ReplicaError) -> ReplicaError:
+    """The error to raise: the first reported, unless a replica process died (a death is
+    a cause; the others' errors, such as a collective's lost connection, follow from it
+    and may be reported before the job notices the death)."""
+    if first is None or (new.exc_type == "ProcessDied" and first.exc_type != "ProcessDied"):
+        return new
+    return first
 
 
 def _died(exitcode: int) -> ReplicaError:

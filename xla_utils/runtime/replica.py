@@ -23,8 +23,8 @@ from .state import STATE, SimGroup
 from .world import rank, world_size
 from .xla import load_xla
 
-__all__ = ["ReplicaError", "dumps_cpu", "enter_simulated_replica", "job_main", "simulate_threads",
-           "replica_main"]
+__all__ = ["ReplicaError", "dumps_cpu", "die_with_parent", "enter_simulated_replica", "job_main",
+           "simulate_threads", "replica_main"]
 
 
 class ReplicaError(RuntimeError):
@@ -83,7 +83,7 @@ def enter_simulated_replica() -> None:
     STATE.local.backend, STATE.local.in_replica = "xla", True
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: get SIGKILL when the process that forked us dies, so that a killed
     notebook kernel or test runner never leaves replicas running."""
     with contextlib.suppress(Exception):
@@ -96,7 +96,7 @@ def _die_with_parent() -> None:
 def job_main(fn, args, cores, results) -> None:
     """Body of the forked job process on a TPU host: set the environment, then xmp.spawn."""
     os.setsid()  # so that _kill() reaches replicas forked by xmp.spawn
-    _die_with_parent()
+    die_with_parent()
     os.environ.setdefault("PJRT_DEVICE", "TPU")
     try:
         from .. import env
@@ -192,7 +192,7 @@ def _prepare_thread_job(sim: SimGroup) -> None:
 def replica_main(index: int) -> None:
     fn, args, results = STATE.job
     if os.getpid() != STATE.job_pid:
-        _die_with_parent()
+        die_with_parent()
     STATE.local.backend, STATE.local.in_replica = "xla", True
     r = -1
     import torch

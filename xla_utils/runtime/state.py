@@ -66,6 +66,9 @@ class RuntimeState:
         job_pid: The pid of the launched job process.
         host_sum_calls: How many host sums went through ``xm.mesh_reduce`` (each
             needs a distinct tag).
+        torch_device: In a replica process of a torch-backend launch
+            (:mod:`~xla_utils.runtime.torch_launch`), its device (``cuda:<rank>`` or
+            the CPU); None elsewhere.
         local: The per-thread part (:class:`ReplicaLocal`).
     """
 
@@ -77,6 +80,7 @@ class RuntimeState:
     job: tuple | None = None
     job_pid: int | None = None
     host_sum_calls: int = 0
+    torch_device: Any = None
     local: ReplicaLocal = field(default_factory=ReplicaLocal)
 
     def reset(self) -> None:

@@ -1,8 +1,10 @@
 """The calling replica's world: backend, device, ranks, the step boundary, collectives, save.
 
 Every function asks :data:`~xla_utils.runtime.state.STATE` which backend the
-calling thread's replica has (see :mod:`xla_utils.runtime`); on the torch backend
-the world has one replica and collectives are no-ops.
+calling thread's replica has (see :mod:`xla_utils.runtime`). On the torch backend the
+world is the ``torch.distributed`` process group when one is initialised (a replica of a
+multi-GPU or ``XLA_UTILS_CPU_REPLICAS`` launch, or torchrun: :mod:`.torch_world`);
+without one it has one replica and collectives are no-ops.
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import torch_world
+from .gpu import CPU_REPLICAS_ENV
 from .state import STATE, SimGroup
 from .xla import load_xla, tpu_present, xla_available
 
-__all__ = ["backend", "is_simulated", "device", "world_size", "rank", "local_rank", "is_master",
-           "sync", "optimizer_step", "all_reduce", "master_print", "rendezvous", "save",
+__all__ = ["backend", "text_progress", "is_simulated", "device", "world_size", "rank", "local_rank", "is_master",
+           "sync", "optimizer_step", "reduce_gradients", "all_reduce", "master_print", "rendezvous", "save",
            "set_seed", "graph_text", "BARRIER_TIMEOUT_S"]
 
 # Seconds a thread-simulated replica waits at a step boundary for the others. A
@@ -34,6 +38,13 @@ def backend() -> str:
     return "xla" if tpu_present() and xla_available() else "torch"
 
 
+def text_progress() -> bool:
+    """Whether progress must be drawn as text lines: in an XLA replica and in a forked
+    torch replica, whose output reaches the notebook through another process (widgets
+    cannot)."""
+    return backend() == "xla" or STATE.torch_device is not None
+
+
 def is_simulated() -> bool:
     """True inside a ``launch(..., simulate=N)`` replica."""
     return STATE.simulated_process or (STATE.sim is not None and backend() == "xla")
@@ -47,27 +58,32 @@ def device():
         x = load_xla()
         tx = x["torch_xla"]
         return tx.device() if hasattr(tx, "device") else x["xm"].xla_device()
+    if STATE.torch_device is not None:  # a replica of a torch-backend launch
+        return STATE.torch_device
+    if os.environ.get(CPU_REPLICAS_ENV):
+        return torch.device("cpu")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def world_size() -> int:
-    """Number of replicas over all hosts (1 on the torch backend)."""
+    """Number of replicas over all hosts (on the torch backend: the process group's ranks,
+    1 without one)."""
     if backend() != "xla":
-        return 1
+        return torch_world.world_size()
     return int(load_xla()["xr"].world_size())
 
 
 def rank() -> int:
     """Global rank of the calling replica, 0 .. world_size()-1."""
     if backend() != "xla":
-        return 0
+        return torch_world.rank()
     return int(load_xla()["xr"].global_ordinal())
 
 
 def local_rank() -> int:
     """Rank of the calling replica on this host."""
     if backend() != "xla":
-        return 0
+        return torch_world.local_rank()
     return int(load_xla()["xr"].local_ordinal())
 
 
@@ -122,6 +138,8 @@ def optimizer_step(optimizer, barrier: bool = False) -> None:
             :func:`sync` yourself.
     """
     if backend() != "xla":
+        if torch_world.active():
+            torch_world.reduce_gradients(optimizer)
         optimizer.step()
         return
     xm = load_xla()["xm"]
@@ -130,6 +148,17 @@ def optimizer_step(optimizer, barrier: bool = False) -> None:
         sync()
     else:
         xm.optimizer_step(optimizer, barrier=barrier)
+
+
+def reduce_gradients(optimizer) -> None:
+    """Average the gradients of ``optimizer``'s parameters over replicas without stepping
+    (what :func:`optimizer_step` does first; a gradient scaler steps itself after it)."""
+    if backend() != "xla":
+        if torch_world.active():
+            torch_world.reduce_gradients(optimizer)
+        return
+    if world_size() > 1:
+        load_xla()["xm"].reduce_gradients(optimizer)
 
 
 def all_reduce(value, op: str = "sum"):
@@ -151,12 +180,16 @@ def all_reduce(value, op: str = "sum"):
     if not isinstance(value, torch.Tensor):
         total = _host_sum(float(value)) if n > 1 else float(value)
         return total / n if op == "mean" else total
-    if n > 1:
+    if n > 1 and backend() != "xla":
+        value = torch_world.all_reduce_sum(value)
+    elif n > 1:
         value = load_xla()["xm"].all_reduce(load_xla()["xm"].REDUCE_SUM, value)
     return value / n if op == "mean" else value
 
 
 def _host_sum(v: float) -> float:
+    if backend() != "xla":
+        return torch_world.host_sum(v, device())
     sim = STATE.sim
     if sim is not None and backend() == "xla":
         # Threads of one process: exchange through memory, no XLA graph (a
@@ -181,7 +214,10 @@ def master_print(*args, **kwargs) -> None:
 
 def rendezvous(tag: str) -> None:
     """All replicas meet here before any goes on."""
-    if backend() != "xla" or world_size() == 1:
+    if world_size() == 1:
+        return
+    if backend() != "xla":
+        torch_world.barrier()
         return
     if STATE.sim is not None:
         sim_wait(STATE.sim)

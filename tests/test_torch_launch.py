@@ -1,0 +1,183 @@
+"""The torch backend's multi-replica launch (xla_utils.runtime.torch_launch) with
+``XLA_UTILS_CPU_REPLICAS=2``: two forked CPU processes over gloo, as two GPUs over NCCL."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import xla_utils
+from xla_utils import runtime as rt
+from xla_utils.runtime import torch_launch
+from xla_utils.runtime.gpu import GPUFacts, TorchDevices, torch_devices
+
+T4 = GPUFacts("Tesla T4", (7, 5), 15360, 0, "GPU-a")
+
+
+@pytest.fixture
+def two_cpu_replicas(monkeypatch):
+    monkeypatch.setenv("XLA_UTILS_CPU_REPLICAS", "2")
+
+
+def test_torch_devices_counts_gpus_or_the_cpu_replicas():
+    assert torch_devices({}, gpus=[T4, T4]) == TorchDevices(2, "cuda", (T4, T4), "nvidia-smi")
+    assert torch_devices({}, gpus=[]).count == 1
+    cpu = torch_devices({"XLA_UTILS_CPU_REPLICAS": "3"}, gpus=[T4, T4])
+    assert (cpu.count, cpu.kind, cpu.gpus) == (3, "cpu", ())
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match=f"XLA_UTILS_CPU_REPLICAS={bad!r}"):
+            torch_devices({"XLA_UTILS_CPU_REPLICAS": bad})
+
+
+def test_when_a_torch_launch_forks():
+    assert torch_launch.forks("all", 2, "cuda", cuda_initialized=False)
+    assert torch_launch.forks("all", 2, "cpu", cuda_initialized=False)
+    assert not torch_launch.forks("all", 1, "cuda", cuda_initialized=False)  # one GPU: here
+    # one replica on a 2-GPU machine: forked, so the notebook stays free of CUDA ...
+    assert torch_launch.forks(1, 2, "cuda", cuda_initialized=False)
+    # ... unless CUDA is in use here already; CPU replicas need no such care
+    assert not torch_launch.forks(1, 2, "cuda", cuda_initialized=True)
+    assert not torch_launch.forks(1, 2, "cpu", cuda_initialized=False)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_refused_before_forking_when_this_process_initialised_cuda(monkeypatch, tmp_path):
+    monkeypatch.delenv("XLA_UTILS_CPU_REPLICAS", raising=False)
+    monkeypatch.setattr(rt.launcher, "torch_devices", lambda: TorchDevices(2, "cuda", (T4, T4)))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    ran = tmp_path / "ran"
+
+    def fn():
+        ran.write_text("x")
+
+    with pytest.raises(rt.CUDAInitializedError, match="restart the kernel.*cores=1") as info:
+        xla_utils.launch(fn)
+    assert isinstance(info.value, rt.RuntimeAlreadyInitializedError)
+    assert not ran.exists()  # nothing was forked, nothing ran
+    assert xla_utils.launch(_pid, cores=1) == os.getpid()  # one GPU in this process works
+
+
+def _world_job(steps: int):
+    """A hand-written loop against runtime only: world, all_reduce, optimizer_step."""
+    r, n, dev = rt.rank(), rt.world_size(), rt.device()
+    total = rt.all_reduce(torch.tensor([float(r + 2)], device=dev))
+    mean = rt.all_reduce(float(r), op="mean")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8 * steps, 4, generator=g), torch.randn(8 * steps, 1, generator=g)
+    per = 8 // n
+    for s in range(steps):
+        xs = x[8 * s + r * per: 8 * s + (r + 1) * per]
+        ys = y[8 * s + r * per: 8 * s + (r + 1) * per]
+        torch.nn.functional.mse_loss(model(xs.to(dev)), ys.to(dev)).backward()
+        rt.optimizer_step(opt)
+        opt.zero_grad()
+    rt.rendezvous("end")
+    return {"n": n, "rank": r, "total": float(total), "mean": mean, "pid": os.getpid(),
+            "master": rt.is_master(), "weight": model.weight.detach().cpu()}
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_launch_gives_fn_two_replicas_and_averaged_gradients(two_cpu_replicas):
+    out = xla_utils.launch(_world_job, 3, timeout=60)
+    assert (out["n"], out["rank"], out["master"]) == (2, 0, True)
+    assert out["total"] == 5.0 and out["mean"] == 0.5
+    assert out["pid"] != os.getpid()
+    here = xla_utils.launch(_world_job, 3, cores=1)  # one replica, the whole batch, here
+    assert here["n"] == 1 and here["pid"] == os.getpid()
+    moved = (here["weight"] - torch.nn.Linear(4, 1).weight).abs().max()
+    assert moved > 1e-3
+    torch.testing.assert_close(out["weight"], here["weight"], rtol=1e-5, atol=1e-6)
+
+
+def _raise_on_rank_1():
+    if rt.rank() == 1:
+        raise ValueError("replica one fails")
+    rt.rendezvous("never")  # rank 0 would wait here forever without the error relay
+    return "unreachable"
+
+
+def _die_on_rank_1():
+    if rt.rank() == 1:
+        os._exit(7)
+    rt.rendezvous("never")
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_a_failing_or_dying_replica_ends_the_launch(two_cpu_replicas):
+    with pytest.raises(rt.ReplicaError) as info:
+        xla_utils.launch(_raise_on_rank_1, timeout=60)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "replica one fails" in info.value.remote_traceback
+    assert "_raise_on_rank_1" in info.value.remote_traceback
+    with pytest.raises(rt.ReplicaError, match="exit code 7") as info:
+        xla_utils.launch(_die_on_rank_1, timeout=60)
+    assert info.value.rank == 1
+
+
+def _sleep():
+    import time
+
+    time.sleep(120)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_timeout_kills_a_stuck_launch(two_cpu_replicas):
+    with pytest.raises(TimeoutError, match="timed out after 3"):
+        xla_utils.launch(_sleep, timeout=3)
+
+
+def _loopback(addr_hex: str) -> bool:
+    if len(addr_hex) == 8:  # IPv4, little-endian
+        return addr_hex.endswith("7F")
+    return addr_hex in ("00000000000000000000000001000000",  # ::1
+                        "0000000000000000FFFF00000100007F")  # ::ffff:127.0.0.1
+
+
+def _session_listeners():
+    """Every listening TCP socket of the processes in this replica's session (the job and
+    its replicas), after the process group has met: ``[(local address hex, port)]``."""
+    rt.all_reduce(torch.ones(1))  # gloo's pairs are connected
+    inodes = set()
+    sid = os.getsid(0)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:  # some close while we look (the listing's own, a queue's pipe)
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    addr, port = cols[1].split(":")
+                    listening.append((addr, int(port, 16)))
+    rt.rendezvous("listed")
+    return {"listening": listening, "sockets": len(inodes)}
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_rendezvous_listens_on_loopback_only(two_cpu_replicas):
+    out = xla_utils.launch(_session_listeners, timeout=60)
+    assert out["sockets"] > 0  # gloo's connections were seen
+    assert out["listening"] == [l for l in out["listening"] if _loopback(l[0])], out

@@ -1,0 +1,113 @@
+"""The torch backend's world when a ``torch.distributed`` process group is initialised.
+
+A multi-replica launch on the torch backend (every GPU, NCCL; or
+``XLA_UTILS_CPU_REPLICAS=N`` CPU processes, gloo: :mod:`.torch_launch`) initialises one
+process group per replica; so does ``torchrun``. Then :mod:`.world` asks this module for
+the rank, world size and collectives; without a process group the torch world is one
+replica and every function here answers as such. This is the only module of xla_utils
+that calls ``torch.distributed`` collectives.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+__all__ = ["active", "world_size", "rank", "local_rank", "all_reduce_sum", "host_sum",
+           "barrier", "reduce_gradients", "BUCKET_BYTES"]
+
+# Gradients are all-reduced flattened into buckets of about this many bytes (torch's DDP
+# uses 25 MiB): few collectives, and no copy of the whole model's gradients at once.
+BUCKET_BYTES = 25 * 2**20
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def active() -> bool:
+    """Whether this process belongs to an initialised process group of more than one rank."""
+    dist = _dist()
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    """Ranks of the process group (1 without one)."""
+    return _dist().get_world_size() if active() else 1
+
+
+def rank() -> int:
+    """This process's rank in the process group (0 without one)."""
+    return _dist().get_rank() if active() else 0
+
+
+def local_rank() -> int:
+    """This process's rank on its host: ``LOCAL_RANK`` (set by xla_utils' launch and by
+    torchrun), else the global rank."""
+    return int(os.environ.get("LOCAL_RANK", rank())) if active() else 0
+
+
+def all_reduce_sum(value):
+    """The sum of tensor ``value`` over the ranks (a new tensor; ``value`` is unchanged)."""
+    out = value.clone()
+    _dist().all_reduce(out)
+    return out
+
+
+def host_sum(v: float, dev) -> float:
+    """The sum of Python number ``v`` over the ranks, the same on every rank (every value
+    gathered, then summed exactly with ``math.fsum`` in rank order).
+
+    Args:
+        v: This rank's number.
+        dev: The replica's device (NCCL moves CUDA tensors only).
+    """
+    import torch
+
+    dist = _dist()
+    mine = torch.tensor([float(v)], dtype=torch.float64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return math.fsum(float(t.item()) for t in every)
+
+
+def barrier() -> None:
+    """All ranks meet here."""
+    _dist().barrier()
+
+
+def reduce_gradients(optimizer) -> None:
+    """Replace every gradient of ``optimizer``'s parameters by its mean over the ranks.
+
+    Gradients are flattened into buckets of at most :data:`BUCKET_BYTES` per dtype and
+    device, one ``all_reduce`` each. Every rank must hold gradients for the same
+    parameters (a parameter without a gradient on every rank is left out everywhere).
+    """
+    import torch
+
+    dist = _dist()
+    n = dist.get_world_size()
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    buckets: dict[tuple, list[list]] = {}
+    filled: dict[tuple, int] = {}  # bytes in each key's last bucket
+    for g in grads:
+        key, size = (g.dtype, g.device), g.numel() * g.element_size()
+        runs = buckets.setdefault(key, [[]])
+        if runs[-1] and filled[key] + size > BUCKET_BYTES:
+            runs.append([])
+            filled[key] = 0
+        runs[-1].append(g)
+        filled[key] = filled.get(key, 0) + size
+    for runs in buckets.values():
+        for run in runs:
+            flat = torch.cat([g.reshape(-1) for g in run])
+            dist.all_reduce(flat)
+            flat.div_(n)
+            offset = 0
+            for g in run:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
