@@ -46,6 +46,22 @@ def test_import_and_detect_do_not_import_torch():
     assert data["torch_xla"] == metadata.version("torch_xla")
 
 
+def test_import_makes_the_notebooks_cuda_check_nvml_based_unless_the_user_chose():
+    """A torch.cuda.is_available() after import xla_utils asks NVML, not the CUDA driver (which
+    would stop the notebook from forking GPU replicas); a value the user set is kept."""
+    code = ("import os, xla_utils, torch; "
+            "print(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'], torch.cuda._nvml_based_avail())")
+    env = _env()
+    env.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=str(REPO), timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["1", "True"], out.stderr[-2000:]
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=str(REPO), timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["0", "False"], out.stderr[-2000:]
+
+
 def test_cli_does_not_import_torch():
     # -X importtime lists every module the interpreter imports (on stderr); the CLI's
     # `import torch_xla` check runs in a child process, whose imports are not listed.

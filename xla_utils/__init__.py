@@ -4,14 +4,20 @@ Importing the package is cheap: it imports neither torch nor torch_xla. Each
 public name is loaded from its module on first use. The one thing wired at import:
 :mod:`xla_utils.simulate` registers the simulated launcher with :mod:`xla_utils.runtime`
 (which sits below it and never imports it), so ``runtime.launch(fn, simulate=N)``
-works however ``runtime`` was imported.
+works however ``runtime`` was imported. And ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` is set
+unless the user set it: a ``torch.cuda.is_available()`` in the notebook then asks NVML instead
+of starting the CUDA driver, which would make the notebook unable to fork GPU replicas
+(``fit`` on every GPU; Accelerate's ``notebook_launcher`` sets the same).
 """
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from .version import __version__
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads these lazily
     from . import runtime
