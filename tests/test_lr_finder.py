@@ -219,8 +219,9 @@ def test_fit_find_passes_its_budget_and_warns_on_a_flat_curve(capsys):
 
 def test_fit_find_keeps_the_sweep_in_proportion_to_a_short_run(capsys):
     """fit(max_lr="find") before a run of 12 steps: a 100-step sweep would cost 8x the run.
-    It says so, sweeps the fewest steps that give a curve from LR 1e-5 (a titled bar with
-    its time left), and the suggestion's line says it is not confident, and why."""
+    It says so, sweeps the fewest steps it shortens to (75) from LR 1e-5 (a titled bar with
+    its time left), says that the answer is less precise and how to sweep the whole range,
+    and the suggestion's line says it is not confident, and why."""
     from xla_utils import OneCycleTrainer
 
     t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), _tensor_ds(n=200), batch_size=32,
@@ -229,19 +230,20 @@ def test_fit_find_keeps_the_sweep_in_proportion_to_a_short_run(capsys):
         h = t.fit()
     out = capsys.readouterr().out
     res = t.lr_finder_result
-    assert res.planned_steps == 12 and res.num_it == lr_finder.MIN_NUM_IT == len(res.lrs)
+    assert res.planned_steps == 12 and res.num_it == lr_finder.MIN_NUM_IT == 75
+    assert len(res.lrs) == 75 or res.stop_reason == "diverged", (len(res.lrs), res.stop_reason)
     assert res.note in out and "a sweep of 100 steps would take about 8.3x as long as the " \
-        "planned run (12 steps on one core); sweeping 50 steps from LR 1e-05 instead, the " \
-        "fewest that give a curve (about 4.2x the run); for a run this short a fixed max_lr " \
-        "may serve as well" in res.note
+        "planned run (12 steps on one core); sweeping 75 steps from LR 1e-05 instead of 100 " \
+        "(about 6.2x the run, the fewest it shortens to): the suggestion is less precise" in res.note
     assert res.lrs[0] == pytest.approx(1e-5)  # a shortened sweep skips the decades below
-    assert "trainer.find_lr(num_it=...)" in res.note
+    assert "Pass num_it=100 to sweep the whole range: trainer.find_lr(num_it=100)" in res.note
+    assert res.note.endswith("For a run this short a fixed max_lr may serve as well.")
     lines = out.splitlines()
-    bar = [ln for ln in lines if ln.startswith("lr_find: 50 steps x 1 micro-batch on one core |")]
-    assert bar[0].endswith("[0/50 00:00<?]") and "[50/50 " in bar[-1], bar
+    bar = [ln for ln in lines if ln.startswith("lr_find: 75 steps x 1 micro-batch on one core |")]
+    assert bar[0].endswith("[0/75 00:00<?]") and re.search(r"\[\d+/75 \d\d:\d\d<", bar[-1]), bar
     line = next(ln for ln in lines if ln.startswith("lr_find suggests max_lr"))
-    assert "run of 12 steps, 50 sweep steps): NOT confident: the planned run has only 12 " \
-        "optimizer steps" in line, line
+    assert f"run of 12 steps, {len(res.lrs)} sweep steps): NOT confident: the planned run " \
+        "has only 12 optimizer steps" in line, line
     assert h.base_lr == pytest.approx(res.suggestion) and not res.confident
 
 
@@ -251,12 +253,14 @@ def test_sweep_length_rule():
     assert lr_finder.sweep_length(None, 5000, 8, None) == (100, None)
     assert lr_finder.sweep_length(60, 10, 8, 0.25) == (60, None)
     assert lr_finder.sweep_length(None, 3200, 8, 0.25) == (100, None)  # exactly 25%
-    n, note = lr_finder.sweep_length(None, 2400, 8, 0.25)  # 33%: 75 steps keep it at 25%
-    assert n == 75 and "sweeping 75 steps from LR 1e-05 instead (at most 25% of the run)" in note
+    n, note = lr_finder.sweep_length(None, 2800, 8, 0.25)  # 29%: 87 steps keep it at 25%
+    assert n == 87 and "sweeping 87 steps from LR 1e-05 instead of 100 (at most 25% of the " \
+        "run): the suggestion is less precise" in note and "run this short" not in note
     n, note = lr_finder.sweep_length(None, 16, 8, 0.25)  # the issue's run: 16 steps on 8 cores
-    assert n == 50 and "about 50x as long" in note and "(about 25x the run); for a run" in note
+    assert n == 75 and "about 50x as long" in note and "(about 38x the run, the fewest" in note
+    assert "For a run this short" in note
     n, note = lr_finder.sweep_length(None, 470, 8, 0.25)  # the README's run
-    assert n == 50 and "(about 0.85x the run)." in note and "run this short" not in note
+    assert n == 75 and "(about 1.3x the run, the fewest it shortens to)" in note
 
 
 def test_slide_rule():

@@ -128,6 +128,17 @@ EXPECTED_OUTPUT = {
 }
 
 
+# Lines a notebook must show exactly once: check() and debug_run print their reports when
+# they run, and str() of a report is only its verdict, so a cell that also prints the report
+# object shows the verdict twice, and one that prints it instead of the report loses the findings.
+ONCE = {
+    "debug_single_core.ipynb": [r"^Steps \[3, 4, 5\] compiled again after warm-up",
+                                r"^xla_utils\.check for TPU v5e: NOT READY \(2 warnings\)$",
+                                r"^  \[warning\] host_sync: ", r"^  \[warning\] f64: ",
+                                r"^xla_utils\.check for TPU v5e: READY"],
+}
+
+
 def _ids(paths):
     return [p.stem for p in paths]
 
@@ -213,6 +224,9 @@ def test_notebook_runs_in_tiny_mode(path, kernel_env, monkeypatch, tmp_path):
     assert "notebook checks passed" in text
     for pattern in EXPECTED_OUTPUT[path.name]:
         assert re.search(pattern, text), f"{path.name}: no output matching {pattern!r}:\n{text[-3000:]}"
+    for pattern in ONCE.get(path.name, []):
+        found = len(re.findall(pattern, text, re.M))
+        assert found == 1, f"{path.name}: {found} lines matching {pattern!r}, not 1:\n{text[-3000:]}"
     print(f"{path.name}: {seconds:.0f} s")
 
 

@@ -77,9 +77,9 @@ def test_predict_on_8_cores_returns_64_mb():
 @pytest.mark.multicore
 @pytest.mark.timeout(900)
 def test_readme_fifteen_lines_on_8_simulated_cores(tmp_path, monkeypatch, capsys):
-    """README "Fifteen lines" (ResNet-18, image folders -> cache -> fit -> evaluate ->
-    predict -> submission.csv) with every launch on 8 simulated cores (a fixed max_lr
-    instead of the LR finder)."""
+    """docs/TRAINER.md "The competition loop with a `val/` folder" (ResNet-18, image
+    folders -> cache -> fit -> evaluate -> predict -> submission.csv) with every launch on
+    8 simulated cores (a fixed max_lr instead of the LR finder)."""
     from test_readme import _block, _image_folders, _substitute
 
     _image_folders(tmp_path)
@@ -98,7 +98,7 @@ def test_readme_fifteen_lines_on_8_simulated_cores(tmp_path, monkeypatch, capsys
         "trainer.predict(test, tta=2)": "trainer.predict(test, tta=2, simulate=8)",
     })
     ns: dict = {}
-    exec(compile(code, "README:fifteen-lines", "exec"), ns)
+    exec(compile(code, "docs/TRAINER.md:competition-loop", "exec"), ns)
     h = ns["history"]
     assert h.world_size == 8 and len(h) == 1 and 0.0 <= h[-1]["accuracy"] <= 1.0
     assert len(h.state_dict) == len(ns["trainer"].model.state_dict())

@@ -322,6 +322,41 @@ def test_resume_refuses_changed_schedule_listing_every_difference(tmp_path, caps
         torch.testing.assert_close(r.state_dict[k], v)
 
 
+@pytest.mark.filterwarnings("ignore:LR finder:RuntimeWarning")  # an 8-step run: not trustworthy
+def test_resume_keeps_the_lr_given_to_or_found_by_the_interrupted_fit(tmp_path, capsys):
+    """fit(max_lr=X) stopped after epoch 1 of 2; a new trainer (configured max_lr left
+    at its default) continues with fit(resume="last") at X, exactly; a different
+    fit(max_lr=) is refused naming both. The same for a run whose LR lr_find found."""
+    train, _ = _digits(n_train=256)
+    for given in (2e-2, "find"):
+        ck = tmp_path / str(given)
+        kw = dict(batch_size=64, epochs=2, optimizer="sgd", checkpoint_dir=str(ck), seed=3)
+        full = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(max_lr=given)
+        lr = full.base_lr
+        # what a crash during epoch 2 leaves behind: epoch 1's checkpoint only
+        (ck / f"epoch_002-{full.run_id}.pt").unlink()
+        (ck / "final.pt").unlink()
+        capsys.readouterr()
+        r = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(resume="last")
+        out = capsys.readouterr().out
+        assert f"after epoch 1 of 2: kept max_lr {lr:.3g} from the checkpoint (this " \
+               "trainer's max_lr=0.001 applies to new runs only)" in out, out
+        assert r.base_lr == lr and r.max_lr == full.max_lr
+        assert [e["epoch"] for e in r.epochs] == [1, 2] and r.epochs[:1] == full.epochs[:1]
+        assert r.epochs[1]["lr_last"] == pytest.approx(full.epochs[1]["lr_last"], rel=1e-12)
+        for k, v in full.state_dict.items():
+            torch.testing.assert_close(r.state_dict[k], v)
+        t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw)
+        with pytest.raises(ResumeError) as info:
+            t.fit(resume=ck / f"epoch_001-{full.run_id}.pt", max_lr=lr * 3)
+        assert f"max_lr: {lr:.6g} in the checkpoint, {lr * 3!r} now (given to fit(); leave " \
+               "max_lr out to keep the checkpoint's)" in str(info.value)
+    capsys.readouterr()
+    OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(
+        resume=ck / f"epoch_001-{full.run_id}.pt", max_lr="find")
+    assert "a resumed run does not sweep again" in capsys.readouterr().out
+
+
 def test_resume_last_and_directory_pick_newest_good_checkpoint(tmp_path, capsys):
     train, _ = _digits(n_train=256)
     ck = tmp_path / "ck"

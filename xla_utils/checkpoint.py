@@ -319,9 +319,12 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
     elif ckpt["steps_per_epoch"] != steps_per_epoch:
         fixed.append(f"steps per epoch: {ckpt['steps_per_epoch']} in the checkpoint, "
                      f"{steps_per_epoch} now (the training set has changed size)")
-    want = cfg.max_lr if max_lr is None else max_lr
-    if want != "find" and not math.isclose(float(want), ckpt["base_lr"], rel_tol=1e-9):
-        fixed.append(f"max_lr: {ckpt['base_lr']:.6g} in the checkpoint, {want!r} now")
+    # Only an LR given to this fit() is compared: the trainer's configured max_lr is
+    # for new runs, and the checkpoint's (given to or found for that run) is kept.
+    if max_lr not in (None, "find") and not math.isclose(float(max_lr), ckpt["base_lr"],
+                                                         rel_tol=1e-9):
+        fixed.append(f"max_lr: {ckpt['base_lr']:.6g} in the checkpoint, {max_lr!r} now "
+                     "(given to fit(); leave max_lr out to keep the checkpoint's)")
     mine = model.state_dict()
     theirs = ckpt["model"]
     missing = [k for k in mine if k not in theirs]
@@ -346,7 +349,7 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
     total = old.get("epochs", cfg.epochs)
     print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
           f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
-          + (" (found by lr_find)" if want == "find" else "")
+          + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
           + f", optimizer {now_opt}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
           "its schedule, "
           "optimizer state and history"
@@ -372,6 +375,17 @@ def check_extra(extra: Any) -> None:
         raise ValueError(f"checkpoint_extra uses {taken}, which every epoch checkpoint holds "
                          f"itself ({', '.join(RESERVED_KEYS)}). Fix: choose other keys, e.g. "
                          f"{{'my_{taken[0]}': ...}}")
+
+
+def _kept_lr_note(kept: float, configured: float | str, given: float | str | None) -> str:
+    """Why a resumed run's max_lr is not the trainer's configured one, in words ("" when
+    they agree)."""
+    if given == "find":
+        return " (the checkpoint's; a resumed run does not sweep again)"
+    if configured == "find" or not math.isclose(float(configured), kept, rel_tol=1e-9):
+        return (f" from the checkpoint (this trainer's max_lr={configured!r} applies to new "
+                "runs only)")
+    return ""
 
 
 def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:

@@ -227,7 +227,9 @@ class OneCycleTrainer:
                 file, a folder (its newest good ``epoch_*.pt``) or ``"last"`` (the newest in
                 ``checkpoint_dir``). Its configuration is compared with this run's (with the
                 overrides below) first: anything the schedule or optimizer state depends on
-                (optimizer, batch size, epochs, pct_start, max_lr, cores, ...) must match.
+                (optimizer, batch size, epochs, pct_start, cores, ...) must match. The run
+                keeps the checkpoint's max_lr (as given to or found for it); a different
+                ``max_lr`` given here is refused.
             debug: Deprecated: use :meth:`debug` (returns its report instead of training).
             timeout: Seconds after which the replicas are killed (default none).
             check: First run :meth:`check` and print its report; default False.
