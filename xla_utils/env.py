@@ -506,17 +506,22 @@ def detect(
         import_error=import_error,
     )
     if root == "/" and accelerator != "tpu":
-        facts = gpu_facts()  # nvidia-smi (none: no GPU facts); CUDA is not initialised
-        info.gpus = [dataclasses.asdict(g) for g in facts]
-        with contextlib.suppress(ValueError):  # a bad XLA_UTILS_CPU_REPLICAS fails at fit
-            devs = torch_devices(dict(env), gpus=facts)
-            info.torch_replicas, info.torch_replica_kind = devs.count, devs.kind
+        _add_gpu_facts(info, env)
     adv = advise(info)
     info.ready = adv.kind == "ready"
     info.next_step = adv.message + (f": {adv.command}" if adv.command else "")
     info.next_command = adv.command
     return info
 
+
+def _add_gpu_facts(info: EnvInfo, env: Mapping[str, str]) -> None:
+    """The GPUs from nvidia-smi (none: no GPU facts; CUDA is not initialised) and the torch
+    replicas ``fit`` runs on them, into ``info``."""
+    facts = gpu_facts()
+    info.gpus = [dataclasses.asdict(g) for g in facts]
+    with contextlib.suppress(ValueError):  # a bad XLA_UTILS_CPU_REPLICAS fails at fit
+        devs = torch_devices(dict(env), gpus=facts)
+        info.torch_replicas, info.torch_replica_kind = devs.count, devs.kind
 
 
 def _detect_hardware(root: str, env: Mapping[str, str], mods: Mapping[str, Any],

@@ -277,12 +277,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
     how = f"{rule} scaling" if lr_world == 1 else \
         f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
-    runtime.master_print(
-        f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core"
-        + (f" x {k} accumulated" if k > 1 else "") + f" = "
-        f"{ws * cfg.batch_size * k} global batch; max_lr {base_lr:.3g} x "
-        f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
-        + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else ""))
+    runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
                          lr=max_lr / cfg.div_factor,
                          weight_decay=cfg.weight_decay)
@@ -314,6 +309,18 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
                  autocast=plan.autocast, accum_steps=k, ema=ema,
                  mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan)
+
+
+def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how: str,
+                plan: DevicePlan, train_data: Any) -> str:
+    """The run's first line: the global batch and the LR scaling (``how``), and on the
+    torch backend what the device plan chose and the loader."""
+    k = cfg.accum_steps
+    return (f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core"
+            + (f" x {k} accumulated" if k > 1 else "") + f" = "
+            f"{ws * cfg.batch_size * k} global batch; max_lr {base_lr:.3g} x "
+            f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
+            + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else ""))
 
 
 @dataclass

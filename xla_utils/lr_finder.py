@@ -267,90 +267,48 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             timeout: float | None = None, compile_cache: Any = "auto",
             mesh: StrategyPlan | None = None, precision: str = "auto",
             channels_last: bool | str = "auto") -> LRFinderResult:
-    """LR range test on one core; returns an :class:`LRFinderResult`.
+    """LR range test on one core; returns an :class:`LRFinderResult` (docs/LR_FINDER.md).
 
     Args:
-        model: An ``nn.Module`` or a zero-argument factory returning one. Its weights
-            are the starting point; they are unchanged afterwards.
-        loss: ``loss(model_output, target) -> scalar tensor``, mean over the batch
-            (e.g. ``nn.CrossEntropyLoss()``).
-        data: Map-style dataset (e.g. :class:`xla_utils.CachedImageDataset`), batched
-            with :func:`xla_utils.data.iterate_batches` (shuffled, last partial
-            batch dropped, several passes if ``num_it`` needs them); inputs fed as by
-            the trainer (:func:`xla_utils.inputs.inspect_inputs`): uint8 images either
-            layout normalised on the device (ImageNet mean/std), PIL converted on the host.
-        batch_size: Samples per forward pass on the one core: use the per-core batch of the
-            run you plan.
-        optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"`` or a callable, as
-            :func:`xla_utils.optim.make_optimizer`. The finder builds its own, so an
-            existing optimizer of yours is never touched; its momentum stays at the
-            optimizer's default during the sweep.
-        start_lr, end_lr, num_it: The sweep: step ``i`` of ``num_it`` uses
-            ``start_lr * (end_lr/start_lr) ** (i/(num_it-1))`` (defaults 1e-7, 10 and
-            None: 100 steps, fewer under ``max_share``, see :func:`sweep_length`).
-        planned_steps, epochs: The one-cycle run you plan, as optimizer steps or as epochs over
-            ``data`` (``epochs * (len(data) // (batch_size * accum_steps))`` steps);
-            give at most one. Recorded in ``result.planned_steps`` and used by the
-            ``"budget"`` rule (:func:`suggest_budget`), which scales its answer down
-            for runs shorter than 1000 steps. The default rule does not depend on
-            it: on the benchmark every such scaling made the worst case worse.
-            None (default): unknown. ``fit(max_lr="find")`` passes its own. Under
-            ``SHORT_RUN`` (24) steps the result is not confident.
-        max_share, run_cores: The sweep may cost at most ``max_share`` of the planned run
-            on ``run_cores`` cores (``num_it`` not given): else it is shortened and says so
-            (:func:`sweep_length`). Default None: no limit; ``fit(max_lr="find")`` passes
-            :data:`FIT_SHARE` (0.25) and its cores.
-        weight_decay: Passed to the optimizer (default 0.0); use the value of the real run.
-        beta: Smoothing of the loss, ``avg = beta*avg + (1-beta)*loss``, bias corrected
-            (default 0.98).
-        diverge_factor: Stop when the smoothed loss exceeds this multiple of its best value so
-            far (default 4). A NaN or infinite loss stops the sweep too.
-        accum_steps: Micro-batches of ``batch_size`` accumulated per optimizer step (default
-            1). With ``accum_steps=k`` the answer is for the global batch ``k *
-            batch_size`` of a k-core run, including per-core BatchNorm statistics,
-            at k times the cost. ``fit(max_lr="find")`` measures this way, with k its
-            number of cores, so its answer needs no scaling rule on top. The default 1
-            answers for the per-core batch.
-        rule: Which suggestion becomes ``result.suggestion``: one of :data:`RULES`.
-            Default ``"descent"`` (:data:`DEFAULT_RULE`, :func:`suggest_descent`),
-            picked by its worst case over 38 problems, see ``docs/BENCHMARKS.md``
-            "LR finder rules"; every rule's answer is in ``result.suggestions``.
-        seed: Seeds the data order and the finder's RNGs (dropout, augmentation);
-            default 0. Your own RNG state is restored afterwards.
+        model: An ``nn.Module`` or a zero-argument factory; its weights are unchanged after.
+        loss: ``loss(model_output, target) -> scalar``, mean over the batch.
+        data: Map-style dataset, batched by :func:`xla_utils.data.iterate_batches` (shuffled,
+            full batches, as many passes as needed) and fed as by the trainer.
+        batch_size: Samples per forward pass: the per-core batch of the run you plan.
+        optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, ``"adamw"`` or a callable; the
+            finder builds its own, so yours is never touched.
+        start_lr, end_lr, num_it: Step ``i`` uses ``start_lr * (end_lr/start_lr) **
+            (i/(num_it-1))``; defaults 1e-7, 10 and None (100 steps, fewer under ``max_share``).
+        planned_steps, epochs: The one-cycle run you plan, in optimizer steps or epochs (at
+            most one; None: unknown). Used by the ``"budget"`` rule; under ``SHORT_RUN`` (24)
+            steps the result is not confident.
+        max_share, run_cores: The sweep may cost at most ``max_share`` of the planned run on
+            ``run_cores`` cores, else it is shortened and says so (:func:`sweep_length`;
+            default None: no limit; ``fit(max_lr="find")`` passes :data:`FIT_SHARE`).
+        weight_decay: Passed to the optimizer (default 0.0).
+        beta: Loss smoothing, bias corrected (default 0.98).
+        diverge_factor: Stop when the smoothed loss exceeds this multiple of its best
+            (default 4); a NaN or infinite loss stops too.
+        accum_steps: Micro-batches per step (default 1): the answer is for the global batch
+            ``accum_steps * batch_size`` (``fit(max_lr="find")`` uses its core count).
+        rule: One of :data:`RULES` for ``result.suggestion`` (default ``"descent"``, chosen by
+            its worst case over 38 problems; every rule's answer is in ``result.suggestions``).
+        seed: Seeds the data order and the finder's RNGs (default 0); yours are restored.
         shuffle, num_workers: Passed to :func:`xla_utils.data.iterate_batches`.
-        batch_tfm: ``batch_tfm(x) -> x`` applied to each input batch on the device instead
-            of the default (uint8 images -> normalised float NCHW, else unchanged).
-        show_progress: A progress bar titled with the sweep (``"lr_find: 100 steps x 8
-            micro-batches on one core"``) and its time left. Default True.
-        simulate: ``1`` runs on one simulated XLA:CPU device (tests and debugging without a
-            TPU); see :func:`xla_utils.runtime.launch`.
+        batch_tfm: ``x -> x`` on the device instead of the default input preparation.
+        show_progress: A titled progress bar with its time left (default True).
+        simulate: ``1``: one simulated XLA:CPU device (see :func:`xla_utils.runtime.launch`).
         timeout: Seconds before a forked run is killed (``TimeoutError``); default none.
-        compile_cache: torch_xla's persistent compilation cache, as
-            ``TrainerConfig.compile_cache`` (default ``"auto"``: on TPUs only).
-        mesh: A :class:`~xla_utils.strategy.StrategyPlan`: run the sweep as that
-            ``"spmd"``/``"fsdp"`` mesh run instead, in a fresh process owning the plan's
-            devices (:func:`xla_utils.strategy.launch`, as ``fit`` does): each micro-batch of
-            ``batch_size`` samples is split over the mesh, the model replicated or sharded
-            by the plan. Default None (one core). ``OneCycleTrainer.find_lr`` passes one
-            when one core cannot hold the model.
-        precision, channels_last: As ``TrainerConfig``'s, on the torch backend (default
-            ``"auto"``: on a GPU bf16 or fp16 with a gradient scaler, convolutions channels_last);
-            on XLA the sweep stays float32. See :mod:`xla_utils.device_plan`.
+        compile_cache: As ``TrainerConfig.compile_cache`` (default ``"auto"``: TPUs only).
+        mesh: A :class:`~xla_utils.strategy.StrategyPlan`: sweep as that mesh run (each
+            micro-batch split over the mesh). Default None (one core).
+        precision, channels_last: As ``TrainerConfig``'s on the torch backend (default
+            ``"auto"``); XLA sweeps in float32 (:mod:`xla_utils.device_plan`).
 
-    Loss reads: the step's loss stays on the device; after each step boundary
-    the host reads the *previous* step's loss (already computed, so reading it
-    costs a transfer but never stalls the device), which makes the divergence
-    test one step late and keeps one device->host transfer per step.
+    The host reads the previous step's loss after each step boundary: one transfer per
+    step that never stalls the device (the divergence test is one step late).
     """
-    if isinstance(data, torch.utils.data.DataLoader):
-        raise TypeError("lr_find takes the dataset, not a DataLoader: it batches the data itself "
-                        "so that it knows the batch size its answer is for (pass loader.dataset)")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("pass the optimizer spec ('sgd', 'adam', 'adamw' or a callable), not an "
-                        "optimizer instance: lr_find builds its own so that yours stays untouched")
-    optimizer = resolve_optimizer(optimizer)  # a typo fails here, not inside a replica
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    optimizer = _refused(data, optimizer, batch_size)
     runtime.check_compile_cache_option(compile_cache)
     runtime.prestart_simulation(simulate)
     check_before_launch(precision, simulate=simulate, mesh=mesh is not None)
@@ -363,8 +321,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
                   num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
                   accum_steps=int(accum_steps), rule=rule, planned_steps=planned_steps,
-                  seed=int(seed), shuffle=shuffle,
-                  num_workers=num_workers, batch_tfm=batch_tfm, show_progress=show_progress,
+                  seed=int(seed), shuffle=shuffle, num_workers=num_workers, batch_tfm=batch_tfm,
+                  show_progress=show_progress,
                   parent_pid=os.getpid(), compile_cache=compile_cache,
                   device=DeviceRequest(precision, channels_last, spec))
     if mesh is not None:
@@ -374,14 +332,35 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     else:
         res = runtime.launch_job(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
                                  sim_threads=True)
+    return _judged(res, cfg, note)
+
+
+def _judged(res: LRFinderResult, cfg: _Config, note: str | None) -> LRFinderResult:
+    """``res`` with the sweep's length, its note and how far to trust it (a
+    ``RuntimeWarning`` at :func:`lr_find`'s caller when not confident)."""
     res.num_it, res.note = cfg.num_it, note
     res.warning = _doubt(res, cfg)
     if res.warning is not None:
         res.confident = False
         warnings.warn(f"LR finder: {res.warning}. The suggestion ({res.suggestion:.3g}, rule "
                       f"{res.rule}) is not trustworthy: look at result.plot() and pick max_lr "
-                      "yourself", RuntimeWarning, stacklevel=2)
+                      "yourself", RuntimeWarning, stacklevel=3)
     return res
+
+
+def _refused(data: Any, optimizer: OptimizerSpec, batch_size: int) -> OptimizerSpec:
+    """:func:`lr_find`'s checks of its data, optimizer and batch size before any device
+    time (``TypeError`` / ``ValueError`` with the fix); returns the resolved optimizer spec."""
+    if isinstance(data, torch.utils.data.DataLoader):
+        raise TypeError("lr_find takes the dataset, not a DataLoader: it batches the data itself "
+                        "so that it knows the batch size its answer is for (pass loader.dataset)")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("pass the optimizer spec ('sgd', 'adam', 'adamw' or a callable), not an "
+                        "optimizer instance: lr_find builds its own so that yours stays untouched")
+    optimizer = resolve_optimizer(optimizer)  # a typo fails here, not inside a replica
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    return optimizer
 
 
 def _sized(num_it: int | None, planned_steps: int | None, run_cores: int,

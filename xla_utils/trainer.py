@@ -276,14 +276,18 @@ class OneCycleTrainer:
                                      timeout=timeout, sim_threads=True)
         else:
             out = _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
-        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
-            self.model.load_state_dict(out.state_dict)
-            self._epochs_trained = len(out.epochs) + (0 if fit_plan.ckpt is not None
-                                                      else self._epochs_trained)
-            self.ema_state = out.ema_state_dict or None
+        self._take_result(out, resumed=fit_plan.ckpt is not None)
         for w in out.warnings:
             warnings.warn(w, RuntimeWarning, stacklevel=2)
         return out
+
+    def _take_result(self, out: History, resumed: bool) -> None:
+        """The trainer's model and EMA weights after a fit run (``out``), and the epochs its
+        model has been trained for (a resumed run's history counts from the first epoch)."""
+        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
+            self.model.load_state_dict(out.state_dict)
+            self._epochs_trained = len(out.epochs) + (0 if resumed else self._epochs_trained)
+            self.ema_state = out.ema_state_dict or None
 
     def _run_config(self, **overrides: Any) -> TrainerConfig:
         """This fit run's configuration: ``self.config`` with ``fit``'s schedule overrides
