@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_docs import _resolve  # the one resolver of dotted API names
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -316,24 +317,6 @@ def api(tmp_path_factory):
                                     for c in _code_cells(nbformat.read(p, as_version=4)))}
 
 
-def _resolves(dotted: str) -> bool:
-    import importlib
-
-    parts = dotted.split(".")
-    for n in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:n]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[n:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return False
-        return True
-    return False
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_text_matches_the_api(path, api):
     from xla_utils.lr_finder import DEFAULT_RULE
@@ -346,7 +329,7 @@ def test_notebook_text_matches_the_api(path, api):
         if not _name_regex(name).fullmatch(REAL_CKPT):
             bad.append(f"checkpoint name {name!r}: fit writes names like {REAL_CKPT!r}")
     bad += [f"{n} does not exist" for n in sorted(set(re.findall(r"(?<![\w.])(xla_utils(?:\.\w+)+)", md)))
-            if not _resolves(n.rstrip("."))]
+            if not _resolve(n.rstrip("."))]
     for var, attr in set(re.findall(r"(?<![\w.])(trainer|history|lr|cv|ds|train|val|test)\.(\w+)", md)):
         if attr not in api[var] and attr not in FILE_SUFFIXES:  # history.csv is a file
             bad.append(f"{var}.{attr} is not an attribute")
