@@ -22,7 +22,7 @@ import torch
 
 def _one_fit(train, val, cores: int, epochs: int, cache) -> tuple[float, object]:
     from xla_utils.demo import make_cnn
-    from xla_utils.trainer import OneCycleTrainer
+    from xla_utils.train.trainer import OneCycleTrainer
 
     t = OneCycleTrainer(make_cnn, torch.nn.CrossEntropyLoss(), train, val, batch_size=16,
                         epochs=epochs, optimizer="adam", max_lr=3e-3, flip=False,

@@ -91,7 +91,7 @@ def run_all(pre: dict, target, val, *, epochs: int, lr: float, seed: int, simula
         t = OneCycleTrainer(SmallNet(), nn.CrossEntropyLoss(), target, batch_size=batch_size,
                             epochs=epochs, max_lr=lr, seed=seed, flip=False)
         if weights is not None:
-            from xla_utils.finetune import load_pretrained
+            from xla_utils.train.finetune import load_pretrained
             load_pretrained(t.model, weights)
         return t
 

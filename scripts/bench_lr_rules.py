@@ -25,7 +25,7 @@ re-evaluated from it without training):
     nice -n 10 python scripts/bench_lr_rules.py run          # fill the cache (~35 min, 1 core)
     python scripts/bench_lr_rules.py report                  # tables from the cache
 
-Also imported by tests/test_lr_finder.py (a CI-sized slice).
+Also imported by tests/train/test_lr_finder.py (a CI-sized slice).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lr_problems as lp  # noqa: E402
-from xla_utils.lr_finder import lr_find  # noqa: E402
+from xla_utils.train.lr_finder import lr_find  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "docs" / "lr_rules_results.json"

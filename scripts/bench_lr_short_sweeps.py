@@ -1,7 +1,7 @@
 """How much a shorter LR sweep loses: the default rule on N-step sweeps against the full one.
 
 ``fit(max_lr="find")`` shortens the sweep when 100 steps would cost more than a quarter of
-the planned run (``xla_utils.lr_finder.sweep_length``). This scores such sweeps the way
+the planned run (``xla_utils.train.lr_finder.sweep_length``). This scores such sweeps the way
 ``scripts/bench_lr_rules.py`` scores the rules: for every cached problem of
 ``docs/lr_rules_results.json`` (its one-cycle grid of max_lr values, 3 seeds), new sweeps
 of ``--steps`` steps from ``--start-lr`` (smoothing kept per decade of LR, as lr_find does
@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
 import bench_lr_rules as bench  # noqa: E402
 import lr_problems as lp  # noqa: E402
-from xla_utils.lr_finder import BETA, DEFAULT_RULE, NUM_IT, lr_find, smooth_losses, suggest  # noqa: E402
+from xla_utils.train.lr_finder import BETA, DEFAULT_RULE, NUM_IT, lr_find, smooth_losses, suggest  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
 import torch  # noqa: E402
 
-from xla_utils.memory import llama_shapes, measure_memory, paper_memory  # noqa: E402
+from xla_utils.diagnostics.memory import llama_shapes, measure_memory, paper_memory  # noqa: E402
 
 V5E_USABLE = 16 * 2**30 * 0.9  # check()'s share of one v5e chip's HBM
 

@@ -17,12 +17,12 @@ Variants: ``ema`` (ema=0.999), ``mix`` (mixup=0.2, cutmix=1.0, label_smoothing=0
 baselines (timm installed): ``timm-ema`` (timm's ``ModelEmaV3(0.999, use_warmup=True)``)
 and ``timm-mixup`` (timm's ``Mixup(mixup_alpha=0.2, label_smoothing=0.1)``), timm's own
 code in the same step, so ``ema`` vs ``timm-ema`` is what xla_utils adds to the work itself.
-``--old-mixup FILE`` (another version of xla_utils/mixup.py, e.g. from ``git show
-REV:xla_utils/mixup.py > FILE``) adds ``old-<v>`` variants with that file's ``DeviceMix``
+``--old-mixup FILE`` (another version of xla_utils/train/mixup.py, e.g. from ``git show
+REV:xla_utils/train/mixup.py > FILE``) adds ``old-<v>`` variants with that file's ``DeviceMix``
 beside each mixing variant, before and after in one process. Each option's IR nodes per
 step (what torch_xla traces and hashes on the host every step) are printed too.
 Like scripts/bench_trainer.py this script calls torch_xla itself: it times the
-library's device-side pieces (xla_utils.ema.DeviceEMA, xla_utils.mixup.DeviceMix) inside
+library's device-side pieces (xla_utils.train.ema.DeviceEMA, xla_utils.train.mixup.DeviceMix) inside
 a hand-written step.
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Variant:
     def __init__(self, name: str, dev, batches, old_mix=None):
         import torch
 
-        from xla_utils.ema import DeviceEMA
-        from xla_utils.mixup import DeviceMix, MixConfig
+        from xla_utils.train.ema import DeviceEMA
+        from xla_utils.train.mixup import DeviceMix, MixConfig
 
         torch.manual_seed(0)
         self.name, self.dev, self.batches, self.i = name, dev, batches, 0
@@ -173,7 +173,7 @@ def graph_nodes(tensors) -> int:
 
 
 def load_old_mix(path: str):
-    """``DeviceMix`` of another version of xla_utils/mixup.py (imported inside the package)."""
+    """``DeviceMix`` of another version of xla_utils/train/mixup.py (imported inside the package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("xla_utils._mixup_old", path)

@@ -39,7 +39,7 @@ import torch
 from xla_utils.demo import make_cnn, render_digits, CACHE_SIZE
 from xla_utils.cache import build_cache
 from xla_utils.data import CachedImageDataset
-from xla_utils.trainer import OneCycleTrainer
+from xla_utils.train.trainer import OneCycleTrainer
 import xla_utils
 
 work = Path(sys.argv[1]); cores = int(sys.argv[2]); epochs = int(sys.argv[3])
@@ -51,7 +51,7 @@ tr = OneCycleTrainer(make_cnn, torch.nn.CrossEntropyLoss(), train, val, batch_si
 t0 = time.perf_counter()
 if sys.argv[4] == "processes":
     from xla_utils import runtime
-    from xla_utils.replica_loops import FitPlan, fit_replica
+    from xla_utils.train.replica_loops import FitPlan, fit_replica
     plan = FitPlan(model=tr.model, loss=tr.loss, config=tr.config, train_step=tr.train_step,
                    eval_step=tr.eval_step, inputs=tr._check_inputs(), base_lr=3e-3, lr_world=1,
                    ckpt=None, run_id="bench")

@@ -119,7 +119,7 @@ def _run(strategy: str, args: argparse.Namespace) -> dict:
 
 
 def _require_strategy(strategies: list[str]) -> None:
-    from xla_utils.trainer import TrainerConfig
+    from xla_utils.train.trainer import TrainerConfig
 
     if any(s != "spawn" for s in strategies) and \
             "strategy" not in {f.name for f in dataclasses.fields(TrainerConfig)}:

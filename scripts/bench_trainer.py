@@ -231,7 +231,7 @@ def _same_job_runner(name: str):
 
 def _alternate_epochs(trainers: list, epochs: int, batch: int) -> dict:
     """In the job: ``loop.set_up`` each trainer, then alternate ``loop.train_one_epoch``."""
-    from xla_utils import loop
+    from xla_utils.train import loop
 
     runs = []
     for variant, t, (data, spec), mix in trainers:

@@ -2,13 +2,13 @@
 
 Each :class:`Problem` is a small, fully offline training task: data from
 scikit-learn's bundled or generated datasets or 12x12 images rendered here, a
-model, an optimizer (``xla_utils.optim.make_optimizer``), a batch size and a
+model, an optimizer (``xla_utils.train.optim.make_optimizer``), a batch size and a
 number of epochs. :func:`train_one_cycle` trains it on plain CPU torch with
-:class:`xla_utils.schedule.OneCycleSchedule` (torch ``OneCycleLR`` defaults)
+:class:`xla_utils.train.schedule.OneCycleSchedule` (torch ``OneCycleLR`` defaults)
 and returns the final validation loss, which is what a grid of ``max_lr``
 values is ranked by.
 
-Imported by scripts/bench_lr_rules.py and tests/test_lr_finder.py.
+Imported by scripts/bench_lr_rules.py and tests/train/test_lr_finder.py.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from xla_utils.optim import make_optimizer  # noqa: E402
-from xla_utils.schedule import OneCycleSchedule  # noqa: E402
+from xla_utils.train.optim import make_optimizer  # noqa: E402
+from xla_utils.train.schedule import OneCycleSchedule  # noqa: E402
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 import bench_lr_rules as bench
-from xla_utils import lr_finder as lf
+from xla_utils.train import lr_finder as lf
 
 Sweep = dict[str, Any]
 Rule = Callable[[Sweep, dict[str, Any]], float]
@@ -25,7 +25,7 @@ def _curve(sw: Sweep, beta: float = lf.BETA) -> tuple[np.ndarray, np.ndarray]:
 
 
 def library_rule(name: str) -> Rule:
-    """A rule of :mod:`xla_utils.lr_finder` as the library applies it (with the
+    """A rule of :mod:`xla_utils.train.lr_finder` as the library applies it (with the
     problem's planned steps and sweep facts for the rules that use them)."""
     def rule(sw: Sweep, meta: dict[str, Any]) -> float:
         lrs, sm = _curve(sw)

@@ -1,6 +1,6 @@
 """Real servers started on 127.0.0.1 for the tests and for scripts/bench_remote.py: an in-memory GCS
 emulator and Ray nodes (`ray start --block`), each in its own process group, stopped by its process id
-(never by name). Plain functions, no pytest: the fixtures in conftest.py and test_cache_runners.py and
+(never by name). Plain functions, no pytest: the fixtures in conftest.py and test_runners.py and
 the benchmark share them."""
 from __future__ import annotations
 

@@ -231,7 +231,7 @@ def test_every_trainer_option_is_in_one_group():
     once, in one of the groups the issue asks for, and nothing that is not a field."""
     import dataclasses
 
-    from xla_utils.config import TrainerConfig
+    from xla_utils.train.config import TrainerConfig
 
     table = _section(_text(ROOT / "docs" / "TRAINER.md"), "Options by group")
     rows = dict(re.findall(r"^\| ([A-Za-z ]+) \| (.*) \|$", table, re.M))

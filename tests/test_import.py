@@ -170,8 +170,8 @@ def test_cache_reader_imports_only_the_format_and_the_storage_room():
     cache_deps = {d for d in graph["xla_utils.data"] if d.startswith("xla_utils.cache")}
     assert cache_deps == reader
     # the format imports nothing of xla_utils but the typo helper, which imports nothing at all
-    assert {d for d in graph["xla_utils.cache.format"] if d.startswith("xla_utils")} == {"xla_utils.suggest"}
-    assert graph["xla_utils.suggest"] == set()
+    assert {d for d in graph["xla_utils.cache.format"] if d.startswith("xla_utils")} == {"xla_utils.utils.suggest"}
+    assert graph["xla_utils.utils.suggest"] == set()
     # the reader's side of the cache never reaches the builder's
     writer = {"xla_utils.cache.builder", "xla_utils.cache.worker", "xla_utils.cache.sources",
               "xla_utils.cache.images", "xla_utils.cache.runners"}
@@ -221,8 +221,8 @@ def test_simulate_is_a_package_whose_protocol_stands_alone():
             assert not [d for d in deps if d.startswith("xla_utils.simulate")], mod
     assert "xla_utils.runtime.launcher" in lazy["xla_utils.simulate"]
     assert "xla_utils.simulate" in _graph(import_time_only=True)["xla_utils"]
-    assert lazy["xla_utils.simulate.protocol"] == {"xla_utils.atomic"}
-    assert lazy["xla_utils.atomic"] == set()
+    assert lazy["xla_utils.simulate.protocol"] == {"xla_utils.utils.atomic"}
+    assert lazy["xla_utils.utils.atomic"] == set()
     for name in ("CollectiveError", "run_script", "simulated_spawn", "main", "run_replicas",
                  "prestart", "COLLECTIVE_TIMEOUT_S"):
         assert name in __import__("xla_utils.simulate", fromlist=["x"]).__all__
@@ -240,3 +240,44 @@ def test_runtime_alone_gets_the_simulated_launcher_registered():
                           env=_env(), cwd=str(REPO), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- old module paths
+
+
+def test_old_module_paths_are_the_moved_modules(monkeypatch):
+    # issue 35 grouped the top level into packages; code and pickles written against the old
+    # paths (`from xla_utils.<old> import ...`) get the moved module itself
+    import importlib
+    import pickle
+
+    import xla_utils
+
+    assert xla_utils._MOVED, "the alias table is empty"
+    for old, package in xla_utils._MOVED.items():
+        assert not (PKG / f"{old}.py").exists(), old  # moved, not copied
+        new = importlib.import_module(f"xla_utils.{package}.{old}")
+        assert importlib.import_module(f"xla_utils.{old}") is new, old
+        assert getattr(xla_utils, old) is new and sys.modules[f"xla_utils.{old}"] is new
+        assert new.__spec__.name == new.__name__ == f"xla_utils.{package}.{old}"  # its own spec
+    old, package = next(iter(xla_utils._MOVED.items()))
+    marker = object()
+    monkeypatch.setattr(f"xla_utils.{old}.regroup_marker", marker, raising=False)
+    assert importlib.import_module(f"xla_utils.{package}.{old}").regroup_marker is marker
+    history = xla_utils._MOVED["history"]  # a pickle naming the old path loads the class
+    assert pickle.loads(b"cxla_utils.history\nHistory\n.") is \
+        importlib.import_module(f"xla_utils.{history}.history").History
+
+
+def test_old_module_paths_import_in_a_fresh_process():
+    # old paths spelled "@." here: the regrouping script rewrites old dotted names in text
+    code = ("import sys; import @.tpus as tp; assert tp is sys.modules['@.env.tpus']; "
+            "assert 'torch' not in sys.modules; "  # an old path imports no more than the new one
+            "import @.trainer, @.train.trainer as t; assert @.trainer is t; "
+            "from @.readiness import check; import @.readiness as r; "
+            "assert r is sys.modules['@.diagnostics.readiness'] and check is r.check; "
+            "print('ok')").replace("@.", "xla_utils.")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), cwd=str(REPO), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

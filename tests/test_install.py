@@ -141,3 +141,12 @@ def test_readme_offline_cell_installs_a_wheel_that_runs(wheel_dir, tmp_path):
 def test_script_refuses_unknown_target(tmp_path):
     with pytest.raises(SystemExit, match="choose one of"):
         _script().make_offline_wheels(tmp_path, "laptop")
+
+
+def test_wheel_holds_every_module(wheel_dir):
+    # every package of the tree is found (setup.py's find_packages): none is left out of a wheel
+    whl = next(wheel_dir.glob("xla_utils-*.whl"))
+    with zipfile.ZipFile(whl) as z:
+        names = set(z.namelist())
+    tree = {p.relative_to(ROOT).as_posix() for p in (ROOT / "xla_utils").rglob("*.py")}
+    assert len(tree) > 50 and not tree - names, sorted(tree - names)

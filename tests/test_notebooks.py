@@ -270,8 +270,10 @@ def _known_options() -> set[str]:
     import inspect
 
     import xla_utils
-    from xla_utils import cli, crossval, data, debug, finetune, memory, readiness, submission
-    from xla_utils.trainer import TrainerConfig
+    from xla_utils import cli, data
+    from xla_utils.train import crossval, finetune, submission
+    from xla_utils.diagnostics import debug, memory, readiness
+    from xla_utils.train.trainer import TrainerConfig
 
     names = {f.name for f in dataclasses.fields(TrainerConfig)}
     names |= {f.name for f in dataclasses.fields(xla_utils.CacheConfig)}
@@ -297,8 +299,8 @@ def api(tmp_path_factory):
     from PIL import Image
 
     import xla_utils
-    from xla_utils.history import History
-    from xla_utils.lr_finder import LRFinderResult
+    from xla_utils.train.history import History
+    from xla_utils.train.lr_finder import LRFinderResult
 
     root = tmp_path_factory.mktemp("api")
     (root / "src" / "a").mkdir(parents=True)
@@ -319,7 +321,7 @@ def api(tmp_path_factory):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_text_matches_the_api(path, api):
-    from xla_utils.lr_finder import DEFAULT_RULE
+    from xla_utils.train.lr_finder import DEFAULT_RULE
 
     nb = nbformat.read(path, as_version=4)
     md = _markdown(nb)
@@ -365,7 +367,7 @@ def test_notebook_resume_and_lr_cells(name, tmp_path, capsys, monkeypatch):
     from torch import nn
 
     from xla_utils import OneCycleTrainer
-    from xla_utils.lr_finder import DEFAULT_RULE
+    from xla_utils.train.lr_finder import DEFAULT_RULE
 
     monkeypatch.setenv("MPLBACKEND", "agg")
     nb = nbformat.read(NB_DIR / name, as_version=4)

@@ -12,10 +12,13 @@ of starting the CUDA driver, which would make the notebook unable to fork GPU re
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import os
 from typing import TYPE_CHECKING, Any
 
-from .version import __version__
+from .utils.version import __version__
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
@@ -24,17 +27,17 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from .cache import CacheConfig, build_cache
     from .data import CachedImageDataset
     from .env import EnvInfo, detect, setup
-    from .lr_finder import LRFinderResult, lr_find
-    from .memory import MemoryReport, measure_memory, paper_memory
-    from .readiness import Finding, ReadinessReport, check
+    from .train.lr_finder import LRFinderResult, lr_find
+    from .diagnostics.memory import MemoryReport, measure_memory, paper_memory
+    from .diagnostics.readiness import Finding, ReadinessReport, check
     from .runtime import launch
-    from .schedule import OneCycleSchedule
-    from .submission import write_submission
-    from .debug import debug_run
-    from .trainer import OneCycleTrainer
-    from .crossval import CVResult, cross_validate, split
-    from .config import TrainerConfig
-    from .history import History
+    from .train.schedule import OneCycleSchedule
+    from .train.submission import write_submission
+    from .diagnostics.debug import debug_run
+    from .train.trainer import OneCycleTrainer
+    from .train.crossval import CVResult, cross_validate, split
+    from .train.config import TrainerConfig
+    from .train.history import History
     from .runtime import ReplicaError
     from .simulate import run_script, simulated_spawn
 
@@ -47,30 +50,70 @@ _EXPORTS = {
     "build_cache": "cache",
     "CacheConfig": "cache",
     "CachedImageDataset": "data",
-    "OneCycleSchedule": "schedule",
-    "OneCycleTrainer": "trainer",
-    "debug_run": "debug",
-    "lr_find": "lr_finder",
-    "LRFinderResult": "lr_finder",
-    "measure_memory": "memory",
-    "paper_memory": "memory",
-    "MemoryReport": "memory",
+    "OneCycleSchedule": "train.schedule",
+    "OneCycleTrainer": "train.trainer",
+    "debug_run": "diagnostics.debug",
+    "lr_find": "train.lr_finder",
+    "LRFinderResult": "train.lr_finder",
+    "measure_memory": "diagnostics.memory",
+    "paper_memory": "diagnostics.memory",
+    "MemoryReport": "diagnostics.memory",
     "launch": "runtime",
-    "write_submission": "submission",
-    "check": "readiness",
-    "ReadinessReport": "readiness",
-    "Finding": "readiness",
-    "cross_validate": "crossval",
-    "CVResult": "crossval",
-    "split": "crossval",
-    "TrainerConfig": "config",
-    "History": "history",
+    "write_submission": "train.submission",
+    "check": "diagnostics.readiness",
+    "ReadinessReport": "diagnostics.readiness",
+    "Finding": "diagnostics.readiness",
+    "cross_validate": "train.crossval",
+    "CVResult": "train.crossval",
+    "split": "train.crossval",
+    "TrainerConfig": "train.config",
+    "History": "train.history",
     "ReplicaError": "runtime",
     "run_script": "simulate",
     "simulated_spawn": "simulate",
 }
 
 __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]
+
+
+# Old module paths: each module that was directly under xla_utils/ before the top level was
+# grouped by domain (issue 35) -> the package it moved to. `xla_utils.<old>` (an import, a
+# `from` import, a pickle naming it, an attribute of this package) is the moved module
+# itself, the same object: patching one patches the other. See _MovedModules below.
+_MOVED = {old: package for package, olds in {
+    "data": ("transforms",),
+    "diagnostics": ("debug", "findings", "memory", "readiness"),
+    "env": ("libtpu_pairs", "tpus"),
+    "train": ("checkpoint", "config", "crossval", "device_plan", "ema", "finetune", "history",
+        "inputs", "loop", "lr_finder", "lr_rules", "mesh_tasks", "metrics", "mixup", "optim",
+        "replica_loops", "schedule", "steps", "strategy", "submission", "trainer"),
+    "utils": ("atomic", "progress", "suggest", "units", "version"),
+}.items() for old in olds}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import hook: ``xla_utils.<old>`` is the module ``xla_utils.<package>.<old>``."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        head, _, old = fullname.partition(".")
+        if head != __name__ or old not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        module = importlib.import_module(f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}."
+                                         f"{spec.name.partition('.')[2]}")
+        spec.loader_state = module.__spec__  # the import system sets the alias's spec next
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = module.__spec__.loader_state  # keep the module's own spec
+
+
+# first: it answers only the old names, before any other finder (an editable install's finder
+# of another checkout) could find a stale copy of an old module
+sys.meta_path[:] = [_MovedModules()] + [f for f in sys.meta_path
+                                        if type(f).__qualname__ != "_MovedModules"]
 
 
 def __getattr__(name: str) -> Any:
@@ -82,6 +125,8 @@ def __getattr__(name: str) -> Any:
         return value
     if name == "runtime":
         return importlib.import_module(".runtime", __name__)
+    if name in _MOVED:  # an old module path (see _MovedModules)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'xla_utils' has no attribute {name!r}")
 
 

@@ -26,8 +26,8 @@ from .cache import (BadImageError, BuildError, CacheConfig, build_cache, cache_i
 from .cache.builder import missing_rows_warning
 from .cache.config import parse_bytes as _parse_bytes
 from .cache.storage import StorageError
-from .suggest import did_you_mean
-from .units import format_bytes
+from .utils.suggest import did_you_mean
+from .utils.units import format_bytes
 
 __all__ = ["main", "parse_bytes"]
 

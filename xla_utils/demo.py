@@ -69,7 +69,7 @@ def make_cnn():
 
 def run_demo(out: str | Path = "xla_utils_demo", cores: int = 8, tpu: bool = False,
              epochs: int = 6, batch_size: int = 16, max_lr: float | str = "find"):
-    """Run the whole demo; returns the trainer's :class:`~xla_utils.trainer.History`.
+    """Run the whole demo; returns the trainer's :class:`~xla_utils.train.trainer.History`.
 
     ``cores`` simulated XLA:CPU cores (default 8) unless ``tpu`` (every real TPU
     core); ``batch_size`` per core (default 16); ``max_lr`` for one core, or
@@ -79,7 +79,7 @@ def run_demo(out: str | Path = "xla_utils_demo", cores: int = 8, tpu: bool = Fal
 
     from .cache import build_cache
     from .data import CachedImageDataset
-    from .trainer import OneCycleTrainer
+    from .train.trainer import OneCycleTrainer
 
     t_start = time.perf_counter()
     info = env.detect()

@@ -31,8 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..suggest import unknown_keywords
-from ..units import format_bytes
+from ..utils.suggest import unknown_keywords
+from ..utils.units import format_bytes
 from .config import CacheConfig
 from .errors import BuildError
 from .format import FORMAT, FORMAT_VERSION, LABELS, MANIFEST, manifest_text
@@ -332,7 +332,7 @@ def _locked(out: Store, src: Source, cfg: CacheConfig):
 
 
 def _new_manifest(src: Source, cfg: CacheConfig, per_shard: int) -> dict[str, Any]:
-    from ..version import __version__
+    from ..utils.version import __version__
     import PIL
 
     return {

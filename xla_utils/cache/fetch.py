@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..atomic import atomic_write
+from ..utils.atomic import atomic_write
 from .storage import Store
 
 __all__ = ["ShardCache", "default_local_cache", "DOWNLOADS"]

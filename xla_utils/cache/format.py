@@ -22,7 +22,7 @@ Layout of a cache directory:
     ``b"XLUJPG01"``, uint64 count, uint64 offsets[count + 1] (absolute), then the
     concatenated JPEG files in the same (variant, image) order.
 
-Only numpy, the standard library and :mod:`xla_utils.suggest` are imported here, so the
+Only numpy, the standard library and :mod:`xla_utils.utils.suggest` are imported here, so the
 reader stays light.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..suggest import by_similarity, closest
+from ..utils.suggest import by_similarity, closest
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "LABELS", "JPEG_MAGIC", "shard_name", "npy_header",
            "jpeg_shard_chunks", "read_jpeg_index", "manifest_text", "read_manifest", "parse_manifest",

@@ -26,7 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
-from ..progress import update_bar
+from ..utils.progress import update_bar
 from .config import CacheConfig
 from .errors import BadImageError, BuildError, Cancelled, describe
 from .sources import Source
@@ -55,7 +55,7 @@ class _WorkerProcess(mp_ctx.ForkProcess):
     multi-threaded process (every process that imported numpy is: its BLAS pool). For these
     workers the warning's hazard is handled: the forking thread's OpenMP team is the one
     state a worker would wait on, and init_worker limits the worker to one OpenMP/MKL thread
-    (tests/test_cache.py builds a torch dataset that hung without it). Every other fork in
+    (tests/cache/test_cache.py builds a torch dataset that hung without it). Every other fork in
     the process still warns."""
 
     def start(self) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import errno
 from typing import Any
 
-from ..units import format_bytes
+from ..utils.units import format_bytes
 
 from .config import JPEG_RATIO_GUESS, CacheConfig
 from .errors import BuildError

@@ -34,7 +34,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ..atomic import atomic_writer
+from ..utils.atomic import atomic_writer
 from .format import MANIFEST, parse_manifest, read_manifest
 
 __all__ = ["is_url", "Store", "StorageError", "LockedError", "filesystem", "install_hint", "load_manifest",

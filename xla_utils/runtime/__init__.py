@@ -73,13 +73,13 @@ The names in :data:`INTERNAL_API` (``launch_job``, ``prestart_simulation``,
 xla_utils: public, so no other module reaches for a private name, but not for users
 (not in ``__all__``). Dependencies run down this list; :mod:`xla_utils.simulate` sits above
 this package (it calls ``replica`` and registers itself with ``launcher``), and nothing here
-imports it. Progress bars are :mod:`xla_utils.progress`.
+imports it. Progress bars are :mod:`xla_utils.utils.progress`.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from .. import progress as _progress
+from ..utils import progress as _progress
 from .compile_cache import (CompileCacheOption, check_compile_cache_option, compile_cache_summary,
                             default_compile_cache_root, enable_compile_cache)
 from .counters import xla_counters, xla_counters_report
@@ -155,5 +155,5 @@ INTERNAL_API = (
 
 def progress_bars() -> tuple[Callable, Callable]:
     """``(master_bar, progress_bar)`` that can draw in the calling replica: console
-    bars in an XLA replica or a forked torch replica (see :mod:`xla_utils.progress`)."""
+    bars in an XLA replica or a forked torch replica (see :mod:`xla_utils.utils.progress`)."""
     return _progress.progress_bars(console=text_progress())

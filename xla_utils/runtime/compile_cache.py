@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from ..units import format_bytes
+from ..utils.units import format_bytes
 
 from .state import STATE
 from .world import backend, master_print, rank

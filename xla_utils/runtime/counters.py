@@ -1,6 +1,6 @@
 """XLA counters: what compiled, ran and crossed the host/device boundary.
 
-(Validation scores are :mod:`xla_utils.metrics`; the word "metrics" means only those.)
+(Validation scores are :mod:`xla_utils.train.metrics`; the word "metrics" means only those.)
 """
 from __future__ import annotations
 

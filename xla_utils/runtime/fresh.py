@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..atomic import atomic_write
+from ..utils.atomic import atomic_write
 from ..env import child_pythonpath
 from .relay import OutputTail, forward_output
 from .replica import ReplicaError, dumps_cpu

@@ -1,4 +1,4 @@
-"""Per-device memory read from real XLA shardings (the torch_xla side of :mod:`xla_utils.memory`).
+"""Per-device memory read from real XLA shardings (the torch_xla side of :mod:`xla_utils.diagnostics.memory`).
 
 :func:`run_measurement` starts a fresh interpreter with ``PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=N`` (N real XLA:CPU devices; SPMD cannot share a process with

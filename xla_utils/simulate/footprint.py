@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import atomic_write
-from ..units import format_bytes
+from ..utils.atomic import atomic_write
+from ..utils.units import format_bytes
 
 GIB = float(1 << 30)
 

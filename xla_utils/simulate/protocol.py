@@ -27,7 +27,7 @@ import socket
 import struct
 from typing import Any, Iterator
 
-from ..atomic import atomic_write
+from ..utils.atomic import atomic_write
 
 # Seconds a replica waits in a collective for the others to arrive, when none of
 # them has returned, died or reached a different collective (those end the wait

@@ -1,0 +1,92 @@
+"""Checkpoint files of OneCycleTrainer.fit: the disk earlier runs hold, keep_runs, and
+missing paths named with what is there (plain torch on the CPU: the files are the point)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from xla_utils import OneCycleTrainer
+from xla_utils.train.checkpoint import earlier_runs_note, prune_runs, run_files
+from xla_utils.train.trainer import TrainerConfig
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _fit(ckdir, capsys, **kw):
+    t = OneCycleTrainer(lambda: nn.Linear(8, 2), nn.CrossEntropyLoss(), _data(), batch_size=16,
+                        epochs=3, max_lr=1e-2, checkpoint_dir=ckdir, **kw)
+    h = t.fit()
+    return t, h, capsys.readouterr().out
+
+
+def _names(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_earlier_runs_are_reported_and_keep_runs_prunes_them(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    _, a, out = _fit(ck, capsys)
+    assert "earlier run" not in out  # a fresh folder: nothing to say
+    assert _names(ck) == sorted([f"epoch_002-{a.run_id}.pt", f"epoch_003-{a.run_id}.pt", "final.pt",
+                                 "history.csv"])
+    _, b, out = _fit(ck, capsys)
+    m = re.search(r"checkpoint_dir \S+ holds 2 epoch checkpoint\(s\) of 1 earlier run\(s\), [\d.]+ KiB "
+                  rf"\(newest run {a.run_id}\); they are kept \(keep_runs=None\)", out)
+    assert m, out
+    assert f"xla_utils.train.checkpoint.prune_runs({str(ck)!r}, keep=0)" in out
+    assert list(run_files(ck)) == [a.run_id, b.run_id]  # oldest first
+
+    _, c, out = _fit(ck, capsys, keep_runs=2, monitor="train_loss")
+    assert "holds 4 epoch checkpoint(s) of 2 earlier run(s)" in out
+    assert "keep_runs=2: the files of the 1 oldest run(s)" in out
+    assert "keep_runs=2: deleted 2 epoch checkpoint(s) of earlier runs" in out
+    assert list(run_files(ck)) == [b.run_id, c.run_id]
+    assert {"final.pt", "best.pt", "history.csv"} <= set(_names(ck))
+
+    _, d, out = _fit(ck, capsys, keep_runs=1)
+    assert list(run_files(ck)) == [d.run_id]  # only this run's epoch files
+    assert _names(ck) == sorted([f"epoch_002-{d.run_id}.pt", f"epoch_003-{d.run_id}.pt", "best.pt",
+                                 "final.pt", "history.csv"])  # best.pt of the earlier run kept
+    # the helper the note names, by hand: keep=0 empties the folder of epoch files only
+    assert prune_runs(ck, keep=0, current=d.run_id) == []  # never the current run's
+    gone = prune_runs(ck, keep=0)
+    assert sorted(p.name for p in gone) == [f"epoch_002-{d.run_id}.pt", f"epoch_003-{d.run_id}.pt"]
+    assert _names(ck) == ["best.pt", "final.pt", "history.csv"] and earlier_runs_note(ck, None) is None
+
+
+def test_keep_runs_is_validated():
+    assert TrainerConfig().keep_runs is None  # default: keep every run's files (and say so)
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="keep_runs must be None .* or an int >= 1"):
+            TrainerConfig(keep_runs=bad)
+    with pytest.raises(ValueError, match="keep_checkpoints must be an int >= 1"):
+        TrainerConfig(keep_checkpoints=0)
+
+
+def test_a_missing_checkpoint_path_lists_what_is_there(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    t, h, _ = _fit(ck, capsys)
+    with pytest.raises(FileNotFoundError) as err:
+        t.fit(resume=ck / "epoch_007.pt")
+    msg = str(err.value)
+    assert f"checkpoint {ck / 'epoch_007.pt'} does not exist; {ck} holds (newest first): " in msg
+    assert f"epoch_003-{h.run_id}.pt" in msg and "final.pt" in msg and 'resume="last"' in msg
+    with pytest.raises(FileNotFoundError, match=r"weights=.*nope.pt.* does not exist; .*final\.pt"):
+        t.predict(_data(), weights=ck / "nope.pt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no readable epoch checkpoint .* holds no checkpoint"):
+        t.fit(resume=empty)
+    # the pre-run-id name of an existing epoch still finds the newest run's file
+    t2 = OneCycleTrainer(lambda: nn.Linear(8, 2), nn.CrossEntropyLoss(), _data(), batch_size=16,
+                         epochs=3, max_lr=1e-2, checkpoint_dir=ck)
+    t2.fit(resume=ck / "epoch_002.pt")
+    assert f"resuming from epoch_002-{h.run_id}.pt" in capsys.readouterr().out

@@ -1,0 +1,164 @@
+"""split, cross_validate and CacheSubset on a real cache, on XLA:CPU (1 core and simulated cores)."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import xla_utils
+from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache, cross_validate
+from xla_utils.train.crossval import CacheSubset, fold_assignment, subset
+from xla_utils.data import images_to_float, iterate_batches
+
+SIZE = 12
+CLASSES = 5
+MEAN, STD = (0.5,) * 3, (0.25,) * 3
+
+
+def _digit_images(n: int, seed: int = 0):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    idx = np.random.default_rng(seed).permutation(len(d.images))[:n]
+    out = []
+    for i in idx:
+        g = (d.images[i] * 15).astype(np.uint8)
+        out.append((np.stack([g, np.roll(g, 1, axis=1), 255 - g], axis=-1), int(d.target[i]) % CLASSES))
+    return out
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cv")
+    items = _digit_images(120 + 21)
+    build_cache(items[:120], root / "train", size=SIZE, verbose=False)
+    build_cache([x for x, _ in items[120:]], root / "test", size=SIZE, unlabeled=True, verbose=False)
+    return CachedImageDataset(root / "train"), CachedImageDataset(root / "test")
+
+
+def _model():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 10 * 10, CLASSES))
+
+
+def _make(train, val):
+    return OneCycleTrainer(_model, nn.CrossEntropyLoss(), train, val, batch_size=4, epochs=2,
+                           max_lr=3e-3, mean=MEAN, std=STD, seed=1)
+
+
+def _cpu_probs(state, ds):
+    m = _model()
+    m.load_state_dict(state)
+    x = images_to_float(torch.from_numpy(np.stack([ds.image(i) for i in range(len(ds))])), MEAN, STD)
+    with torch.no_grad():
+        return torch.softmax(m.eval()(x), 1).numpy()
+
+
+def test_cache_subset_is_a_view_in_order(caches):
+    train, test = caches
+    idx = np.array([7, 3, 100, 3, 0])
+    sub = CacheSubset(train, idx)
+    assert isinstance(sub, CachedImageDataset) and len(sub) == 5
+    for k, i in enumerate(idx):
+        assert np.array_equal(sub.image(k), train.image(i)) and sub.label(k) == train.label(i)
+    assert sub.ids == [train.ids[i] for i in idx]
+    nested = CacheSubset(sub, [4, 2])  # a subset of a subset maps to the parent
+    assert nested.indices.tolist() == [0, 100]
+    again = pickle.loads(pickle.dumps(sub))
+    assert np.array_equal(again.image(2), train.image(100)) and again.indices.tolist() == idx.tolist()
+    x, y, _ = next(iter(iterate_batches(sub, 5, shuffle=False, num_workers=0)))
+    assert np.array_equal(x.numpy()[2], train.image(100)) and y.tolist() == train.labels[idx].tolist()
+    assert sub._slabs[0][0] is train._slabs[0][0]  # the same memory maps: nothing copied
+    assert isinstance(subset(torch.utils.data.TensorDataset(torch.zeros(4, 2)), [1, 2]),
+                      torch.utils.data.Subset)
+
+
+def test_split_in_one_call_stratified_seeded_no_copy(caches, capsys):
+    """One training folder -> train and validation views (the Kaggle layout), straight into
+    the trainer."""
+    train_all, test = caches
+    train, val = xla_utils.split(train_all, val_fraction=0.2)
+    assert isinstance(train, CacheSubset) and isinstance(val, CacheSubset)
+    assert len(train) == 96 and len(val) == 24
+    ti, vi = train.indices, val.indices
+    assert sorted(np.concatenate([ti, vi]).tolist()) == list(range(120))  # disjoint, covering
+    assert ti.tolist() == sorted(ti.tolist()) and vi.tolist() == sorted(vi.tolist())  # cache order
+    counts, held = np.bincount(train_all.labels, minlength=CLASSES), np.bincount(val.labels, minlength=CLASSES)
+    assert np.all(np.abs(held - counts * 0.2) < 1), (counts, held)  # every class's share
+    assert val._slabs[0][0] is train_all._slabs[0][0]  # views: no image copied
+    again, other = xla_utils.split(train_all, 0.2)[1], xla_utils.split(train_all, 0.2, seed=1)[1]
+    assert again.indices.tolist() == vi.tolist() and other.indices.tolist() != vi.tolist()
+    # a class with one image keeps it for training; multi-label / float targets: a plain split
+    tiny = torch.utils.data.TensorDataset(torch.zeros(6, 2), torch.tensor([0, 0, 0, 0, 1, 2]))
+    t2, v2 = xla_utils.split(tiny, 0.5)
+    assert [int(tiny[i][1]) for i in v2.indices] == [0, 0, 0] and len(t2) == 3
+    with pytest.raises(ValueError, match="val_fraction must be a number in \\(0, 1\\)"):
+        xla_utils.split(train_all, 20)
+    with pytest.raises(ValueError, match="unlabeled=True"):
+        xla_utils.split(test)
+    h = OneCycleTrainer(_model, nn.CrossEntropyLoss(), train, val, batch_size=8, epochs=1, max_lr=3e-3,
+                        mean=MEAN, std=STD).fit(cores=1)
+    assert h[-1]["samples"] == 24  # validated on exactly the held-out images
+
+
+def test_fold_assignment_stratified_and_covering():
+    labels = np.random.default_rng(0).integers(0, 4, 103)
+    f = fold_assignment(labels, 5, seed=3)
+    assert sorted(np.bincount(f).tolist()) in ([20, 20, 21, 21, 21],)
+    for c in range(4):
+        counts = np.bincount(f[labels == c], minlength=5)
+        assert counts.max() - counts.min() <= 1
+    assert not np.array_equal(f, fold_assignment(labels, 5, seed=4))
+    g = fold_assignment(np.zeros((10, 3), np.float32), 3, seed=0)  # multi-label: plain split
+    assert sorted(np.bincount(g).tolist()) == [3, 3, 4]
+    with pytest.raises(ValueError, match="folds must be an int >= 2"):
+        cross_validate(_make, list(range(10)), folds=1)
+
+
+@pytest.mark.parametrize("simulate", [1, pytest.param(2, marks=pytest.mark.multicore)])
+@pytest.mark.timeout(600)
+def test_cross_validate_oof_test_average_and_resume(caches, tmp_path, simulate):
+    """3 folds: OOF rows cover every image exactly once, each row is its fold model's own
+    prediction, the test prediction is the mean of the folds' own; a crash in the third
+    fold resumes there (the first two are not trained again)."""
+    train, test = caches
+    calls = []
+
+    def make(tr, va, fold):
+        calls.append(fold)
+        if fold == 2 and len(calls) == 3:
+            raise RuntimeError("crash in fold 3")
+        assert isinstance(tr, CacheSubset) and isinstance(va, CacheSubset)
+        assert not set(tr.indices.tolist()) & set(va.indices.tolist())
+        return _make(tr, va)
+
+    folder = tmp_path / "cv"
+    with pytest.raises(RuntimeError, match="crash in fold 3"):
+        cross_validate(make, train, folds=3, test=test, folder=folder, simulate=simulate)
+    assert sorted(p.name for p in folder.glob("fold_*.npz")) == ["fold_0.npz", "fold_1.npz"]
+    res = cross_validate(make, train, folds=3, test=test, folder=folder, simulate=simulate)
+    assert calls == [0, 1, 2, 2], calls  # resumed at fold 3
+    assert res.histories[:2] == [None, None] and res.histories[2] is not None
+    # every training image exactly once
+    assert res.oof.shape == (len(train), CLASSES) and np.isfinite(res.oof).all()
+    assert sorted(np.bincount(res.fold_of).tolist()) == [40, 40, 40]
+    with np.load(folder / "fold_2.npz") as z:
+        val_idx = z["val_idx"]
+    assert np.array_equal(val_idx, np.flatnonzero(res.fold_of == 2))
+    # fold 3's rows and test predictions are its own model's, on the CPU
+    state = res.histories[2].state_dict
+    own = _cpu_probs(state, CacheSubset(train, val_idx))
+    np.testing.assert_allclose(res.oof[val_idx], own, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.test_folds[2], _cpu_probs(state, test), rtol=1e-4, atol=1e-5)
+    # the averaged test predictions are the mean of the folds' own
+    assert res.test_folds.shape == (3, len(test), CLASSES)
+    np.testing.assert_allclose(res.test, res.test_folds.mean(0), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(res.test.sum(1), 1.0, rtol=1e-5)
+    acc = float((res.oof.argmax(1) == train.labels).mean())
+    assert res.oof_score == pytest.approx(acc)
+    assert [f["fold"] for f in res.folds] == [0, 1, 2] and all("accuracy" in f for f in res.folds)
+    assert "OOF score" in str(res)
+    with pytest.raises(ValueError, match="another split"):
+        cross_validate(make, train, folds=3, test=test, folder=folder, seed=9)

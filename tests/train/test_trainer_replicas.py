@@ -1,0 +1,185 @@
+"""fit / predict / evaluate / resume on the torch backend's replica processes
+(``XLA_UTILS_CPU_REPLICAS=2``: two CPU processes over gloo, the path two GPUs take)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from xla_utils import OneCycleTrainer, runtime
+from xla_utils.train.trainer import ResumeError
+
+
+def _digits(n_train: int = 64, n_val: int = 45):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data[:n_train + n_val], dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target[:n_train + n_val], dtype=torch.int64)
+    return (torch.utils.data.TensorDataset(x[:n_train], y[:n_train]),
+            torch.utils.data.TensorDataset(x[n_train:], y[n_train:]))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+@pytest.fixture
+def two_cpu_replicas(monkeypatch):
+    monkeypatch.setenv("XLA_UTILS_CPU_REPLICAS", "2")
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_two_replicas_train_as_one_with_the_global_batch(two_cpu_replicas, capfd):
+    """20 steps (one per epoch: the history is the loss curve), validation on 45 samples."""
+    train, val = _digits()
+    init = _mlp()
+    runs = {}
+    for cores, bs in (("all", 32), (1, 64)):
+        t = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
+                            batch_size=bs, epochs=20, max_lr=0.5, optimizer="sgd",
+                            lr_scaling="none", seed=3)
+        runs[cores] = t.fit(cores=cores, timeout=120)
+    two, one = runs["all"], runs[1]
+    out = capfd.readouterr().out
+    assert "2 cores x 32 per core = 64 global batch" in out
+    assert "1 core x 64 per core = 64 global batch" in out
+    assert (two.world_size, one.world_size, two.global_batch) == (2, 1, 64)
+    curve2, curve1 = [e["train_loss"] for e in two], [e["train_loss"] for e in one]
+    assert len(curve2) == 20 and curve2[-1] < 0.5 * curve2[0]  # it really trained
+    np.testing.assert_allclose(curve2, curve1, rtol=1e-5, atol=1e-6)
+    for key in ("val_loss", "accuracy"):
+        np.testing.assert_allclose([e[key] for e in two], [e[key] for e in one], rtol=1e-5)
+    assert two[-1]["samples"] == len(val)  # every validation sample once over both replicas
+    for k, v in one.state_dict.items():
+        torch.testing.assert_close(two.state_dict[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_predict_and_evaluate_on_two_replicas(two_cpu_replicas):
+    _, val = _digits(n_val=45)  # 45: not a multiple of 2 replicas
+    model = _mlp()
+    world = {"expected": 2}
+
+    def eval_step(model, batch):
+        assert runtime.world_size() == world["expected"], runtime.world_size()
+        return model(batch[0])
+
+    t = OneCycleTrainer(model, nn.CrossEntropyLoss(), val, batch_size=8, eval_step=eval_step)
+    preds = t.predict(val, batch_size=8)
+    x = torch.stack([val[i][0] for i in range(len(val))])
+    with torch.no_grad():
+        want = torch.softmax(model(x), dim=1).numpy()
+    assert preds.shape == (45, 10)
+    np.testing.assert_allclose(preds, want, rtol=1e-5, atol=1e-6)  # each item once, in order
+    both = t.evaluate(val)
+    world["expected"] = 1  # the replicas above saw 2: they are forked when launched
+    here = t.evaluate(val, cores=1)
+    assert both["samples"] == here["samples"] == 45
+    assert both["loss"] == pytest.approx(here["loss"], rel=1e-6)
+    assert both["accuracy"] == here["accuracy"]
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_a_replica_raising_mid_epoch_ends_fit_with_its_traceback(two_cpu_replicas):
+    train, _ = _digits(n_train=128)
+    calls = {"n": 0}
+
+    def step(model, batch, loss_fn):
+        calls["n"] += 1
+        if runtime.rank() == 1 and calls["n"] == 3:
+            raise ArithmeticError("bad batch on replica one")
+        x, y = batch
+        return loss_fn(model(x), y)
+
+    t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=8, epochs=1,
+                        max_lr=0.1, train_step=step)
+    with pytest.raises(runtime.ReplicaError) as info:
+        t.fit(timeout=60)
+    assert info.value.rank == 1 and info.value.exc_type == "ArithmeticError"
+    assert "bad batch on replica one" in info.value.remote_traceback
+    assert calls["n"] == 0  # the steps ran in the replicas, not here
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(240)
+def test_checkpoint_of_two_replicas_resumes_on_two_and_is_refused_on_one(two_cpu_replicas,
+                                                                          tmp_path):
+    train, val = _digits()
+    init = _mlp()
+    kw = dict(batch_size=16, epochs=3, max_lr=0.1, optimizer="adamw", seed=5)
+    full = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
+                           checkpoint_dir=str(tmp_path / "full"), **kw).fit(timeout=120)
+    ckpt = tmp_path / "full" / f"epoch_002-{full.run_id}.pt"
+    assert torch.load(ckpt)["world_size"] == 2
+    resumed = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
+                              checkpoint_dir=str(tmp_path / "resumed"), **kw)
+    h = resumed.fit(resume=ckpt, timeout=120)
+    assert [e["epoch"] for e in h] == [1, 2, 3] and h.epochs[:2] == full.epochs[:2]
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(h.state_dict[k], v, rtol=1e-6, atol=1e-7)
+    one = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val, **kw)
+    with pytest.raises(ResumeError, match="cores: 2 in the checkpoint, 1 now"):
+        one.fit(resume=ckpt, cores=1)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_fp16_step_skipped_on_every_replica_when_one_overflows(two_cpu_replicas):
+    """The gradients are averaged before the gradient scaler steps: an inf on replica 1
+    alone makes replica 0 (whose history is returned) skip that step too."""
+    train, _ = _digits(n_train=128)  # 4 steps per epoch at 2 x 16
+    calls = {"n": 0}
+
+    def step(model, batch, loss_fn):
+        x, y = batch
+        out = model(x)
+        loss = loss_fn(out, y)
+        calls["n"] += 1
+        if runtime.rank() == 1 and calls["n"] == 2:  # + 0.0 whose gradient overflows fp16
+            loss = loss + (out.float() - out.float().detach()).sum() * 1e30
+        return loss
+
+    t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16, epochs=2,
+                        max_lr=1e-2, precision="fp16", train_step=step)
+    h = t.fit(timeout=120)
+    assert h.world_size == 2
+    assert [r["skipped_steps"] for r in h.epochs] == [1, 0]
+
+
+class _Headed(nn.Module):
+    """An MLP without batch norm, with a torchvision-style ``fc`` head for fine_tune."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_fine_tune_on_two_replicas_as_on_one(two_cpu_replicas):
+    """The frozen phase (body parameters without gradients on every replica), then the
+    unfrozen one with discriminative LRs: the same weights as one replica, global batch."""
+    train, _ = _digits(n_train=128)
+    out = {}
+    for cores, bs in (("all", 16), (1, 32)):
+        t = OneCycleTrainer(_Headed(), nn.CrossEntropyLoss(), train, batch_size=bs, epochs=1,
+                            max_lr=0.05, optimizer="sgd", lr_scaling="none", seed=2)
+        h = t.fine_tune(1, freeze_epochs=1, cores=cores, timeout=120)
+        assert [e["phase"] for e in h.epochs] == ["frozen", "unfrozen"]
+        out[cores] = h
+    assert out["all"].world_size == 2
+    for k, v in out[1].state_dict.items():
+        torch.testing.assert_close(out["all"].state_dict[k], v, rtol=1e-5, atol=1e-6)

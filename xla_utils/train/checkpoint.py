@@ -1,0 +1,511 @@
+"""Epoch checkpoints of :class:`~xla_utils.train.trainer.OneCycleTrainer`: write, find, read, resume.
+
+An epoch checkpoint (``epoch_<nnn>-<run id>.pt``) holds the model and optimizer
+state, the history and everything the one-cycle schedule needs to continue the
+run exactly; ``final.pt`` holds weights only. Reading never touches a device.
+
+Disk: every run writes its own epoch files (a run rotates only its own, see
+``keep_checkpoints``), so reruns into one ``checkpoint_dir`` add up.
+:func:`earlier_runs_note` says what a folder holds from earlier runs and
+:func:`prune_runs` deletes all but the newest runs' files (``keep_runs=``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import runtime
+from ..utils.units import format_bytes
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+
+__all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
+           "model_with_weights", "sharded_meta", "check_options", "run_files", "prune_runs",
+           "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is corrupt, truncated or not an epoch checkpoint."""
+
+
+class ResumeError(ValueError):
+    """A checkpoint cannot be continued exactly with this trainer's configuration."""
+
+
+_CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size", "steps_per_epoch"}
+
+
+# What an epoch checkpoint (or a .dcp twin's meta) holds itself: extra fields may not reuse them.
+RESERVED_KEYS = ("model", "optimizer", "epoch", "history", "base_lr", "lr_world", "world_size",
+                 "steps_per_epoch", "run_id", "initial_loss", "optimizer_name", "config", "ema",
+                 "optimizer_devices", "sharded_strategy", "sharded")
+
+
+# Config fields the optimizer state and the one-cycle schedule depend on: a
+# resumed run with any of them changed would not continue the same run.
+_RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_factor",
+                 "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema")
+
+
+# An epoch file of a run: ``epoch_<nnn>-<run id>.pt`` or its sharded twin ``.dcp`` (a folder).
+_RUN_FILE = re.compile(r"^epoch_(\d+)-(.+)\.(pt|dcp)$")
+
+
+def check_options(cfg: Any) -> None:
+    """Refuse ``keep_checkpoints`` / ``keep_runs`` values that cannot work (at config time).
+
+    Raises:
+        ValueError: ``keep_checkpoints`` is not an int >= 1, or ``keep_runs`` is neither
+            None nor an int >= 1; the message says what each keeps.
+    """
+    kc, kr = cfg.keep_checkpoints, cfg.keep_runs
+    if isinstance(kc, bool) or not isinstance(kc, int) or kc < 1:
+        raise ValueError(f"keep_checkpoints must be an int >= 1 (this run's newest epoch files "
+                         f"kept), got {kc!r}")
+    if kr is not None and (isinstance(kr, bool) or not isinstance(kr, int) or kr < 1):
+        raise ValueError(f"keep_runs must be None (keep every run's files) or an int >= 1 (the "
+                         f"newest runs whose epoch files stay in checkpoint_dir, this run "
+                         f"included), got {kr!r}")
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def run_files(directory: str | os.PathLike) -> dict[str, list[Path]]:
+    """The epoch files of every run in ``directory``: ``{run id: [paths]}``, the oldest
+    run first (by its newest file's modification time). ``.pt`` files and sharded
+    ``.dcp`` folders count; ``final.pt``, ``best.pt`` and ``history.csv`` belong to no
+    run (each run overwrites them). A missing folder holds nothing."""
+    folder = Path(directory)
+    runs: dict[str, list[Path]] = {}
+    if not folder.is_dir():
+        return runs
+    for p in folder.iterdir():
+        m = _RUN_FILE.match(p.name)
+        if m:
+            runs.setdefault(m.group(2), []).append(p)
+    newest = {rid: max(p.stat().st_mtime for p in ps) for rid, ps in runs.items()}
+    return {rid: sorted(runs[rid]) for rid in sorted(runs, key=lambda r: (newest[r], r))}
+
+
+def prune_runs(directory: str | os.PathLike, keep: int, current: str | None = None) -> list[Path]:
+    """Delete the epoch files of all but the newest ``keep`` runs in ``directory``.
+
+    Args:
+        directory: a ``checkpoint_dir``.
+        keep: runs whose files stay (``current`` counts as one); 0 deletes every run's
+            epoch files except ``current``'s.
+        current: a run id whose files are never deleted (the running fit's).
+
+    Returns:
+        The paths deleted. ``final.pt``, ``best.pt``, ``final_raw.pt`` and ``history.csv``
+        are never touched.
+    """
+    runs = run_files(directory)
+    others = [rid for rid in runs if rid != current]
+    stay = max(0, keep - (current is not None and current in runs))
+    doomed = others[:max(0, len(others) - stay)]
+    gone = []
+    for rid in doomed:
+        for p in runs[rid]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
+def earlier_runs_note(directory: str | os.PathLike | None, keep_runs: int | None,
+                      show: bool = False) -> str | None:
+    """One line on what ``directory`` holds from earlier runs (files, runs, size) and how
+    to remove them, or None when it holds none. ``fit`` prints it (``show``) before a run."""
+    runs = run_files(directory) if directory is not None else {}
+    if not runs:
+        return None
+    note = _runs_note(directory, runs, keep_runs)
+    if show:
+        print(note, flush=True)
+    return note
+
+
+def _runs_note(directory: Any, runs: dict[str, list[Path]], keep_runs: int | None) -> str:
+    files = [p for ps in runs.values() for p in ps]
+    total = sum(_size(p) for p in files)
+    note = (f"checkpoint_dir {directory} holds {len(files)} epoch checkpoint(s) of {len(runs)} "
+            f"earlier run(s), {format_bytes(total)} (newest run {list(runs)[-1]})")
+    if keep_runs is None:
+        return note + (f"; they are kept (keep_runs=None). keep_runs=N keeps only the newest N "
+                       f"runs' files (this one included); to delete them now: "
+                       f"xla_utils.train.checkpoint.prune_runs({str(directory)!r}, keep=0)")
+    doomed = list(runs)[:max(0, len(runs) - (keep_runs - 1))]
+    if not doomed:
+        return note + f"; keep_runs={keep_runs} keeps them all"
+    size = sum(_size(p) for rid in doomed for p in runs[rid])
+    return note + (f"; keep_runs={keep_runs}: the files of the {len(doomed)} oldest run(s) "
+                   f"({format_bytes(size)}) are deleted once this run has written its first "
+                   "epoch checkpoint")
+
+
+def checkpoint_listing(folder: Path) -> str:
+    """What a checkpoint folder holds, for a path that was not found: its checkpoints,
+    newest first, and ``resume="last"``."""
+    if not folder.is_dir():
+        return f"the folder {folder} does not exist either"
+    found = [p for p in folder.iterdir() if p.suffix in (".pt", ".dcp")]
+    if not found:
+        return f"{folder} holds no checkpoint (*.pt)"
+    found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    names = ", ".join(p.name for p in found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    return (f"{folder} holds (newest first): {names}. fit(resume=\"last\") resumes the newest "
+            "good epoch checkpoint of checkpoint_dir; epoch files are named "
+            "epoch_<nnn>-<run id>.pt")
+
+
+def _epoch_of(path: Path) -> int | None:
+    """Epoch number in an ``epoch_<nnn>[-<run id>].pt`` file name."""
+    head = path.name[len("epoch_"):].split("-", 1)[0].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _optimizer_name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    return f"callable {getattr(spec, '__module__', '?')}.{getattr(spec, '__qualname__', repr(spec))}"
+
+
+def _read_checkpoint(path: Path, mmap: bool = False) -> dict:
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not an xla_utils epoch "
+                              "checkpoint")
+    return ckpt
+
+
+def _newest_good_checkpoint(directory: Path, exclude: Path | None = None) -> tuple[Path, dict] | None:
+    """The most recently written epoch checkpoint in ``directory`` that loads
+    (memory-mapped, so tensors are not read), with its contents."""
+    files = [p for p in directory.glob("epoch_*.pt") if p.is_file()
+             and (exclude is None or p.resolve() != exclude.resolve())]
+    files.sort(key=lambda p: (p.stat().st_mtime, _epoch_of(p) or 0, p.name), reverse=True)
+    for p in files:
+        try:
+            ckpt = _read_checkpoint(p, mmap=True)
+        except Exception:
+            try:  # e.g. the legacy non-zip format cannot be memory-mapped
+                ckpt = _read_checkpoint(p)
+            except Exception:
+                continue
+        if not _CKPT_KEYS - set(ckpt):
+            return p, ckpt
+    return None
+
+
+def _load_checkpoint(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; {checkpoint_listing(path.parent)}")
+    try:
+        ckpt = _read_checkpoint(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        size = path.stat().st_size
+        good = _newest_good_checkpoint(path.parent, exclude=path)
+        beside = (f"The newest good checkpoint beside it is {good[0]} (epoch {good[1]['epoch']}): "
+                  f"fit(resume={str(good[0])!r})" if good is not None else
+                  f"No good epoch checkpoint is beside it in {path.parent}.")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({size} bytes; {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'}), e.g. a copy or "
+            f"upload that did not finish. {beside}") from None
+    missing = _CKPT_KEYS - set(ckpt)
+    if missing:
+        raise CheckpointError(f"{path} is not an xla_utils epoch checkpoint (missing "
+                              f"{sorted(missing)}); final.pt holds weights only: load it with "
+                              "model.load_state_dict(torch.load(path))")
+    return ckpt
+
+
+def _run_epoch_file(path: Path, doing: str) -> Path:
+    """``epoch_003.pt`` named the pre-run-id way: the newest run's epoch 3 file beside it."""
+    if path.exists() or _epoch_of(path) is None or "-" in path.name:
+        return path
+    runs = sorted(path.parent.glob(f"{path.stem}-*.pt"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        return path
+    print(f"{path.name} does not exist; {doing} {runs[-1].name}, the newest "
+          f"epoch {_epoch_of(path)} checkpoint in {path.parent}", flush=True)
+    return runs[-1]
+
+
+def resolve_resume(resume: str | os.PathLike, checkpoint_dir) -> tuple[Path, dict]:
+    """``resume`` is a file, a sharded ``epoch_<nnn>-<run id>.dcp`` folder
+    (``strategy="spmd"``/``"fsdp"``), a folder, or ``"last"`` (the configured
+    ``checkpoint_dir``); a folder means its newest good epoch checkpoint."""
+    if isinstance(resume, str) and resume == "last":
+        if checkpoint_dir is None:
+            raise ValueError("resume='last' needs checkpoint_dir=...; or pass a checkpoint file")
+        resume = checkpoint_dir
+    path = _run_epoch_file(Path(resume), "resuming from")
+    if path.is_dir() and path.suffix == ".dcp":
+        return path, _load_sharded_meta(path)
+    if path.is_dir():
+        good = _newest_good_checkpoint(path)
+        if good is None:
+            raise FileNotFoundError(f"no readable epoch checkpoint (epoch_*.pt) in {path}; "
+                                    + checkpoint_listing(path))
+        path = good[0]
+        print(f"resuming from {path}, the newest good checkpoint in {path.parent}", flush=True)
+    return path, _load_checkpoint(path)
+
+
+def _ckpt_optimizer(ckpt: dict) -> str | None:
+    """The optimizer name a checkpoint was written with (inferred for old ones)."""
+    if "optimizer_name" in ckpt:
+        return ckpt["optimizer_name"]
+    groups = ckpt["optimizer"].get("param_groups") or [{}]
+    if "decoupled" in groups[0]:
+        return "adamw" if groups[0]["decoupled"] else "adam"
+    if "momentum" in groups[0] and "betas" not in groups[0]:
+        return "sgd"
+    return None
+
+
+def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Module,
+                  max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> None:
+    """Compare a checkpoint with the new run before anything is loaded; refuse
+    (one error listing every difference) what would not continue exactly, and
+    say what was kept and what changed."""
+    old = dict(ckpt.get("config", {}))
+    new = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"}
+    fixed: list[str] = []
+
+    def differs(a: Any, b: Any) -> bool:
+        norm = (lambda v: tuple(v) if isinstance(v, (list, tuple)) else v)
+        return norm(a) != norm(b)
+
+    for k in _RESUME_FIXED:
+        if k in old and differs(old[k], new[k]):
+            fixed.append(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now")
+    was_opt, now_opt = _ckpt_optimizer(ckpt), _optimizer_name(cfg.optimizer)
+    if was_opt is not None and was_opt != now_opt:
+        fixed.append(f"optimizer: {was_opt!r} in the checkpoint, {now_opt!r} now")
+    now_strategy = getattr(cfg, "strategy", "spawn")
+    if "sharded" in ckpt and now_strategy == "spawn":
+        fixed.append(f"strategy: a sharded checkpoint (.dcp) of strategy "
+                     f"{ckpt['sharded_strategy']!r}, strategy 'spawn' now: it loads only on a mesh "
+                     f"(strategy='spmd' or 'fsdp'); under 'spawn' resume from its consolidated "
+                     f"twin {path.with_suffix('.pt').name}")
+    if world is None:
+        pass  # checked in the replica, where the world size is known
+    elif ckpt["world_size"] != world:
+        was, now = old.get("strategy", "spawn"), getattr(cfg, "strategy", "spawn")
+        fixed.append(f"cores: {ckpt['world_size']} in the checkpoint, {world} now (strategy "
+                     f"{was!r} then, {now!r} now; a checkpoint resumes under any strategy with "
+                     "the same number of devices)")
+    elif ckpt["steps_per_epoch"] != steps_per_epoch:
+        fixed.append(f"steps per epoch: {ckpt['steps_per_epoch']} in the checkpoint, "
+                     f"{steps_per_epoch} now (the training set has changed size)")
+    # Only an LR given to this fit() is compared: the trainer's configured max_lr is
+    # for new runs, and the checkpoint's (given to or found for that run) is kept.
+    if max_lr not in (None, "find") and not math.isclose(float(max_lr), ckpt["base_lr"],
+                                                         rel_tol=1e-9):
+        fixed.append(f"max_lr: {ckpt['base_lr']:.6g} in the checkpoint, {max_lr!r} now "
+                     "(given to fit(); leave max_lr out to keep the checkpoint's)")
+    mine = model.state_dict()
+    theirs = ckpt["model"]
+    missing = [k for k in mine if k not in theirs]
+    extra = [k for k in theirs if k not in mine]
+    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(mine[k].shape)}" for k in mine
+              if k in theirs and hasattr(theirs[k], "shape") and theirs[k].shape != mine[k].shape]
+    if missing or extra or shapes:
+        fixed.append("model: the checkpoint's weights do not fit this model ("
+                     + "; ".join(filter(None, [
+                         f"missing {missing[:5]}" if missing else "",
+                         f"unexpected {extra[:5]}" if extra else "",
+                         f"shapes {shapes[:5]}" if shapes else ""])) + ")")
+    if fixed:
+        raise ResumeError(
+            f"cannot resume from {path} (epoch {ckpt['epoch']}): the optimizer state and the "
+            "one-cycle schedule would not continue exactly, because\n  " + "\n  ".join(fixed)
+            + "\nEither change these back to continue that run, or start a new schedule from "
+            "its weights: trainer.model.load_state_dict(torch.load(path)['model']), then "
+            "fit() without resume.")
+    changed = [f"{k} {old[k]!r} -> {new[k]!r}" for k in new
+               if k in old and k not in _RESUME_FIXED and k != "max_lr" and differs(old[k], new[k])]
+    total = old.get("epochs", cfg.epochs)
+    print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
+          f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
+          + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
+          + f", optimizer {now_opt}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
+          "its schedule, "
+          "optimizer state and history"
+          + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
+
+
+def check_extra(extra: Any) -> None:
+    """Refuse extra checkpoint fields (``fit(checkpoint_extra=...)``) that are not a dict
+    with str keys, or that reuse a key the checkpoint holds itself (:data:`RESERVED_KEYS`),
+    before any device time.
+
+    Raises:
+        TypeError: not a dict, or a key that is not a str.
+        ValueError: a reserved key, named with the fix.
+    """
+    if extra is None:
+        return
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError(f"checkpoint_extra must be a dict with str keys (stored beside the run's "
+                        f"state in every epoch checkpoint), got {extra!r}")
+    taken = sorted(k for k in extra if k in RESERVED_KEYS)
+    if taken:
+        raise ValueError(f"checkpoint_extra uses {taken}, which every epoch checkpoint holds "
+                         f"itself ({', '.join(RESERVED_KEYS)}). Fix: choose other keys, e.g. "
+                         f"{{'my_{taken[0]}': ...}}")
+
+
+def _kept_lr_note(kept: float, configured: float | str, given: float | str | None) -> str:
+    """Why a resumed run's max_lr is not the trainer's configured one, in words ("" when
+    they agree)."""
+    if given == "find":
+        return " (the checkpoint's; a resumed run does not sweep again)"
+    if configured == "find" or not math.isclose(float(configured), kept, rel_tol=1e-9):
+        return (f" from the checkpoint (this trainer's max_lr={configured!r} applies to new "
+                "runs only)")
+    return ""
+
+
+def model_with_weights(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """A copy of ``model`` with the weights of ``final.pt`` or an epoch checkpoint (its EMA
+    weights when it has them: a run with ``ema`` set)."""
+    path = _run_epoch_file(Path(path), "using")
+    if not path.is_file():
+        raise FileNotFoundError(f"weights={str(path)!r} does not exist; "
+                                f"{checkpoint_listing(path.parent)}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise ValueError(f"weights={str(path)!r} cannot be read ({type(exc).__name__}: {exc}); "
+                         "the file is corrupt or truncated, or not a torch checkpoint") from None
+    key = "ema" if isinstance(obj, dict) and isinstance(obj.get("ema"), dict) else "model"
+    state = obj[key] if isinstance(obj, dict) and isinstance(obj.get(key), dict) else obj
+    if not isinstance(state, dict):
+        raise ValueError(f"weights={str(path)!r} holds a {type(state).__name__}, not a state dict "
+                         "or an xla_utils checkpoint")
+    net = copy.deepcopy(model)
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(f"weights={str(path)!r} do not fit this trainer's model: {exc}") from None
+    return net
+
+
+def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: TrainerConfig, *,
+                    epoch: int,
+                    history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
+                    steps_per_epoch: int, run_id: str, host_state: dict | None,
+                    initial_loss: float | None, ema: dict | None = None,
+                    scaler: dict | None = None, extra: dict | None = None) -> dict:
+    """Write this run's epoch checkpoint from every replica; keep its newest files.
+
+    Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
+    ``cfg.checkpoint_dir`` (through :func:`xla_utils.runtime.save`), then the
+    master deletes this run's older epoch files beyond ``cfg.keep_checkpoints`` and,
+    with ``cfg.keep_runs``, the files of runs older than the newest ``keep_runs``
+    (:func:`prune_runs`; never this run's).
+
+    Args:
+        model, opt: The replica's model and optimizer.
+        cfg: The run's :class:`~xla_utils.train.config.TrainerConfig`.
+        epoch: Epochs completed (1-based number of the epoch just ended).
+        history: The per-epoch records so far.
+        base_lr: ``max_lr`` for ``lr_world`` cores, as given or found.
+        lr_world: The world size ``base_lr`` is meant for.
+        world_size: This run's world size.
+        steps_per_epoch: Optimizer steps per epoch.
+        run_id: Names this run's files.
+        host_state: A host copy of the weights to save instead of the model's.
+        initial_loss: The untrained model's loss at the run's first step.
+        ema: The EMA weights (``cfg.ema`` set), saved under ``"ema"``.
+        scaler: The fp16 gradient scaler's state (``GradScaler.state_dict()``), saved
+            under ``"scaler"`` and resumed by :func:`xla_utils.train.loop.set_up`.
+        extra: More keys to store (``fine_tune`` stores which phase wrote the file).
+
+    Returns:
+        What was written (the state dict).
+    """
+    directory = Path(cfg.checkpoint_dir)
+    state = {
+        "model": host_state if host_state is not None else model.state_dict(),
+        "optimizer": opt.state_dict(), "epoch": epoch,
+        "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": world_size,
+        "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
+        "optimizer_name": _optimizer_name(cfg.optimizer),
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
+    }
+    if ema is not None:
+        state["ema"] = ema
+    if scaler is not None:
+        state["scaler"] = scaler
+    state.update(extra or {})
+    runtime.save(state, directory / f"epoch_{epoch:03d}-{run_id}.pt")
+    if runtime.is_master():
+        # Only this run's files, ranked by epoch number: a rerun into the same
+        # folder never deletes another run's checkpoints, nor its own newest.
+        mine = sorted((_epoch_of(p), p) for p in directory.glob(f"epoch_*-{run_id}.pt")
+                      if _epoch_of(p) is not None)
+        for _, p in mine[:-cfg.keep_checkpoints]:
+            p.unlink(missing_ok=True)
+        if cfg.keep_runs is not None:
+            gone = prune_runs(directory, cfg.keep_runs, current=run_id)
+            if gone:
+                print(f"keep_runs={cfg.keep_runs}: deleted {len(gone)} epoch checkpoint(s) of "
+                      f"earlier runs in {directory}", flush=True)
+    return state
+
+
+def sharded_meta(state: dict, strategy: str) -> dict:
+    """What a ``.dcp`` sharded checkpoint keeps beside its tensors: the epoch checkpoint
+    ``state`` with every tensor as a ``meta`` tensor (shape and dtype, no data), the
+    optimizer state's devices, and the strategy that wrote it."""
+    def skel(t: Any) -> Any:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+
+    meta = {k: v for k, v in state.items() if k not in ("model", "optimizer", "ema")}
+    meta["model"] = {k: skel(v) for k, v in state["model"].items()}
+    opt = state["optimizer"]
+    meta["optimizer"] = {"param_groups": opt["param_groups"],
+                         "state": {i: {k: skel(v) for k, v in e.items()}
+                                   for i, e in opt["state"].items()}}
+    meta["optimizer_devices"] = {i: {k: v.device.type for k, v in e.items()
+                                     if isinstance(v, torch.Tensor)}
+                                 for i, e in opt["state"].items()}
+    meta["sharded_strategy"] = strategy
+    return meta
+
+
+def _load_sharded_meta(path: Path) -> dict:
+    """The resume state of a ``.dcp`` folder (its tensors stay in the folder)."""
+    from ..runtime.spmd import SHARDED_META
+
+    f = path / SHARDED_META
+    if not f.is_file():
+        raise CheckpointError(f"{path} is not an xla_utils sharded checkpoint (no {SHARDED_META}: "
+                              "written before sharded resume existed, or not by xla_utils). Fix: "
+                              "resume from its consolidated twin " f"{path.with_suffix('.pt').name}")
+    meta = torch.load(f, map_location="cpu", weights_only=False)
+    meta["sharded"] = str(path)
+    return meta

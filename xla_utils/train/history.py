@@ -1,0 +1,330 @@
+"""What a fit run returns and keeps: :class:`History` (table, CSV, plot) and
+:class:`BestTracker`, the best-epoch choice behind ``monitor=`` / ``patience=``.
+
+``History`` used to live in :mod:`xla_utils.train.trainer`; ``from xla_utils.train.trainer
+import History`` still works.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..utils.atomic import atomic_write
+
+__all__ = ["History", "BestTracker", "check_monitor", "monitor_mode", "write_csv_atomic"]
+
+#: Names ``monitor=`` accepts besides the validation metrics (``top<k>`` is any k).
+LOSS_MONITORS = ("val_loss", "train_loss")
+METRIC_MONITORS = ("accuracy", "f1")
+
+
+@dataclass
+class History:
+    """What :meth:`OneCycleTrainer.fit` returns (``len``, indexing and ``str`` work too).
+
+    Attributes:
+        epochs: One dict per epoch: ``epoch``, ``train_loss``, ``val_loss`` and
+            validation metrics (when ``val_data`` was given), ``lr_max`` (peak LR
+            used), ``lr_last`` (LR of the epoch's last step), ``images_per_s``
+            (global, this epoch including any compilation), ``compiles`` (XLA
+            compilations so far in the run, cumulative), ``host_reads_per_step``
+            (device->host transfers per training step in this process, all its
+            replicas together: the progress-bar loss reads), ``seconds``.
+        world_size, global_batch: Cores and samples per step over all cores.
+        base_lr, max_lr: The LR given (or found) and the peak LR used.
+        lr_scaling, lr_note: The scaling rule and how ``max_lr`` came from ``base_lr``.
+        backend: ``"xla"`` or ``"torch"``.
+        state_dict: The final model state on the CPU (after a stop: the last
+            finite epoch's; empty when no epoch ended finite). With ``monitor=``
+            set: the best epoch's weights.
+        stop_reason: None for a complete run, else why it stopped early (a
+            non-finite loss, or ``patience=`` epochs without improvement).
+        warnings: What the run warned about (divergence, exploding validation loss).
+        run_id: Names this run's checkpoint files.
+        compile_cache: The persistent compilation cache in this run (master
+            replica): its state and folder, how many graphs were loaded from it
+            and how many compiled (see ``TrainerConfig.compile_cache``), or why
+            it was off. ``str(history)`` shows it unless it was deliberately off.
+        monitor, best_epoch, best_score: With ``monitor=``: the monitored key,
+            the 1-based epoch whose weights are ``state_dict`` (and ``best.pt``)
+            and its value; else None.
+        ema_state_dict: The final EMA weights on the CPU (``ema`` set), else empty.
+    """
+
+    epochs: list[dict[str, Any]]
+    world_size: int
+    global_batch: int
+    base_lr: float
+    max_lr: float
+    lr_scaling: str
+    lr_note: str
+    backend: str
+    state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    stop_reason: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    run_id: str | None = None
+    compile_cache: str | None = None
+    monitor: str | None = None
+    best_epoch: int | None = None
+    best_score: float | None = None
+    ema_state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.epochs[i]
+
+    def __len__(self) -> int:
+        return len(self.epochs)
+
+    def table(self) -> str:
+        """The per-epoch history as an aligned text table."""
+        if not self.epochs:
+            return "(no epochs)"
+        keys = [k for k in self.epochs[-1] if k != "epoch"]
+        head = ["epoch"] + keys
+        rows = [[str(e["epoch"])] + [_fmt(e.get(k)) for k in keys] for e in self.epochs]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines)
+
+    def to_csv(self, path: str | os.PathLike) -> Path:
+        """Write the per-epoch records to ``path`` as CSV (one row per epoch, the
+        union of keys as columns, ``epoch`` first); written to a temporary file and
+        renamed, so a reader never sees half a file. Returns the path."""
+        return write_csv_atomic(self.epochs, path)
+
+    def plot(self, path: str | os.PathLike | None = None, show: bool | None = None) -> Any:
+        """Loss, validation metrics and LR per epoch, as a matplotlib figure.
+
+        Args:
+            path: Also save the figure there (PNG, SVG, ... by suffix). Default None.
+            show: Call ``plt.show()``; default None = only when no ``path`` is given
+                and the backend is interactive (a notebook shows the returned figure).
+
+        Returns:
+            The ``matplotlib.figure.Figure`` (three panels: losses, metrics, LR).
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install matplotlib``).
+            ValueError: the history has no epochs.
+        """
+        try:
+            import matplotlib
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("History.plot() needs matplotlib, which is not installed: "
+                              "pip install matplotlib (or read history.table() / "
+                              "history.to_csv(path) instead)") from None
+        if not self.epochs:
+            raise ValueError("History.plot(): the history has no epochs to plot")
+        x = [e["epoch"] for e in self.epochs]
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+        for key in LOSS_MONITORS[::-1]:
+            if any(key in e for e in self.epochs):
+                axes[0].plot(x, [_num(e.get(key)) for e in self.epochs], marker="o", label=key)
+        axes[0].set_title("loss")
+        for key in _metric_keys(self.epochs):
+            axes[1].plot(x, [_num(e.get(key)) for e in self.epochs], marker="o", label=key)
+        axes[1].set_title("validation metrics")
+        axes[2].plot(x, [_num(e.get("lr_last")) for e in self.epochs], marker="o", label="lr_last")
+        axes[2].plot(x, [_num(e.get("lr_max")) for e in self.epochs], ls="--", label="lr_max")
+        axes[2].set_yscale("log")
+        axes[2].set_title("learning rate")
+        if self.best_epoch is not None:
+            for ax in axes[:2]:
+                ax.axvline(self.best_epoch, color="grey", ls=":", label=f"best ({self.monitor})")
+        for ax in axes:
+            ax.set_xlabel("epoch")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path)
+        if show or (show is None and path is None and matplotlib.is_interactive()):
+            plt.show()
+        return fig
+
+    def __str__(self) -> str:
+        cores = f"{self.world_size} core{'s' if self.world_size > 1 else ''}"
+        best = (f"\nbest epoch {self.best_epoch} ({self.monitor} {self.best_score:.4g})"
+                if self.best_epoch is not None and self.best_score is not None else "")
+        return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "
+                f"batch, max_lr {self.max_lr:.3g} (from {self.base_lr:.3g}: {self.lr_note}), "
+                f"backend {self.backend}\n"
+                + (f"{self.compile_cache}\n" if self.compile_cache and not
+                   self.compile_cache.startswith("compile cache off:") else "") + self.table()
+                + best + (f"\nSTOPPED: {self.stop_reason}" if self.stop_reason else ""))
+
+
+_NOT_METRICS = {"epoch", "train_loss", "val_loss", "lr_max", "lr_last", "images_per_s",
+                "compiles", "host_reads_per_step", "seconds", "skipped_steps"}
+
+
+def _metric_keys(epochs: list[dict[str, Any]]) -> list[str]:
+    keys = dict.fromkeys(k for e in epochs for k in e if k not in _NOT_METRICS)
+    return [k for k in keys if any(isinstance(e.get(k), (int, float)) for e in epochs)]
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def write_csv_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Write ``records`` (dicts) to ``path`` as CSV through a temporary file in the same
+    folder and an atomic rename. Missing values are empty cells. Returns the path."""
+    path = Path(path)
+    keys = list(dict.fromkeys(["epoch"] + [k for r in records for k in r]))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, lineterminator="\n")
+    w.writeheader()
+    for r in records:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+    atomic_write(path, buf.getvalue())
+    return path
+
+
+# ----------------------------------------------------------------- best epoch
+def monitor_mode(monitor: str) -> str:
+    """``"min"`` for losses, ``"max"`` for metrics (accuracy, ``top<k>``, F1)."""
+    return "min" if monitor.endswith("loss") else "max"
+
+
+def check_monitor(monitor: str | None, patience: int | None) -> None:
+    """Refuse a ``monitor`` / ``patience`` pair that cannot work (at config time).
+
+    Raises:
+        ValueError: unknown monitor name, or ``patience`` without ``monitor`` or < 1.
+    """
+    if monitor is not None:
+        if not isinstance(monitor, str) or not (monitor in LOSS_MONITORS or monitor in
+                                                METRIC_MONITORS or re.fullmatch(r"top\d+", monitor)):
+            raise ValueError(f"monitor={monitor!r} is not a value fit records: use 'val_loss', "
+                             "'train_loss' or a validation metric ('accuracy', 'top<k>', 'f1'), "
+                             "or None")
+    if patience is not None:
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be an int >= 1 (epochs without improvement before "
+                             f"stopping) or None, got {patience!r}")
+        if monitor is None:
+            raise ValueError("patience= needs monitor= (the value that must improve), e.g. "
+                             "monitor='val_loss' or monitor='accuracy'")
+
+
+def check_monitor_data(monitor: str | None, metrics: Any, has_val: bool, multilabel: bool,
+                       num_outputs: int | None) -> None:
+    """Refuse, before any device time, a ``monitor`` the run will not record.
+
+    Args:
+        monitor: ``TrainerConfig.monitor``.
+        metrics: ``TrainerConfig.metrics`` (None = the defaults).
+        has_val: whether the trainer has ``val_data``.
+        multilabel: the training data is multi-label (default metric F1).
+        num_outputs: classes the model outputs (top5 is a default above 10), or None.
+    """
+    if monitor is None or monitor == "train_loss":
+        return
+    if not has_val:
+        raise ValueError(f"monitor={monitor!r} is a validation value but the trainer has no "
+                         "val_data: pass val_data=... or monitor='train_loss'")
+    if monitor == "val_loss":
+        return
+    if metrics is not None:
+        names = [str(m).lower() for m in metrics]
+    elif multilabel:
+        names = ["f1"]
+    else:
+        names = ["accuracy"] + (["top5"] if num_outputs is not None and num_outputs > 10 else [])
+    if monitor not in names:
+        raise ValueError(f"monitor={monitor!r} is not among this run's validation metrics "
+                         f"{names}: add it to metrics=[...] or monitor one of "
+                         f"{['val_loss'] + names}")
+
+
+@dataclass
+class BestTracker:
+    """The best-epoch choice of one replica (every replica sees the same reduced
+    values, so all make the same choice and stop at the same epoch).
+
+    Attributes:
+        monitor: The record key watched; ``mode`` ``"min"`` or ``"max"``.
+        patience: Epochs without improvement before stopping (None: never stop).
+        best_epoch, best_score: The best so far (1-based epoch).
+        best_state: Host copy of the best epoch's weights (master only).
+        stop_reason: Why patience ran out, else None.
+    """
+
+    monitor: str
+    patience: int | None = None
+    best_epoch: int | None = None
+    best_score: float | None = None
+    best_state: dict[str, torch.Tensor] | None = None
+    stop_reason: str | None = None
+
+    @classmethod
+    def resume(cls, monitor: str, patience: int | None,
+               history: list[dict[str, Any]]) -> "BestTracker":
+        """A tracker that has seen the epochs of a resumed run's ``history``."""
+        t = cls(monitor, patience)
+        for r in history:
+            t.improved(r)
+        return t
+
+    def improved(self, record: dict[str, Any]) -> bool:
+        """Take the epoch ``record``; True when it is the new best."""
+        v = record.get(self.monitor)
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        better = (self.best_score is None or
+                  (v < self.best_score if monitor_mode(self.monitor) == "min" else v > self.best_score))
+        if better:
+            self.best_epoch, self.best_score = int(record["epoch"]), float(v)
+        return better
+
+    def should_stop(self, epoch: int) -> bool:
+        """After 1-based ``epoch``: patience exhausted? Sets ``stop_reason``."""
+        if self.patience is None or self.best_epoch is None or epoch - self.best_epoch < self.patience:
+            return False
+        self.stop_reason = (f"early stop after epoch {epoch}: {self.monitor} did not improve for "
+                            f"{epoch - self.best_epoch} epoch(s) (patience={self.patience}); best "
+                            f"{self.best_score:.4g} at epoch {self.best_epoch}")
+        return True
+
+
+def epoch_files(tracker: BestTracker | None, record: dict[str, Any], model: torch.nn.Module,
+                history: list[dict[str, Any]], checkpoint_dir: str | os.PathLike | None) -> bool:
+    """The end of a fit epoch in one replica, after its checkpoint: ``history.csv``
+    (master, when ``checkpoint_dir`` is set), the best-epoch choice (a host copy of the
+    new best weights and ``best.pt`` on the master) and the patience test.
+
+    Returns:
+        True when the run must stop (patience exhausted; ``tracker.stop_reason`` says why).
+    """
+    from .. import runtime
+    from .loop import host_copy
+
+    master = runtime.is_master()
+    if checkpoint_dir is not None and master:
+        write_csv_atomic(history, Path(checkpoint_dir) / "history.csv")
+    if tracker is None:
+        return False
+    if tracker.improved(record):
+        state = model.state_dict()
+        if master:
+            tracker.best_state = host_copy(state)
+        if checkpoint_dir is not None:
+            runtime.save(state, Path(checkpoint_dir) / "best.pt")  # writes on the master only
+    return tracker.should_stop(int(record["epoch"]))

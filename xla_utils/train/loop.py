@@ -1,0 +1,782 @@
+"""The training loop as plain functions with explicit arguments (as timm's ``train.py``).
+
+:meth:`OneCycleTrainer.fit <xla_utils.train.trainer.OneCycleTrainer.fit>`'s replicas
+(:func:`xla_utils.train.replica_loops.fit_replica`) run :func:`set_up`, then per epoch
+:func:`train_one_epoch`, :func:`evaluate` and :func:`~xla_utils.train.checkpoint.save_checkpoint`;
+``predict`` and ``evaluate`` (:func:`~xla_utils.train.replica_loops.inference_replica`) share :func:`replica_model`, :func:`prepare_input`, :func:`loader` and
+:func:`metric_accumulator` with it.
+
+Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
+over replicas; through the gradient scaler of an fp16 run) and one
+``runtime.sync()``. The loss is accumulated on the device and read only every
+``log_every`` steps (an fp16 run's skipped steps once per epoch); validation
+metrics are device sums reduced once per pass. Precision, memory layout and host
+buffers are the run's :class:`~xla_utils.train.device_plan.DevicePlan`. Every rank gets
+the same number of full batches (training drops the ragged tail of the global
+shuffle; validation pads and masks), so after the first epoch nothing compiles again.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from .. import runtime
+from ..data import CachedImageDataset, default_loader_threads, iterate_batches
+from .device_plan import DevicePlan, DeviceRequest
+from .metrics import MetricAccumulator, resolve_metrics
+from .optim import make_optimizer
+from .schedule import OneCycleSchedule
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+    from .ema import DeviceEMA
+    from .inputs import InputSpec
+    from .mixup import DeviceMix, MixConfig
+    from .strategy import MeshRun
+
+__all__ = ["default_train_step", "default_eval_step", "prepare_input", "input_preparer",
+           "replica_model", "loader",
+           "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
+           "begin_epoch", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
+           "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
+           "InferencePlan", "activate", "inference_pass", "gather_predictions", "inference_metrics",
+           "loader_words", "SKIPPED_WARN", "tta_views"]
+
+# An epoch's training or validation loss this many times the untrained model's (at the
+# run's first step) counts as diverged: the run stops there (on_nan="stop"), as on a NaN.
+VAL_LOSS_EXPLODES = 10.0
+# An fp16 epoch whose gradient scaler skipped more than this share of its steps is warned about.
+SKIPPED_WARN = 0.5
+
+
+def default_train_step(model: torch.nn.Module, batch: tuple, loss_fn: Callable) -> torch.Tensor:
+    """``loss_fn(model(x), y)``: the trainer's default ``train_step``."""
+    x, y = batch
+    return loss_fn(model(x), y)
+
+
+def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """``model(x)``: the trainer's default ``eval_step``."""
+    x, _ = batch
+    return model(x)
+
+
+def prepare_input(x: torch.Tensor, cfg: TrainerConfig, train: bool, inputs: InputSpec,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """Model input from a device batch of a dataset whose inputs are described by
+    ``inputs`` (its :class:`~xla_utils.train.inputs.InputSpec`, decided once on the host):
+    uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
+    (and flipped when ``train and cfg.flip``) into ``memory_format`` (the run's
+    :attr:`DevicePlan.memory_format <xla_utils.train.device_plan.DevicePlan.memory_format>`);
+    other inputs are returned unchanged."""
+    return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip,
+                          memory_format=memory_format)
+
+
+def input_preparer(cfg: TrainerConfig, inputs: InputSpec, train: bool
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> model input`` for batches of a dataset described by ``inputs``:
+    :func:`prepare_input` with ``cfg`` and ``train`` bound (what ``check``, ``debug`` and
+    ``find_lr`` are given)."""
+    return lambda x: prepare_input(x, cfg, train, inputs)
+
+
+def replica_model(model: torch.nn.Module, dev: torch.device | None,
+                  state_dict: dict | None = None) -> torch.nn.Module:
+    """This replica's model on ``dev`` (None: left on the host, for a strategy that
+    places it itself), optionally loaded with ``state_dict`` first.
+
+    Simulated replica threads share Python objects, and in-process (torch
+    backend) the caller's model must stay untouched until success: both get
+    their own copy. A forked replica owns its process's model already.
+    """
+    if runtime.is_simulated() or runtime.backend() == "torch":
+        model = copy.deepcopy(model)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model if dev is None else model.to(dev)
+
+
+def loader(data, cfg: TrainerConfig, *, world_size: int, rank: int, epoch: int, train: bool,
+           pin_memory: bool = False):
+    """This rank's batches of ``data`` for one epoch: shuffled full batches of
+    ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
+    ``cfg.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``."""
+    bs = cfg.batch_size if train else cfg.val_batch_size(len(data), world_size)
+    return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
+                           seed=cfg.seed, epoch=epoch, drop_last=train,
+                           num_workers=cfg.num_workers, pin_memory=pin_memory)
+
+
+def loader_words(data, cfg: Any) -> str:
+    """How ``data`` is loaded, for the run's first line: ``"4 loader threads"`` (a cache)
+    or ``"DataLoader with 0 worker processes"``."""
+    if isinstance(data, CachedImageDataset):
+        n = cfg.num_workers if cfg.num_workers is not None else default_loader_threads()
+        return f"{n} loader thread{'s' if n != 1 else ''}"
+    n = cfg.num_workers or 0
+    return f"DataLoader with {n} worker process{'es' if n != 1 else ''}"
+
+
+def eval_module(s: "Setup") -> torch.nn.Module:
+    """The model validation uses: the EMA copy when ``cfg.ema`` is set, else the model."""
+    return s.model if s.ema is None else s.ema.module
+
+
+def scale_lr(lr: float, world_size: int, rule: str) -> float:
+    """``lr`` for ``world_size`` cores under ``rule`` (linear, sqrt or none)."""
+    factor = {"linear": world_size, "sqrt": math.sqrt(world_size), "none": 1.0}[rule]
+    return lr * factor
+
+
+def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy that later in-place updates of ``state`` cannot reach."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+@dataclass
+class Setup:
+    """What :func:`set_up` prepared in one replica for a fit run.
+
+    Attributes:
+        model, opt, sched: The replica's model (on ``device``), optimizer and
+            one-cycle schedule (driven per optimizer step).
+        world_size, rank, device: This replica's world.
+        base_lr: ``max_lr`` for ``lr_world`` cores, as given or found.
+        lr_world: The world size ``base_lr`` is meant for.
+        max_lr: The peak LR of this run (``base_lr`` scaled to ``world_size``).
+        rule: The LR scaling rule (linear, sqrt or none).
+        lr_note: How ``max_lr`` came from ``base_lr``, in words.
+        steps_per_epoch: Optimizer steps per epoch on every rank.
+        start_epoch: First epoch to run (0, or the resumed checkpoint's epoch).
+        history: Per-epoch records so far (the resumed checkpoint's).
+        autocast: The forward's autocast context (``plan.autocast``).
+        accum_steps: Micro-batches per optimizer step.
+        ema: The :class:`~xla_utils.train.ema.DeviceEMA` (``cfg.ema`` set) or None.
+        mix: The :class:`~xla_utils.train.mixup.DeviceMix` (mixup/cutmix/smoothing on) or None.
+        mesh: The SPMD strategy's :class:`~xla_utils.train.strategy.MeshRun`, or None
+            (``strategy="spawn"``: one replica per core).
+        plan: The run's :class:`~xla_utils.train.device_plan.DevicePlan` (precision, layout,
+            host buffers, gradient scaler).
+    """
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: OneCycleSchedule
+    world_size: int
+    rank: int
+    device: torch.device
+    base_lr: float
+    lr_world: int
+    max_lr: float
+    rule: str
+    lr_note: str
+    steps_per_epoch: int
+    start_epoch: int
+    history: list[dict[str, Any]]
+    autocast: Any
+    accum_steps: int = 1
+    ema: DeviceEMA | None = None
+    mix: DeviceMix | None = None
+    mesh: MeshRun | None = None
+    plan: DevicePlan | None = None
+
+    def batches(self, data, cfg: TrainerConfig, epoch: int, train: bool):
+        """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
+        if self.mesh is not None:
+            return self.mesh.loader(data, cfg, epoch, train)
+        return loader(data, cfg, world_size=self.world_size, rank=self.rank, epoch=epoch,
+                      train=train, pin_memory=self.plan is not None and self.plan.pinned)
+
+    def feed(self, batches: Iterable):
+        """``batches`` on the device(s): sharded over the mesh, or prefetched."""
+        return runtime.device_prefetch(batches) if self.mesh is None else self.mesh.feed(batches)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state under the plain model's names (consolidated on a mesh)."""
+        return self.model.state_dict() if self.mesh is None else self.mesh.state_dict(self.model)
+
+
+@dataclass
+class TrainState:
+    """What changes over a fit run in one replica.
+
+    Attributes:
+        step: Optimizer steps done (counting resumed epochs).
+        initial_loss: The untrained model's loss at the run's first step, the
+            yardstick for "the loss exploded" warnings.
+        finite_state: Host copy of the weights of the last epoch that ended
+            finite (master only, ``on_nan="stop"``); what the caller gets if a
+            later epoch diverges.
+        stop_reason: Why the run stopped early (``None``: it did not).
+        diverged: Whether the training loss was read non-finite.
+        exploded: Whether an epoch's loss exploded (:func:`explosion`).
+        warnings: What the run warned about.
+    """
+
+    step: int
+    initial_loss: float | None
+    finite_state: dict[str, torch.Tensor] | None = None
+    stop_reason: str | None = None
+    diverged: bool = False
+    exploded: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+
+def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: float,
+           lr_world: int, ckpt: dict | None, mix: MixConfig | None = None,
+           lr_groups: Callable | None = None, strategy: MeshRun | None = None,
+           inputs: InputSpec | None = None) -> Setup:
+    """Prepare one replica for a fit run: model, optimizer, schedule, resumed state, and
+    its :class:`~xla_utils.train.device_plan.DevicePlan`, which the first line reports on the
+    torch backend (precision, layout, host buffers, loader) after the LR scaling.
+
+    Args:
+        model: The trainer's model (copied where replicas share objects).
+        cfg: The run's :class:`~xla_utils.train.config.TrainerConfig`.
+        train_data: The training dataset (sets the steps per epoch).
+        base_lr: ``max_lr`` for ``lr_world`` cores.
+        lr_world: The global-batch multiple ``base_lr`` is meant for (1, or the
+            cores x accum_steps ``lr_find`` measured for).
+        ckpt: A checkpoint to resume from, or ``None``.
+        mix: The run's :class:`~xla_utils.train.mixup.MixConfig`, or None.
+        lr_groups: ``lr_groups(model) -> param-group dicts`` (with ``lr_mult``), for
+            discriminative LRs and frozen layers (:mod:`xla_utils.train.finetune`); None =
+            every parameter at one LR.
+        strategy: A :class:`~xla_utils.train.strategy.MeshRun` (``"spmd"``/``"fsdp"``: this one
+            process feeds ``strategy.devices`` devices), or None.
+        inputs: The training data's :class:`~xla_utils.train.inputs.InputSpec` (image inputs
+            go channels_last on CUDA), or None.
+
+    Raises:
+        ResumeError: The checkpoint's world size or steps per epoch differ from
+            this run's (the schedule would not continue exactly).
+    """
+    from .checkpoint import ResumeError
+
+    from .ema import DeviceEMA
+    from .mixup import DeviceMix
+
+    ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
+    k = cfg.accum_steps
+    ema_from = None if cfg.ema is None else copy.deepcopy(model).cpu()  # before it moves
+    # A mesh strategy places the model itself ("fsdp": straight into the shards).
+    sharded = ckpt is not None and "sharded" in ckpt  # a .dcp: loaded onto the mesh below
+    model = replica_model(model, None if strategy is not None else dev,
+                          None if ckpt is None or sharded else ckpt["model"])
+    if strategy is not None:
+        ws, model = strategy.devices, strategy.wrap(model)
+    plan = DevicePlan.build(DeviceRequest(cfg.precision, cfg.channels_last, inputs), dev, model)
+    rule = cfg.scaling_rule
+    max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
+    how = f"{rule} scaling" if lr_world == 1 else \
+        f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
+    runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data))
+    opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
+                         lr=max_lr / cfg.div_factor,
+                         weight_decay=cfg.weight_decay)
+    steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True)) // k
+    sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
+                             pct_start=cfg.pct_start, div_factor=cfg.div_factor,
+                             final_div_factor=cfg.final_div_factor, moms=cfg.moms)
+    history: list[dict[str, Any]] = []
+    start_epoch = 0
+    if ckpt is not None:
+        # fit() compared against the planned world; this is the actual one.
+        if (ckpt["world_size"], ckpt["steps_per_epoch"]) != (ws, steps_per_epoch):
+            raise ResumeError(
+                f"checkpoint was written with {ckpt['world_size']} cores and "
+                f"{ckpt['steps_per_epoch']} steps/epoch; this run has {ws} and "
+                f"{steps_per_epoch}: the one-cycle schedule would not continue exactly")
+        if not sharded:
+            opt.load_state_dict(ckpt["optimizer"])
+        start_epoch, history = ckpt["epoch"], list(ckpt["history"])
+        plan.load_scaler_state(ckpt.get("scaler"))
+    ema = None if cfg.ema is None else DeviceEMA(
+        plan.place(ema_from), cfg.ema, start_epoch * steps_per_epoch, dev,
+        state=None if ckpt is None or sharded else ckpt.get("ema", ckpt["model"]),
+        place=None if strategy is None else strategy.place)
+    if sharded:  # model, optimizer and EMA filled from the shards, nothing gathered
+        strategy.resume_sharded(model, opt, ckpt, ema=ema)
+    return Setup(model=model, opt=opt, sched=sched, world_size=ws, rank=rk, device=dev,
+                 base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
+                 steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
+                 autocast=plan.autocast, accum_steps=k, ema=ema,
+                 mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan)
+
+
+def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how: str,
+                plan: DevicePlan, train_data: Any) -> str:
+    """The run's first line: the global batch and the LR scaling (``how``), and on the
+    torch backend what the device plan chose and the loader."""
+    k = cfg.accum_steps
+    return (f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core"
+            + (f" x {k} accumulated" if k > 1 else "") + f" = "
+            f"{ws * cfg.batch_size * k} global batch; max_lr {base_lr:.3g} x "
+            f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
+            + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else ""))
+
+
+@dataclass
+class EpochResult:
+    """What :func:`train_one_epoch` measured.
+
+    Attributes:
+        train_loss: Mean training loss over all replicas at the epoch's last
+            read (NaN when never read).
+        lr_last: LR of the epoch's last step.
+        to_host: Device->host transfers in this process during the epoch.
+        seconds: Wall time of the epoch's training steps.
+        skipped_steps: Optimizer steps the gradient scaler skipped (inf/NaN gradients) in
+            an fp16 run; None without a scaler.
+    """
+
+    train_loss: float
+    lr_last: float
+    to_host: int
+    seconds: float
+    skipped_steps: int | None = None
+
+
+def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *,
+                    cfg: TrainerConfig, train_step: Callable, loss_fn: Callable, inputs: InputSpec,
+                    progress: Any = None) -> EpochResult:
+    """Run one training epoch in this replica.
+
+    On a non-finite loss read the divergence warning is recorded in ``state``;
+    with ``cfg.on_nan == "stop"`` the epoch ends there and ``state.stop_reason``
+    says why. An fp16 epoch whose gradient scaler skipped more than
+    :data:`SKIPPED_WARN` of its steps is warned about too.
+
+    Args:
+        epoch: 0-based epoch number.
+        s: The replica's :class:`Setup`.
+        state: The run's :class:`TrainState` (``step``, ``initial_loss``,
+            divergence are updated).
+        batches: This rank's host batches ``(x, y, valid)`` for the epoch.
+        cfg: The trainer's configuration.
+        train_step: ``train_step(model, (x, y), loss_fn) -> loss tensor``.
+        loss_fn: The loss.
+        inputs: The training data's :class:`~xla_utils.train.inputs.InputSpec`.
+        progress: A progress bar over the steps (master only), or ``None``.
+
+    Returns:
+        The epoch's :class:`EpochResult`.
+    """
+    spe, k = s.steps_per_epoch, s.accum_steps
+    begin_epoch(s, cfg, epoch)
+    t0 = time.perf_counter()
+    to_host0 = runtime.xla_counters()["to_host"]
+    # Device data, not torch.zeros(device=xla): a zeros *op* would make each
+    # epoch's first step a different graph (one recompile).
+    loss_sum = runtime.to_device(torch.zeros(()), s.device)
+    lr_last = s.sched.lr(state.step)
+    train_loss = math.nan
+    it = s.feed(batches)
+    for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
+        loss, lr = micro_step(s, state.step, m, x, y, cfg=cfg, train_step=train_step,
+                              loss_fn=loss_fn, inputs=inputs)
+        lr_last = lr_last if lr is None else lr
+        i, last = divmod(m, k)[0], m % k == k - 1  # i: optimizer step in the epoch
+        loss_sum = loss_sum + loss.detach().float()
+        runtime.sync()
+        if not last:
+            continue
+        state.step += 1
+        if state.step == 1:
+            state.initial_loss = runtime.all_reduce(float(loss.detach().float().cpu()), op="mean")
+        if (i + 1) % cfg.log_every == 0 or i + 1 == spe:
+            # Every rank reads and the mean is exchanged on the host, so all
+            # ranks see the same value and stop at the same step.
+            train_loss = runtime.all_reduce(float(loss_sum.cpu()) / (m + 1), op="mean")
+            if progress is not None:
+                seen = (m + 1) * cfg.batch_size * s.world_size
+                progress.comment = (f"loss {train_loss:.4f}  "
+                                    f"{seen / (time.perf_counter() - t0):.0f} img/s")
+            if not math.isfinite(train_loss) and not state.diverged:
+                state.diverged = True
+                msg = divergence_message(cfg, train_loss, epoch, i + 1, s, lr_last,
+                                         state.finite_state is not None)
+                state.warnings.append(msg)  # fit() warns with it once the run returns
+                if cfg.on_nan == "stop":
+                    state.stop_reason = msg
+                    break
+                runtime.master_print(msg)  # going on: say it now as well
+    if hasattr(it, "close"):
+        it.close()  # micro-batches beyond the last full accumulation group are not used
+    skipped = s.plan.take_skipped()
+    if skipped and skipped > SKIPPED_WARN * spe:
+        msg = (f"epoch {epoch + 1}: the fp16 gradient scaler skipped {skipped} of {spe} optimizer "
+               "steps (inf/NaN gradients), so the weights barely trained. Fix: lower max_lr, check "
+               "the loss and inputs for inf/NaN, or train in precision='fp32'.")
+        runtime.master_print(msg)
+        state.warnings.append(msg)
+    return EpochResult(train_loss=train_loss, lr_last=lr_last,
+                       to_host=runtime.xla_counters()["to_host"] - to_host0,
+                       seconds=time.perf_counter() - t0, skipped_steps=skipped)
+
+
+def begin_epoch(s: Setup, cfg: TrainerConfig, epoch: int) -> None:
+    """What every epoch starts with in every replica: its RNG seeds (data order, device
+    RNG: flips, dropout), its mixing draws (exact resume) and train mode."""
+    runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
+    if s.mix is not None:
+        s.mix.start_epoch()  # this epoch's draws come from this epoch's seed (exact resume)
+    s.model.train()
+
+
+def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfig,
+               train_step: Callable,
+               loss_fn: Callable, inputs: InputSpec | None) -> tuple[torch.Tensor, float | None]:
+    """Micro-batch ``m`` (0-based, counted from the epoch's start) of the run's optimizer step
+    ``step``, as ``fit`` runs it, up to the step boundary (the caller calls
+    ``runtime.sync()``): mixing, the input's device preparation, at a step's first
+    micro-batch the one-cycle LR and momentum and ``zero_grad``, forward and backward under
+    the run's autocast, and at its last micro-batch the optimizer step and the EMA update.
+    :meth:`OneCycleTrainer.check <xla_utils.train.trainer.OneCycleTrainer.check>` and ``debug()``
+    measure this very function (:mod:`xla_utils.train.steps`).
+
+    Returns:
+        ``(loss, lr)``: the micro-batch's loss tensor, and the LR set at this micro-batch
+        (None when it is not a step's first).
+    """
+    k, lr = s.accum_steps, None
+    if s.mix is not None:
+        s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
+    x = prepare_input(x, cfg, True, inputs, s.plan.memory_format)
+    if s.mix is not None:
+        x, y = s.mix(x, y)
+        x = s.plan.layout(x)
+    if m % k == 0:
+        lr = s.sched.apply(s.opt, step)
+        s.opt.zero_grad(set_to_none=True)
+    with s.autocast:
+        loss = train_step(s.model, (x, y), loss_fn)
+    s.plan.backward(loss / k if k > 1 else loss)
+    if m % k == k - 1:
+        s.plan.step(s.opt)  # a step the fp16 scaler skips still advances the schedule
+        if s.ema is not None:
+            s.ema.update(s.model)
+    return loss, lr
+
+
+def _kept(s: Setup, epoch: int, kept_finite: bool) -> str:
+    """What ``trainer.model`` holds after a stop in ``epoch`` (0-based)."""
+    if kept_finite:
+        return f"keeps the weights of epoch {epoch} (the last good ones, a host copy)"
+    if s.start_epoch:
+        return ("is unchanged (no epoch of this fit ended good; the resumed checkpoint holds "
+                "the last good weights)")
+    return "is unchanged (no epoch ended good)"
+
+
+def _fix(cfg: TrainerConfig, s: Setup) -> str:
+    return (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
+            "fit(max_lr='find') pick it; check inputs, targets and the loss for "
+            "inf/NaN (log of 0, division by 0)"
+            + (f"; with {s.plan.precision} autocast try precision='fp32'"
+               + (" and bf16=False" if cfg.bf16 else "") if s.plan.precision != "fp32" else "")
+            + ".")
+
+
+def divergence_message(cfg: TrainerConfig, value: float, epoch: int, step: int, s: Setup, lr: float,
+                       kept_finite: bool) -> str:
+    """The warning for a non-finite training loss read at ``step`` of ``epoch``
+    (0-based), saying what happens next and how to fix it."""
+    msg = (f"train_loss became {value} in epoch {epoch + 1} by step {step}/{s.steps_per_epoch} "
+           f"(LR then {lr:.3g}; peak max_lr {s.max_lr:.3g} from max_lr {s.base_lr:.3g}). ")
+    if cfg.on_nan == "stop":
+        msg += (f"Training stopped (on_nan='stop'); trainer.model {_kept(s, epoch, kept_finite)}; "
+                "no checkpoint was written for it. ")
+    else:
+        msg += "Training goes on (on_nan='continue'); no checkpoint is written for non-finite epochs. "
+    return msg + _fix(cfg, s)
+
+
+def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torch.Tensor,
+                       dev: torch.device) -> MetricAccumulator:
+    """A device-side accumulator of the configured metrics ``names`` (``None``:
+    the defaults for the problem), sized from a first output/target pair."""
+    multilabel = y.dtype.is_floating_point and y.dim() == 2
+    resolved = resolve_metrics(names, multilabel, out.shape[1] if out.dim() == 2 else None)
+    return MetricAccumulator(resolved, loss_fn, dev)
+
+
+def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, loss_fn: Callable,
+             eval_step: Callable, autocast: Any, dev: torch.device,
+             inputs: InputSpec, feed: Callable | None = None,
+             memory_format: torch.memory_format = torch.contiguous_format) -> dict[str, float]:
+    """Validation loss and metrics of ``model`` over this rank's ``batches``,
+    reduced over all replicas.
+
+    Args:
+        model: The replica's model (set to eval mode here).
+        batches: This rank's padded host batches ``(x, y, valid)``.
+        cfg: The trainer's configuration (``metrics``, normalisation).
+        loss_fn, eval_step: The trainer's loss and ``eval_step``.
+        autocast: The autocast context of the run.
+        dev: The replica's device.
+        inputs: The data's :class:`~xla_utils.train.inputs.InputSpec`.
+        feed: Moves host batches to the device(s); default ``runtime.device_prefetch``.
+        memory_format: Image batches are normalised into it (the run's plan's).
+
+    Raises:
+        ValueError: ``batches`` yielded nothing.
+    """
+    model.eval()
+    acc = None
+    with torch.no_grad():
+        for x, y, valid in (feed or runtime.device_prefetch)(batches):
+            with autocast:
+                out = eval_step(model, (prepare_input(x, cfg, False, inputs, memory_format), y))
+            if acc is None:
+                acc = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
+            acc.update(out, y, valid)
+            runtime.sync()
+    if acc is None:
+        raise ValueError("val_data yielded no batch")
+    return acc.compute()
+
+
+def exploded(key: str, value: float | None, initial: float | None, epoch: int) -> str | None:
+    """Why epoch ``epoch``'s (1-based) ``key`` loss counts as exploded, or None: a non-finite
+    validation loss (a non-finite training loss is :func:`divergence_message`'s), or a loss
+    more than ``VAL_LOSS_EXPLODES`` (10) times the untrained model's at the run's first step."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        return None if key == "train_loss" else f"{key} at epoch {epoch} is {value}"
+    if initial is not None and math.isfinite(initial) and initial > 0 \
+            and value > VAL_LOSS_EXPLODES * initial:
+        return (f"{key} {value:.4g} at epoch {epoch} is {value / initial:,.3g}x the untrained "
+                f"model's loss at the first step ({initial:.4g})")
+    return None
+
+
+def explosion(record: dict[str, Any], state: TrainState, cfg: TrainerConfig, s: Setup,
+              epoch: int) -> None:
+    """At the end of epoch ``epoch`` (0-based, its ``record`` complete): when its training or
+    validation loss exploded (:func:`exploded`), record one message per run in
+    ``state.warnings`` and, with ``cfg.on_nan == "stop"``, in ``state.stop_reason``: the
+    caller then stops before this epoch's checkpoint and host copy, so the run keeps the
+    last good epoch's weights, as on a NaN. With ``"continue"`` it says so now and goes on."""
+    if state.diverged or state.exploded:
+        return
+    whys = [w for key in ("train_loss", "val_loss")
+            if (w := exploded(key, record.get(key), state.initial_loss, epoch + 1))]
+    if not whys:
+        return
+    state.exploded = True
+    msg = "; ".join(whys) + ": training is diverging. "
+    if cfg.on_nan == "stop":
+        msg += (f"Training stopped (on_nan='stop': a loss above {VAL_LOSS_EXPLODES:g}x the "
+                f"untrained model's counts as diverged, as a NaN does); trainer.model "
+                f"{_kept(s, epoch, state.finite_state is not None)}; no checkpoint was written "
+                f"for epoch {epoch + 1}. ")
+        state.stop_reason = msg + _fix(cfg, s)
+    else:
+        msg += "Training goes on (on_nan='continue'). "
+        runtime.master_print(msg + _fix(cfg, s))
+    state.warnings.append(msg + _fix(cfg, s))
+
+
+def epoch_line(r: dict[str, Any]) -> str:
+    parts = [f"epoch {r['epoch']}", f"train_loss {r['train_loss']:.4f}"]
+    for k in ("val_loss", "accuracy", "f1"):
+        if k in r:
+            parts.append(f"{k} {r[k]:.4f}")
+    parts += [f"{r['images_per_s']:.0f} img/s", f"{r['compiles']} compiles"]
+    return "  ".join(parts)
+
+
+@dataclass
+class InferencePlan:
+    """What one inference run does in every replica (built and checked on the host by the
+    trainer; :func:`xla_utils.train.replica_loops.inference_replica` runs it).
+
+    Attributes:
+        data: The dataset (a cache, or ``(x, y)`` pairs) as the loader collates it.
+        inputs: Its :class:`~xla_utils.train.inputs.InputSpec`.
+        n: Its length (predictions beyond it are padding).
+        views: ``(stored variant, mirrored)`` of each TTA view, in order.
+        batch_size: Per core.
+        activation: ``"softmax"``, ``"sigmoid"`` or ``None``.
+        model: The model to run (the trainer's, or one with other weights).
+        labelled: Compute metrics (``evaluate``) instead of predictions.
+        tta: Number of views averaged.
+        config: The trainer's configuration (normalisation, bf16, metrics, workers).
+        eval_step: ``eval_step(model, (x, y)) -> outputs``.
+        loss: The loss the metrics report (``evaluate``).
+    """
+
+    data: Any
+    inputs: InputSpec
+    n: int
+    views: list[tuple[int, bool]]
+    batch_size: int
+    activation: str | None
+    model: torch.nn.Module
+    labelled: bool
+    tta: int
+    config: TrainerConfig
+    eval_step: Callable
+    loss: Callable
+
+
+def tta_views(data, tta: int, shape: Any, flip: bool) -> list[tuple[int, bool]]:
+    """The ``(stored variant, mirrored)`` pair of each of ``tta`` views of ``data`` (inputs of
+    ``shape``), in order (see :meth:`OneCycleTrainer.predict
+    <xla_utils.train.trainer.OneCycleTrainer.predict>`): the stored variants, then (``flip``, 3-D
+    images) the same mirrored.
+
+    Raises:
+        ValueError: ``tta`` is not a positive int or exceeds the views ``data`` offers.
+    """
+    if not isinstance(tta, int) or isinstance(tta, bool) or tta < 1:
+        raise ValueError(f"tta must be a positive int (views per image), got {tta!r}")
+    v = data.num_variants if isinstance(data, CachedImageDataset) else 1
+    can_flip = flip and shape is not None and len(shape) == 3
+    views = [(j, f) for f in ((False, True) if can_flip else (False,)) for j in range(v)]
+    if tta > len(views):
+        if can_flip:
+            why = f"{v} stored variant(s), each also mirrored"
+        elif not flip:
+            why = f"{v} stored variant(s); no mirrored views because the trainer has flip=False"
+        else:
+            why = f"{v} stored variant(s); inputs of shape {shape} cannot be mirrored"
+        raise ValueError(f"tta={tta} but data offers {len(views)} distinct view(s): {why}. Build the "
+                         f"test cache with more variants (build_cache(..., variants={tta}, "
+                         "unlabeled=True)) or lower tta")
+    return views[:tta]
+
+
+def activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """Apply ``activation`` (sigmoid for a single output column) to model outputs."""
+    if activation is None:
+        return out
+    if activation == "sigmoid" or out.shape[1] == 1:
+        return torch.sigmoid(out)
+    return torch.softmax(out, dim=1)
+
+
+def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerConfig,
+                   eval_step: Callable,
+                   world_size: int, rank: int, dev: torch.device, feed: Callable | None = None
+                   ) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Run every TTA view of ``plan`` over this rank's share of the data.
+
+    Every view is one pass in dataset order over this rank's share of the padded
+    index list; per batch the activation output is added to a device
+    accumulator (one graph for every batch and view: the mirror flag is device
+    data). Precision, layout and host buffers are a
+    :class:`~xla_utils.train.device_plan.DevicePlan`'s (``model`` is converted in place; on
+    the torch backend a first line says what was chosen).
+
+    Returns:
+        ``(acc, targets)``: per batch the summed activations of all views, and
+        (when ``plan.labelled``) per batch the ``(y, valid)`` device tensors.
+    """
+    ws, rk, bs = world_size, rank, plan.batch_size
+    dp = DevicePlan.build(DeviceRequest(cfg.precision, cfg.channels_last, plan.inputs), dev, model,
+                          train=False)
+    if dp.words:
+        runtime.master_print(f"{'evaluate' if plan.labelled else 'predict'} on {dp.words}, "
+                             f"{loader_words(plan.data, cfg)}")
+    mirror = any(f for _, f in plan.views)
+    batches = iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
+                              drop_last=False, num_workers=cfg.num_workers)
+    nb = len(batches)
+    acc: list[torch.Tensor | None] = [None] * nb
+    targets: list[tuple[torch.Tensor, torch.Tensor]] = []
+    zeros = None
+    _, progress_bar = runtime.progress_bars()
+    total = nb * len(plan.views)
+    what = "evaluate" if plan.labelled else "predict"
+    pb = progress_bar(range(total), title=f"{what}: {plan.n} samples x {len(plan.views)} "
+                      f"view{'s' if len(plan.views) > 1 else ''} on {ws} core{'s' if ws > 1 else ''}"
+                      ) if runtime.is_master() else None
+
+    def steps():
+        for variant, flip in plan.views:
+            flag = runtime.to_device(torch.tensor(flip), dev) if mirror else None
+            for k, (x, y, valid) in enumerate((feed or runtime.device_prefetch)(
+                    iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
+                                    epoch=variant, drop_last=False, num_workers=cfg.num_workers,
+                                    pin_memory=dp.pinned))):
+                yield k, flag, x, y, valid
+
+    t0 = time.perf_counter()
+    it = steps()
+    with torch.no_grad():
+        for done, (_, (k, flag, x, y, valid)) in enumerate(
+                zip(pb if pb is not None else range(total), it), 1):
+            x = prepare_input(x, cfg, False, plan.inputs, dp.memory_format)
+            if flag is not None:
+                x = torch.where(flag, x.flip(3), x)
+            with dp.autocast:
+                out = eval_step(model, (x, y))
+            out = out.float()
+            if out.dim() == 1:
+                out = out.unsqueeze(1)
+            p = activate(out, plan.activation)
+            if zeros is None:  # device data, so the first view's steps use the same graph
+                zeros = runtime.to_device(torch.zeros(tuple(p.shape)), dev)
+            acc[k] = (zeros if acc[k] is None else acc[k]) + p
+            if plan.labelled and len(targets) < nb:
+                targets.append((y.clone(), valid.clone()))  # loader buffers are reused
+            runtime.sync()
+            if pb is not None and (done % cfg.log_every == 0 or done == total):
+                pb.comment = f"{done * bs * ws / (time.perf_counter() - t0):.0f} img/s"
+    it.close()
+    return acc, targets
+
+
+def gather_predictions(acc: list[torch.Tensor], plan: InferencePlan, *, world_size: int,
+                       rank: int, dev: torch.device) -> np.ndarray | None:
+    """All ranks' predictions in dataset order, on the master (``None`` elsewhere).
+
+    One all_reduce of a zero-filled ``[batches, world, batch, C]`` tensor, where
+    each rank fills its own slots, gathers the predictions exactly.
+    """
+    ws = world_size
+    local = torch.stack(acc)  # [nb, B, C]
+    if plan.tta > 1:
+        local = local / plan.tta
+    if ws > 1:
+        mine = runtime.to_device(torch.arange(ws) == rank, dev).view(1, ws, 1, 1)
+        local = runtime.all_reduce(torch.where(mine, local.unsqueeze(1), local.new_zeros(())))
+    runtime.sync()
+    if not runtime.is_master():
+        return None
+    c = local.shape[-1]
+    return local.cpu().numpy().reshape(-1, c)[:plan.n].astype(np.float32, copy=False)
+
+
+def inference_metrics(acc: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]],
+                      plan: InferencePlan, *, cfg: TrainerConfig, loss_fn: Callable,
+                      dev: torch.device) -> dict[str, float]:
+    """Loss and metrics of the (TTA-averaged) predictions ``acc`` against ``targets``.
+
+    With ``tta > 1`` the averaged probabilities are turned back into the logits
+    the loss expects: ``log(mean softmax)`` or ``logit(mean sigmoid)``.
+    """
+    metrics = None
+    for out, (y, valid) in zip(acc, targets):
+        if plan.tta > 1:  # averaged probabilities -> the logits the loss expects
+            p = out / plan.tta
+            if plan.activation == "sigmoid":
+                p = p.clamp(1e-7, 1 - 1e-7)
+                out = torch.log(p) - torch.log1p(-p)
+            else:
+                out = torch.log(p.clamp_min(1e-30))
+        if metrics is None:
+            metrics = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
+        metrics.update(out, y, valid)
+        runtime.sync()
+    return metrics.compute()

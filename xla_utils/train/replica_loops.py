@@ -1,0 +1,233 @@
+"""What each replica of a fit or an inference run does, as plain functions with explicit
+arguments (as timm's ``train_one_epoch`` / ``validate``).
+
+:meth:`OneCycleTrainer.fit <xla_utils.train.trainer.OneCycleTrainer.fit>` checks and plans on
+the host, then launches :func:`fit_replica` on every core (``strategy="spawn"``) or
+:func:`fit_on_mesh` in the one SPMD process (``"spmd"``/``"fsdp"``) with a :class:`FitPlan`:
+everything a replica needs, and nothing of the trainer. ``predict`` / ``evaluate`` launch
+:func:`inference_replica` / :func:`inference_on_mesh` with a
+:class:`~xla_utils.train.loop.InferencePlan`. Each is built from :mod:`xla_utils.train.loop`'s steps
+(set-up, one training epoch, evaluation, inference passes) and writes checkpoints
+through :mod:`xla_utils.train.checkpoint`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from . import loop
+from .. import runtime
+from .checkpoint import save_checkpoint, sharded_meta
+from .history import BestTracker, History, epoch_files
+from ..simulate import resident as _resident
+from .strategy import MeshRun, StrategyPlan, enter_mesh
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+    from .inputs import InputSpec
+    from .mixup import MixConfig
+
+__all__ = ["FitPlan", "fit_replica", "fit_on_mesh", "epoch_record", "end_epoch", "save_final",
+           "inference_replica", "inference_on_mesh"]
+
+
+@dataclass
+class FitPlan:
+    """What each replica of a fit run needs, decided and checked on the host by
+    :meth:`OneCycleTrainer.fit <xla_utils.train.trainer.OneCycleTrainer.fit>`.
+
+    Attributes:
+        model: The model to train (copied where replicas share objects).
+        loss: ``loss(outputs, targets) -> scalar``.
+        config: The run's configuration: the trainer's, with ``fit``'s per-run overrides.
+        train_step: ``train_step(model, (x, y), loss) -> loss tensor``.
+        eval_step: ``eval_step(model, (x, y)) -> outputs``.
+        inputs: ``{"train": (data as the loader collates it, its InputSpec), "val": ...
+            or None}``.
+        base_lr: ``max_lr`` for ``lr_world`` cores, as given or found.
+        lr_world: The global-batch multiple ``base_lr`` is meant for.
+        ckpt: The checkpoint to resume from, or None.
+        run_id: The run's id (in its checkpoint file names).
+        mix: The run's :class:`~xla_utils.train.mixup.MixConfig`, or None.
+        lr_groups: ``lr_groups(model) -> param-group dicts`` (with ``lr_mult``), or None:
+            every parameter at one LR.
+        ckpt_extra: Fields every epoch checkpoint records beside the run's state, or None.
+    """
+
+    model: torch.nn.Module
+    loss: Callable
+    config: TrainerConfig
+    train_step: Callable
+    eval_step: Callable
+    inputs: dict[str, tuple[Any, InputSpec] | None]
+    base_lr: float
+    lr_world: int
+    ckpt: dict | None
+    run_id: str
+    mix: MixConfig | None = None
+    lr_groups: Callable[..., Any] | None = None
+    ckpt_extra: dict[str, Any] | None = None
+
+
+def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
+    """One replica of :meth:`~xla_utils.train.trainer.OneCycleTrainer.fit`: set up, then per epoch
+    train, evaluate and checkpoint (``strategy``: the one SPMD process of
+    ``"spmd"``/``"fsdp"``, :func:`fit_on_mesh`)."""
+    cfg, ckpt, run_id, inputs = plan.config, plan.ckpt, plan.run_id, plan.inputs
+    base_lr, lr_world = plan.base_lr, plan.lr_world
+    train_data, spec = inputs["train"]
+    cache = runtime.enable_compile_cache(cfg.compile_cache)  # before anything compiles
+    counters0 = runtime.xla_counters()
+    s = loop.set_up(plan.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
+                    ckpt=ckpt, mix=plan.mix, lr_groups=plan.lr_groups,
+                    strategy=strategy, inputs=spec)
+    state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
+                            initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
+    master_bar, progress_bar = runtime.progress_bars()
+    epochs = range(s.start_epoch, cfg.epochs)
+    best = BestTracker.resume(cfg.monitor, cfg.patience, s.history) if cfg.monitor else None
+    mb = master_bar(epochs) if runtime.is_master() else None
+    for epoch in (mb if mb is not None else epochs):
+        pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
+                          parent=mb) if mb is not None else None
+        batches = s.batches(train_data, cfg, epoch, train=True)
+        res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
+                                   train_step=plan.train_step, loss_fn=plan.loss,
+                                   inputs=spec, progress=pb)
+        if state.stop_reason is not None:
+            break
+        record = epoch_record(epoch, s, state, res, inputs["val"], cfg=cfg, loss_fn=plan.loss,
+                              eval_step=plan.eval_step)
+        s.history.append(record)
+        if mb is not None:
+            mb.write(loop.epoch_line(record))
+        if state.stop_reason is not None:  # the epoch's loss exploded: no checkpoint for it
+            break
+        end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss), cfg=cfg,
+                  extra=plan.ckpt_extra)
+        if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir):
+            break
+    if state.stop_reason is not None:
+        final = state.finite_state or {}
+    else:
+        final = state.finite_state if state.finite_state is not None else s.state_dict()
+        final = best.best_state if best is not None and best.best_state else final
+        if cfg.checkpoint_dir is not None:
+            save_final(s, final, best is not None and bool(best.best_state), cfg=cfg)
+    return History(epochs=s.history, world_size=s.world_size,
+                   global_batch=s.world_size * cfg.batch_size * s.accum_steps,
+                   base_lr=s.base_lr,
+                   max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
+                   backend=runtime.backend(), state_dict=final,
+                   stop_reason=state.stop_reason or (best and best.stop_reason),
+                   monitor=cfg.monitor, best_epoch=best and best.best_epoch,
+                   best_score=best and best.best_score,
+                   warnings=state.warnings, run_id=run_id,
+                   compile_cache=runtime.compile_cache_summary(cache, counters0,
+                                                               runtime.xla_counters()),
+                   ema_state_dict={} if s.ema is None else s.ema.state_dict())
+
+
+def save_final(s: loop.Setup, final: dict[str, torch.Tensor], is_best: bool, *,
+               cfg: TrainerConfig) -> None:
+    """``final.pt``: the weights ``predict`` uses (the best epoch's, else the EMA
+    ones when ``ema`` is set, else ``final``); with EMA also ``final_raw.pt``
+    (the last epoch's trained weights), in ``cfg.checkpoint_dir``. Every rank calls (the
+    master writes)."""
+    folder = Path(cfg.checkpoint_dir)
+    if s.ema is None:
+        runtime.save(final, folder / "final.pt")
+        return
+    runtime.save(final if is_best else s.ema.state_dict(), folder / "final.pt")
+    runtime.save(s.state_dict(), folder / "final_raw.pt")
+
+
+def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.EpochResult,
+                 val: tuple[Any, InputSpec] | None, *, cfg: TrainerConfig, loss_fn: Callable,
+                 eval_step: Callable) -> dict[str, Any]:
+    """The finished epoch's history record (validation of ``val`` included;
+    :func:`loop.explosion`)."""
+    record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
+    if val is not None:
+        metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
+                                cfg=cfg, loss_fn=loss_fn, eval_step=eval_step,
+                                autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
+                                memory_format=s.plan.memory_format)
+        record.update({"val_loss": metrics.pop("loss")}, **metrics)
+    record.update(lr_max=s.max_lr, lr_last=res.lr_last,
+                  images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
+                  / res.seconds,
+                  compiles=runtime.xla_counters()["compiles"],
+                  host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
+    if res.skipped_steps is not None:
+        record["skipped_steps"] = res.skipped_steps
+    loop.explosion(record, state, cfg, s, epoch)
+    return record
+
+
+def end_epoch(epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str, finite: bool, *,
+              cfg: TrainerConfig, extra: dict[str, Any] | None = None) -> None:
+    """Keep a host copy of finite weights (master, ``on_nan="stop"``) and
+    write the epoch checkpoint when configured and the loss is finite (``extra``: fields
+    recorded beside the run's state, :func:`~xla_utils.train.checkpoint.save_checkpoint`)."""
+    if finite and cfg.on_nan == "stop" and runtime.is_master():
+        state.finite_state = loop.host_copy(s.state_dict())
+    if cfg.checkpoint_dir is None:
+        return
+    if finite:
+        written = save_checkpoint(
+            s.model, s.opt, cfg, epoch=epoch + 1, history=s.history, base_lr=s.base_lr,
+            lr_world=s.lr_world, world_size=s.world_size, steps_per_epoch=s.steps_per_epoch,
+            run_id=run_id, host_state=state.finite_state if state.finite_state is not None
+            else s.state_dict(), initial_loss=state.initial_loss,
+            ema=None if s.ema is None else s.ema.state_dict(),
+            scaler=s.plan.scaler_state(), extra=extra)
+        if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
+            s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
+                                cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
+                                ema=s.ema)
+    else:
+        runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
+                             "(non-finite loss); older checkpoints are kept")
+
+
+def fit_on_mesh(mesh: StrategyPlan, plan: FitPlan) -> History:
+    """:func:`fit_replica` in the SPMD process (:func:`xla_utils.train.strategy.launch`), on the
+    mesh of ``mesh``."""
+    _, run = enter_mesh(mesh, plan.config.compile_cache)
+    return fit_replica(plan, strategy=run)
+
+
+def inference_replica(plan: loop.InferencePlan) -> Any:
+    """One replica of ``predict`` / ``evaluate`` (see :func:`~xla_utils.train.loop.inference_pass`):
+    the predictions in dataset order (on the master), or the metrics."""
+    runtime.enable_compile_cache(plan.config.compile_cache)  # before anything compiles
+    ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
+    model = (_resident.replica_model(plan.model, dev, rk) if _resident.in_live_job()
+             else loop.replica_model(plan.model, dev)).eval()  # a live job keeps device copies
+    acc, targets = loop.inference_pass(model, plan, cfg=plan.config, eval_step=plan.eval_step,
+                                       world_size=ws, rank=rk, dev=dev)
+    if plan.labelled:
+        return loop.inference_metrics(acc, targets, plan, cfg=plan.config, loss_fn=plan.loss,
+                                      dev=dev)
+    return loop.gather_predictions(acc, plan, world_size=ws, rank=rk, dev=dev)
+
+
+def inference_on_mesh(plan: StrategyPlan, iplan: loop.InferencePlan) -> Any:
+    """``predict`` / ``evaluate`` in the SPMD process: global batches split over the mesh."""
+    _, run = enter_mesh(plan, iplan.config.compile_cache)
+    dev = runtime.device()
+    model = run.wrap(loop.replica_model(iplan.model, None)).eval()
+    iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)
+    acc, targets = loop.inference_pass(model, iplan, cfg=iplan.config,
+                                       eval_step=iplan.eval_step, world_size=1, rank=0,
+                                       dev=dev, feed=run.feed)
+    if iplan.labelled:
+        return loop.inference_metrics(acc, targets, iplan, cfg=iplan.config,
+                                      loss_fn=iplan.loss, dev=dev)
+    return loop.gather_predictions(acc, iplan, world_size=1, rank=0, dev=dev)

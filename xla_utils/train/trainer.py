@@ -1,0 +1,554 @@
+"""One-cycle training on every TPU core: :class:`OneCycleTrainer`.
+
+``OneCycleTrainer(model, loss, train_data, val_data, batch_size=32, ...).fit()``
+launches one replica per core through :func:`xla_utils.runtime.launch` (fork,
+so models and functions defined in a notebook work), scales the LR by the world
+size, drives LR and momentum with :class:`~xla_utils.train.schedule.OneCycleSchedule`
+every optimizer step, and returns a :class:`History` to the notebook.
+
+This module holds the API and the host-side planning (checks, LR, resume); its
+configuration is :class:`~xla_utils.train.config.TrainerConfig` (also importable from here); each
+replica's work is :mod:`xla_utils.train.replica_loops` (given a plan, not the trainer), built from
+the plain functions of :mod:`xla_utils.train.loop` (set-up, one training epoch, evaluation,
+inference); checkpoints are :mod:`xla_utils.train.checkpoint`,
+the input checks :mod:`xla_utils.train.inputs` and the single-core debug loop
+(:meth:`OneCycleTrainer.debug`) :mod:`xla_utils.diagnostics.debug`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import secrets
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from . import device_plan, loop
+from .. import runtime
+from . import mesh_tasks as _mesh_tasks
+from . import strategy as _strategy
+from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
+                         earlier_runs_note, model_with_weights, resolve_resume)
+from .config import TrainerConfig
+from ..data import CachedImageDataset, iterate_batches
+from ..diagnostics.debug import DebugReport, debug_run
+from .ema import with_weights
+from ..diagnostics.findings import ReadinessError
+from .history import History, check_monitor_data
+from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
+                     require_labels, shape_mismatch)
+from .loop import scale_lr
+from .lr_finder import FIT_SHARE
+from .mixup import MixConfig, mix_config_for
+from .replica_loops import FitPlan, fit_on_mesh, fit_replica, inference_on_mesh, inference_replica
+from .schedule import OneCycleSchedule
+from ..simulate.live import live_or_launch
+from .steps import TrainerStepPlan
+from .submission import missing_note, training_multilabel
+from ..utils.suggest import unknown_keywords
+
+if TYPE_CHECKING:
+    from ..diagnostics.readiness import ReadinessReport
+
+__all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
+           "scale_lr", "CheckpointError", "ResumeError"]
+
+
+class OneCycleTrainer:
+    """Train ``model`` with the one-cycle policy on all TPU cores.
+
+    Args:
+        model: An ``nn.Module`` or a zero-argument factory returning one. It is created
+            once, here in the calling process (seeded with ``seed``), and every
+            replica starts from exactly these weights.
+        loss: ``loss(outputs, targets) -> scalar`` (e.g. ``nn.CrossEntropyLoss()``;
+            ``nn.BCEWithLogitsLoss()`` for multi-label). Validation uses its
+            per-sample form (``reduction="none"``) when it has one.
+        train_data, val_data: A :class:`~xla_utils.data.CachedImageDataset` (uint8 batches,
+            normalised and flipped on the device) or any map-style dataset returning ``(input,
+            target)``: uint8 images ``[H, W, C]`` or ``[C, H, W]`` (``read_image``,
+            ``PILToTensor``, ``tv_tensors.Image``) are normalised and flipped on the device
+            too, PIL images are converted on the host, other numeric inputs go to the model
+            unchanged (decided once per dataset from its first sample, see
+            :func:`xla_utils.train.inputs.inspect_inputs`); other samples are refused before any
+            device time.
+        train_step: Optional hook ``train_step(model, (x, y), loss) -> loss tensor`` for
+            other problem types. ``eval_step(model, (x, y)) -> outputs`` likewise.
+        **config: Any field of :class:`TrainerConfig` (batch_size, epochs, max_lr, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable,
+                 train_data, val_data=None, *, train_step: Callable | None = None,
+                 eval_step: Callable | None = None, **config: Any):
+        names = [f.name for f in dataclasses.fields(TrainerConfig)]
+        if set(config) - set(names):
+            raise unknown_keywords("OneCycleTrainer()", [k for k in config if k not in names], names)
+        self.config = TrainerConfig(**config)
+        if isinstance(model, torch.nn.Module):
+            self.model = model
+        elif callable(model):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.config.seed)
+                self.model = model()
+            if not isinstance(self.model, torch.nn.Module):
+                raise TypeError(f"model factory returned {type(self.model).__name__}, not nn.Module")
+        else:
+            raise TypeError("model must be an nn.Module or a zero-argument factory")
+        self.loss = loss
+        self.train_data = train_data
+        self.val_data = val_data
+        self.train_step = train_step or loop.default_train_step
+        self.eval_step = eval_step or loop.default_eval_step
+        self.lr_finder_result = None
+        self._from_factory = not isinstance(model, torch.nn.Module)
+        self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
+        self.ema_state: dict[str, torch.Tensor] | None = None  # EMA weights of the last fit
+        # Layer-group LRs of later fits (trainable parameters only), set by freeze().
+        self._lr_groups: Callable[..., Any] | None = None
+        # Without a TPU, XLA runs only on simulated cores: start their interpreter now,
+        # so that the first fit/predict/evaluate(simulate=N) does not wait for it.
+        runtime.prestart_if_simulation_likely()
+
+    # ------------------------------------------------------------------ API
+    def find_lr(self, simulate: int | None = None, *, on_mesh: bool | None = None,
+                tpu: Any = None, cores: int | str = "all", **kwargs: Any):
+        """Run :func:`xla_utils.lr_find` with this trainer's model, loss, data, batch size,
+        optimizer and image normalisation; the result is also kept in
+        ``self.lr_finder_result``. Extra keywords go to ``lr_find``.
+
+        ``"spawn"``: one core, per-core batch (``accum_steps=8`` answers for 8 cores).
+        ``"spmd"``/``"fsdp"``: for the fit's global batch, on one core (micro-batches
+        accumulated) or, when one core of the target TPU cannot hold the model
+        (:func:`xla_utils.train.mesh_tasks.sweep_placement`) or when asked, on the mesh; a line
+        and ``result.placement`` say which and why. Runs in another process: this
+        trainer's model, optimizer and RNGs are untouched.
+
+        Args:
+            simulate: N simulated XLA:CPU devices (the one-core sweep uses one of them, a
+                mesh run all N); default None (this TPU).
+            on_mesh: True: sweep on the mesh; False: on one core; None (default): the
+                config's ``lr_find_on_mesh`` (None there: automatic).
+            tpu: The target TPU of the automatic choice, as in :meth:`check` (a name such
+                as ``"v5e"`` or a :class:`~xla_utils.diagnostics.readiness.TPUChip`); default this
+                machine's TPU, else v5e.
+            cores: The fit's ``cores`` the answer is for (mesh strategies): ``"all"``
+                (default) or 1.
+        """
+        devices = _strategy.planned_world_size(cores, simulate)
+        self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs, devices)
+        return self.lr_finder_result
+
+    def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
+        """fastai's recipe: the head with the body frozen for ``freeze_epochs``, then
+        everything for ``epochs`` with discriminative LRs; see
+        :func:`xla_utils.train.finetune.fine_tune` for every argument."""
+        from .finetune import fine_tune
+        return fine_tune(self, epochs, freeze_epochs, **kwargs)
+
+    def freeze(self, head: Any = None, train_bn: bool = True) -> list[str]:
+        """Freeze all but the head (normalisation layers stay trainable with ``train_bn``;
+        :func:`xla_utils.train.finetune.freeze`); later :meth:`fit` calls give the optimizer the
+        trainable parameters only. Returns the head's names."""
+        from .finetune import freeze, layer_group_lrs
+
+        heads = freeze(self.model, head, train_bn)
+        self._lr_groups = layer_group_lrs([[n for n, _ in self.model.named_parameters()]], [1.0])
+        return heads
+
+    def unfreeze(self) -> None:
+        """Train every parameter again, at one LR (:func:`xla_utils.train.finetune.unfreeze`)."""
+        from .finetune import unfreeze
+
+        unfreeze(self.model)
+        self._lr_groups = None
+
+    def debug(self, steps: int = 5, simulate: int | None = None) -> DebugReport:
+        """Run a few of the trainer's steps on ONE core and explain what XLA did.
+
+        :func:`xla_utils.diagnostics.debug.debug_run` with this trainer's data, per-core batch size,
+        ``eval_step`` and its own step as :meth:`fit` runs it (:mod:`xla_utils.train.steps`:
+        optimizer with the one-cycle LR and momentum, accumulation, bf16, EMA, mixing);
+        labels are checked first. It runs in a forked child, so :meth:`fit` can launch all
+        cores afterwards. Under ``strategy="spmd"``/``"fsdp"`` the same steps run as
+        the mesh run (``report.devices``, ``report.strategy``).
+
+        Args:
+            steps: Steps to run (default 5: 2 to warm up, the rest must not compile).
+            simulate: Mesh strategies only: N simulated XLA:CPU devices; default None:
+                this TPU's devices, else 8 simulated ones.
+
+        Returns:
+            The :class:`~xla_utils.diagnostics.debug.DebugReport`, printed once (as :meth:`check`).
+        """
+        return self._debug(self._check_inputs()["train"], steps, simulate)
+
+    def _debug(self, train: tuple[Any, InputSpec], steps: int = 5,
+               simulate: int | None = None) -> DebugReport:
+        cfg, spec = self.config, train[1]
+        sim = 8 if simulate is None and not runtime.tpu_present() else simulate
+        plan = (None if cfg.strategy == "spawn" else
+                _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
+        return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
+                         steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
+                         prepare=self._prepare(spec, train=False), eval_step=self.eval_step,
+                         inputs=spec, mesh=plan, make_step=self._step_plan(train),
+                         precision=cfg.precision, channels_last=cfg.channels_last)
+
+    def _step_plan(self, train: tuple[Any, InputSpec]) -> TrainerStepPlan:
+        """This trainer's step as ``fit`` runs it, for check() and debug() (:mod:`xla_utils.train.steps`)."""
+        return TrainerStepPlan(self.config, train[0], self.train_step, self.loss, train[1],
+                               self._mix_config(train), self._lr_groups)
+
+    def fit(self, *, cores: int | str = "all", simulate: int | None = None,
+            max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
+            debug: bool = False, timeout: float | None = None, check: bool = False,
+            epochs: int | None = None, pct_start: float | None = None,
+            div_factor: float | None = None, final_div_factor: float | None = None,
+            lr_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+            checkpoint_extra: dict[str, Any] | None = None,
+            warn_if_trained: bool = True) -> "History | DebugReport":
+        """Train on all cores (``cores="all"``) or one (``cores=1``).
+
+        Labels are checked against the model's output width and the dataset's classes
+        before anything runs. ``self.model`` receives the weights only after the run: the
+        final ones, or after a stop on a non-finite loss (``on_nan="stop"``) those of the
+        last epoch that ended finite. The schedule arguments override the configuration
+        for this run only (fastai's ``fit_one_cycle(n_epoch, pct_start=...)``).
+
+        Args:
+            cores: ``"all"`` (default) or 1.
+            simulate: Run N simulated XLA:CPU cores (no TPU needed); default None.
+            max_lr: Overrides the configured one (``"find"`` runs the LR finder
+                first); default None: the configured ``max_lr``.
+            resume: Continue an earlier run exactly at its next epoch: an epoch checkpoint
+                file, a folder (its newest good ``epoch_*.pt``) or ``"last"`` (the newest in
+                ``checkpoint_dir``). Its configuration is compared with this run's (with the
+                overrides below) first: anything the schedule or optimizer state depends on
+                (optimizer, batch size, epochs, pct_start, cores, ...) must match. The run
+                keeps the checkpoint's max_lr (as given to or found for it); a different
+                ``max_lr`` given here is refused.
+            debug: Deprecated: use :meth:`debug` (returns its report instead of training).
+            timeout: Seconds after which the replicas are killed (default none).
+            check: First run :meth:`check` and print its report; default False.
+            epochs, pct_start, div_factor, final_div_factor: This run's one-cycle length
+                and shape instead of the configured ones (default None: configured).
+            lr_groups: ``lr_groups(model) -> param-group dicts`` (each with ``lr_mult``, the
+                group's share of the scheduled LR) for discriminative LRs and frozen layers
+                (:func:`xla_utils.train.finetune.layer_group_lrs`); default None: every parameter
+                at one LR (after :meth:`freeze`, the trainable ones).
+            checkpoint_extra: Fields every epoch checkpoint of this run records beside its
+                state (``fine_tune`` records its phase); default None.
+            warn_if_trained: Warn when an earlier fit trained this model and this run starts
+                a new schedule from its weights (default True; ``fine_tune``'s phases pass
+                False).
+
+        Returns:
+            The run's :class:`History`.
+
+        Raises:
+            ResumeError: ``resume`` cannot continue exactly; lists every difference.
+            CheckpointError: A corrupt checkpoint; names the newest good one beside it.
+            ~xla_utils.diagnostics.readiness.ReadinessError: ``check=True`` found errors (before any
+                training or TPU time; warnings only print).
+            ValueError: Labels outside the model's outputs, unlabelled data, a training set
+                smaller than one global batch, or a bad schedule override.
+            ~xla_utils.train.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
+                naming its type, shape, dtype and the fix).
+        """
+        cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
+                               final_div_factor=final_div_factor)
+        runtime.prestart_simulation(simulate)
+        device_plan.check_before_launch(cfg.precision, simulate=simulate, mesh=cfg.strategy != "spawn")
+        inputs = self._check_inputs()
+        if check and (report := self.check()).errors:
+            raise ReadinessError(report)
+        if debug:
+            warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
+                          "the same DebugReport", DeprecationWarning, stacklevel=2)
+            return self._debug(inputs["train"])
+        fit_plan, plan = self._plan_fit(cfg, inputs, cores, simulate, max_lr, resume, lr_groups,
+                                        checkpoint_extra, warn_if_trained)
+        if plan is None:
+            out = runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
+                                     timeout=timeout, sim_threads=True)
+        else:
+            out = _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
+        self._take_result(out, resumed=fit_plan.ckpt is not None)
+        for w in out.warnings:
+            warnings.warn(w, RuntimeWarning, stacklevel=2)
+        return out
+
+    def _take_result(self, out: History, resumed: bool) -> None:
+        """The trainer's model and EMA weights after a fit run (``out``), and the epochs its
+        model has been trained for (a resumed run's history counts from the first epoch)."""
+        if out.state_dict:  # empty when no epoch of this fit ended with finite weights
+            self.model.load_state_dict(out.state_dict)
+            self._epochs_trained = len(out.epochs) + (0 if resumed else self._epochs_trained)
+            self.ema_state = out.ema_state_dict or None
+
+    def _run_config(self, **overrides: Any) -> TrainerConfig:
+        """This fit run's configuration: ``self.config`` with ``fit``'s schedule overrides
+        (None: the configured value), checked before any device time."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if not given:
+            return self.config
+        try:
+            cfg = dataclasses.replace(self.config, **given)
+            OneCycleSchedule(total_steps=1, max_lr=1.0, pct_start=cfg.pct_start,
+                             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
+        except (TypeError, ValueError) as exc:
+            args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ValueError(f"fit({args}): {exc}") from None
+        return cfg
+
+    def _plan_fit(self, cfg: TrainerConfig, inputs: dict[str, tuple[Any, InputSpec] | None],
+                  cores: int | str, simulate: int | None, max_lr: float | str | None,
+                  resume: str | os.PathLike | None, lr_groups: Callable[..., Any] | None,
+                  checkpoint_extra: dict[str, Any] | None, warn_if_trained: bool
+                  ) -> tuple[FitPlan, _strategy.StrategyPlan | None]:
+        """Every check and decision of a fit run, here on the host before any device time:
+        the replicas' :class:`~xla_utils.train.replica_loops.FitPlan` and the mesh plan (None
+        under ``"spawn"``)."""
+        if lr_groups is not None and not callable(lr_groups):
+            raise TypeError(f"lr_groups must be a callable model -> param-group dicts (e.g. "
+                            f"xla_utils.train.finetune.layer_group_lrs(...)) or None, got {lr_groups!r}")
+        check_extra(checkpoint_extra)
+        check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
+                           bool(getattr(self.train_data, "multilabel", False)),
+                           getattr(self.train_data, "num_classes", None))
+        world = _strategy.planned_world_size(cores, simulate)
+        check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
+        mix = self._mix_config(inputs["train"])
+        plan = None
+        if cfg.strategy != "spawn":
+            plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
+        ckpt = None
+        if resume is not None:
+            path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
+            # On a TPU the world is detected, not known (pod slices span hosts):
+            # the replica compares cores and steps per epoch there.
+            exact = cores == 1 or simulate is not None or runtime.backend() != "xla"
+            check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
+                         len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps)
+            base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
+        else:
+            base_lr, lr_world = self._new_run_lr(cfg, max_lr, simulate, world, warn_if_trained)
+        if not (isinstance(base_lr, (int, float)) and base_lr > 0):
+            raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
+        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True)
+        lr_groups = self._lr_groups if lr_groups is None else lr_groups
+        return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
+                       eval_step=self.eval_step, inputs=inputs, base_lr=float(base_lr),
+                       lr_world=lr_world, ckpt=ckpt, run_id=run_id, mix=mix, lr_groups=lr_groups,
+                       ckpt_extra=checkpoint_extra), plan
+
+    def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
+        """The fit run's :class:`~xla_utils.train.mixup.MixConfig` (None: no mixing or smoothing)
+        for the checked training data ``train`` (``_check_inputs()["train"]``)."""
+        return mix_config_for(self.config, self.loss, self.model, *train,
+                              self._prepare(train[1], train=False), self.eval_step)
+
+    def _check_inputs(self) -> dict[str, tuple[Any, InputSpec] | None]:
+        """Refuse unlabelled data, samples the trainer cannot feed and labels the model
+        cannot output, before any device time. Returns ``{"train": (data as the loader
+        collates it, its InputSpec), "val": ... or None}``."""
+        require_labels(self.train_data, "train_data")
+        require_labels(self.val_data, "val_data")
+        out: dict[str, tuple[Any, InputSpec] | None] = {"val": None}
+        for data, name in ((self.train_data, "train_data"), (self.val_data, "val_data")):
+            if data is not None:
+                spec = self._inspect(data, name, "training" if name == "train_data" else
+                                     "validation")
+                fed = spec.feed(data)
+                check_targets(self.model, self.loss, fed, name, self._prepare(spec, train=False),
+                              self.eval_step)
+                out[name[:-5]] = (fed, spec)
+        return out
+
+    def _inspect(self, data, name: str, verb: str, need_target: bool = True) -> InputSpec:
+        """``data``'s :class:`~xla_utils.train.inputs.InputSpec` (its samples refused here, on the
+        host, when the trainer cannot feed them)."""
+        return inspect_inputs(data, name, need_target=need_target, verb=verb, mean=self.config.mean)
+
+    def _new_run_lr(self, cfg: TrainerConfig, max_lr: float | str | None, simulate: int | None,
+                    world: int, warn_if_trained: bool = True) -> tuple[float | str, int]:
+        """``(base_lr, lr_world)`` of a run (configured as ``cfg``) that does not resume: the
+        configured or given ``max_lr`` for one core, or ``lr_find``'s answer for ``world``
+        cores."""
+        base_lr = cfg.max_lr if max_lr is None else max_lr
+        if self._epochs_trained and warn_if_trained:
+            warnings.warn(
+                f"this trainer's model was already trained by an earlier fit() "
+                f"({self._epochs_trained} epoch(s)); this fit starts a new one-cycle schedule "
+                "from those trained weights"
+                + (" (the model factory is called once, in OneCycleTrainer(...), not per fit)"
+                   if self._from_factory else "")
+                + ". For a fresh start create a new OneCycleTrainer; to continue a run "
+                "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=4)
+        if base_lr != "find":
+            return base_lr, 1
+        # Measure at the run's own global batch: k accumulated micro-batches of the per-core
+        # batch are exactly one k-core step's gradient (a mesh strategy's find_lr does this
+        # itself, or sweeps on the mesh): no scaling rule on top of the finder's rule.
+        extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
+        res = self.find_lr(simulate=simulate, epochs=cfg.epochs, cores=1 if world == 1 else "all",
+                           max_share=FIT_SHARE, run_cores=world, **extra)
+        base_lr = res.suggestion
+        if not math.isfinite(base_lr):
+            raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); pass "
+                               "max_lr=<number> or look at trainer.lr_finder_result.plot()")
+        print(res.summary(), flush=True)  # says whether it is confident, and why not
+        return base_lr, world * cfg.accum_steps
+
+    def predict(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
+                batch_size: int | None = None, activation: str | None = "auto",
+                weights: str | os.PathLike | None = None) -> np.ndarray:
+        """Run the model over every item of ``data`` on all cores; return its outputs.
+
+        Args:
+            data: a :class:`~xla_utils.data.CachedImageDataset` (labelled or built with
+                ``unlabeled=True``) or any map-style dataset returning ``x`` or ``(x, y, ...)``.
+            tta: views averaged per image (default 1). The views are, in this order,
+                the cache's stored variants ``0 .. V-1`` as stored, then (only when the
+                trainer trains with ``flip=True``) the same variants mirrored
+                horizontally on the device: ``tta=1`` is variant 0, a plain test cache
+                (``V=1``) with ``tta=2`` is image + mirror image, a cache with
+                ``variants=4`` and ``tta=4`` its four crops. At most ``V`` (``2V`` with
+                flips) views; other datasets have ``V=1``. The result is the mean of
+                the k single-view predictions (after the activation).
+            cores, simulate: as in :meth:`fit` (``"all"`` or 1; ``simulate=N`` runs N
+                simulated XLA:CPU cores).
+            batch_size: per core; default the trainer's ``batch_size``. Every batch has
+                this shape (the tail is padded with repeated images and dropped again),
+                so nothing compiles after the first batch.
+            activation: ``"auto"`` (default): sigmoid when the training data is
+                multi-label (``train_data.multilabel``), the loss is
+                ``BCEWithLogitsLoss``, or the model has one output; softmax otherwise.
+                ``"softmax"``, ``"sigmoid"`` or ``None`` (raw model outputs).
+            weights: a checkpoint to use instead of the trainer's current weights:
+                ``final.pt`` (a state dict) or an ``epoch_<nnn>-<run id>.pt`` of :meth:`fit`.
+                ``self.model`` is not changed.
+
+        Returns:
+            ``float32[N, num_outputs]`` in dataset order: every item exactly once,
+            gathered from all cores (images a cache's build skipped have none: named first).
+
+        Raises:
+            ValueError: before any device time, when the images of ``data`` have
+                another shape than the training data's (a test cache built at another
+                size), ``tta`` exceeds the views ``data`` offers, or ``weights`` does
+                not fit the model.
+            ~xla_utils.train.inputs.InputRefused: before any device time, a sample the
+                trainer cannot feed (its type, shape and dtype named, with the fix).
+        """
+        runtime.prestart_simulation(simulate)
+        plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
+        missing_note(data, show=True)  # images the cache build skipped get no row
+        return self._launch_inference(plan, cores, simulate)
+
+    def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
+                 batch_size: int | None = None) -> dict[str, float]:
+        """Validation metrics of the current model on a labelled dataset, on all cores.
+
+        Returns the dict :meth:`fit` reports per epoch: ``loss``, the configured
+        metrics (accuracy, ``top<k>``, F1 for multi-label) and ``samples`` (every
+        item counted once). ``tta``, ``cores``, ``simulate`` and ``batch_size`` are as in
+        :meth:`predict`. With ``tta=k > 1`` the metrics are those of the averaged
+        probabilities (exactly what :meth:`predict` returns): the loss receives
+        ``log(mean softmax)`` (single-label) or ``logit(mean sigmoid)`` (multi-label),
+        which makes ``CrossEntropyLoss`` / ``BCEWithLogitsLoss`` the loss of the
+        averaged prediction.
+        """
+        require_labels(data, "data", action="evaluate")
+        runtime.prestart_simulation(simulate)
+        activation = "auto" if isinstance(tta, int) and tta > 1 else None
+        plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
+        return self._launch_inference(plan, cores, simulate)
+
+    def _launch_inference(self, plan: loop.InferencePlan, cores: int | str,
+                          simulate: int | None) -> Any:
+        """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
+        device_plan.check_before_launch(self.config.precision, simulate=simulate,
+                                        mesh=self.config.strategy != "spawn")
+        if self.config.strategy == "spawn":
+            return live_or_launch(self, inference_replica, (plan,), cores, simulate)
+        world = _strategy.planned_world_size(cores, simulate)
+        splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
+        return _strategy.launch(inference_on_mesh, (plan,), splan, None)
+
+    # ------------------------------------------------------------- inference
+    def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
+                        ) -> loop.InferencePlan:
+        """Every check that can fail, done here in the calling process (no device time)."""
+        if data is None or len(data) == 0:
+            raise ValueError("data is empty: nothing to predict")
+        bs = self.config.batch_size if batch_size is None else batch_size
+        if not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"batch_size must be a positive int (per core), got {batch_size!r}")
+        if activation not in ("auto", "softmax", "sigmoid", None):
+            raise ValueError(f"activation must be 'auto', 'softmax', 'sigmoid' or None, got {activation!r}")
+        if activation == "auto":
+            activation = "sigmoid" if training_multilabel(self) else "softmax"
+        spec = self._inspect(data, "data", "evaluate", need_target=labelled)
+        if self.train_data is not None:
+            why = shape_mismatch(data, spec, self.train_data,
+                                 self._inspect(self.train_data, "train_data", "training",
+                                               need_target=False))
+            if why is not None:
+                raise ValueError(why)
+        views = loop.tta_views(data, tta, spec.shape, self.config.flip)
+        model = (with_weights(self.model, self.ema_state) if weights is None
+                 else model_with_weights(self.model, weights))
+        fed = spec.feed(data)
+        return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
+                                  inputs=spec, n=len(data), views=views, batch_size=bs,
+                                  activation=activation, model=model, labelled=labelled, tta=tta,
+                                  config=self.config, eval_step=self.eval_step, loss=self.loss)
+
+    def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
+              timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
+        """:func:`xla_utils.check` of this trainer's own step as :meth:`fit` runs it (as
+        :meth:`debug`) on the first ``batch_size`` batch of ``train_data``; prints the
+        report once and returns it (as :meth:`debug`). ``measure_loader`` (default True)
+        compares the loader's samples/s with the TPU's step rate; ``tpu`` as in
+        :func:`xla_utils.check` (default this TPU, else v5e). Under ``"spmd"``/``"fsdp"`` the
+        sharded step also runs on ``devices`` devices (default: the slice ``tpu`` names,
+        else 8): :func:`xla_utils.train.mesh_tasks.check_on_mesh`."""
+        from ..diagnostics.readiness import check as readiness_check
+
+        cfg = self.config
+        spec = self._inspect(self.train_data, "train_data", "training")
+        data = spec.feed(self.train_data)
+        if len(data) < cfg.batch_size:
+            raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
+        x, y, _ = next(iter(iterate_batches(data, cfg.batch_size, shuffle=False, drop_last=True,
+                                            num_workers=0)))
+        loader = (iterate_batches(data, cfg.batch_size, seed=cfg.seed,
+                                  num_workers=cfg.num_workers) if measure_loader else None)
+        step = self._step_plan((data, spec))
+        report = readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
+                                 optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
+                                 prepare=self._prepare(spec, train=True),
+                                 train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
+                                 inputs=spec.describe(flip=cfg.flip),
+                                 compile_cache=cfg.compile_cache, make_step=step,
+                                 print_report=False)
+        if cfg.strategy != "spawn":
+            _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu,
+                                      devices=devices, make_step=step)
+        print(report.report, flush=True)
+        return report
+
+    def eval_weights(self) -> dict[str, torch.Tensor]:
+        """The weights ``evaluate``/``predict`` use: the last fit's EMA weights when
+        ``ema`` is set, else ``self.model``'s."""
+        return self.ema_state or self.model.state_dict()
+
+    def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> model input`` for batches of a dataset described by ``spec``."""
+        return loop.input_preparer(self.config, spec, train)
