@@ -28,7 +28,8 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
 import bench_lr_rules as bench  # noqa: E402
 import lr_problems as lp  # noqa: E402
-from xla_utils.train.lr_finder import BETA, DEFAULT_RULE, NUM_IT, lr_find, smooth_losses, suggest  # noqa: E402
+from xla_utils.train.lr_finder import (BETA, DEFAULT_RULE, NUM_IT, lr_find,  # noqa: E402
+                                       smooth_losses, suggest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,7 +170,8 @@ def test_cache_reader_imports_only_the_format_and_the_storage_room():
     cache_deps = {d for d in graph["xla_utils.data"] if d.startswith("xla_utils.cache")}
     assert cache_deps == reader
     # the format imports nothing of xla_utils but the typo helper, which imports nothing at all
-    assert {d for d in graph["xla_utils.cache.format"] if d.startswith("xla_utils")} == {"xla_utils.utils.suggest"}
+    assert {d for d in graph["xla_utils.cache.format"]
+            if d.startswith("xla_utils")} == {"xla_utils.utils.suggest"}
     assert graph["xla_utils.utils.suggest"] == set()
     # the reader's side of the cache never reaches the builder's
     writer = {"xla_utils.cache.builder", "xla_utils.cache.worker", "xla_utils.cache.sources",

@@ -1,4 +1,5 @@
-"""xla_utils.check (xla_utils/diagnostics/readiness.py) on real XLA:CPU: every code from a model that has exactly that problem."""
+"""xla_utils.check (xla_utils/diagnostics/readiness.py) on real XLA:CPU: every code from a model
+that has exactly that problem."""
 from __future__ import annotations
 
 import inspect

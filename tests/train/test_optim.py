@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from xla_utils.train.optim import Adam, avoid_special, avoid_special_momentum, get_hparams, make_optimizer, set_hparams
+from xla_utils.train.optim import (Adam, avoid_special, avoid_special_momentum, get_hparams, make_optimizer,
+                                   set_hparams)
 
 
 def _model():

@@ -3,8 +3,8 @@
 :meth:`OneCycleTrainer.fit <xla_utils.train.trainer.OneCycleTrainer.fit>`'s replicas
 (:func:`xla_utils.train.replica_loops.fit_replica`) run :func:`set_up`, then per epoch
 :func:`train_one_epoch`, :func:`evaluate` and :func:`~xla_utils.train.checkpoint.save_checkpoint`;
-``predict`` and ``evaluate`` (:func:`~xla_utils.train.replica_loops.inference_replica`) share :func:`replica_model`, :func:`prepare_input`, :func:`loader` and
-:func:`metric_accumulator` with it.
+``predict`` and ``evaluate`` (:func:`~xla_utils.train.replica_loops.inference_replica`) share
+:func:`replica_model`, :func:`prepare_input`, :func:`loader` and :func:`metric_accumulator` with it.
 
 Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
 over replicas; through the gradient scaler of an fp16 run) and one
