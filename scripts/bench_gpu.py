@@ -98,7 +98,7 @@ def device_facts():
     from xla_utils.train.device_plan import resolve_precision
 
     if torch.cuda.is_available():
-        from xla_utils.runtime.gpu import cuda_facts
+        from xla_utils.env.gpu import cuda_facts
 
         dev = torch.device("cuda")
         facts = cuda_facts(dev)

@@ -10,7 +10,7 @@ import torch
 import xla_utils
 from xla_utils import runtime as rt
 from xla_utils.runtime import torch_launch
-from xla_utils.runtime.gpu import GPUFacts, TorchDevices, torch_devices
+from xla_utils.env.gpu import GPUFacts, TorchDevices, torch_devices
 
 T4 = GPUFacts("Tesla T4", (7, 5), 15360, 0, "GPU-a")
 

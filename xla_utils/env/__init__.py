@@ -57,7 +57,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 from .tpus import DEVICES_PER_CHIP, TPU_PCI_DEVICES, TYPE_COUNTS_CORES
 from .libtpu_pairs import libtpu_warning
-from ..runtime.gpu import GPUFacts, gpu_facts, report_lines, torch_devices
+from .gpu import GPUFacts, gpu_facts, report_lines, torch_devices
 
 __all__ = [
     "EnvInfo",

@@ -85,7 +85,7 @@ from .compile_cache import (CompileCacheOption, check_compile_cache_option, comp
 from .counters import xla_counters, xla_counters_report
 from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
                        register_simulator)
-from .gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
+from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .torch_launch import CUDAInitializedError

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .gpu import torch_devices
+from ..env.gpu import torch_devices
 from .replica import ReplicaError, job_main
 from .state import STATE
 from .torch_launch import check_cuda_fork, forks, torch_job_main

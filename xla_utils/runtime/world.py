@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import torch_world
-from .gpu import CPU_REPLICAS_ENV
+from ..env.gpu import CPU_REPLICAS_ENV
 from .state import STATE, SimGroup
 from .xla import load_xla, tpu_present, xla_available
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .. import runtime
-from ..runtime.gpu import cuda_facts
+from ..env.gpu import cuda_facts
 
 __all__ = ["PRECISIONS", "PrecisionError", "check_config", "resolve_precision",
            "check_before_launch", "DeviceRequest", "DevicePlan"]
@@ -123,7 +123,7 @@ def resolve_precision(requested: str, device_type: str, capability: tuple[int, i
 def check_before_launch(precision: str, *, simulate: int | None = None, mesh: bool = False) -> None:
     """Refuse, in the calling process and before any device time, a precision the run's
     device cannot use (:func:`resolve_precision`). XLA: ``simulate``, a mesh strategy or a
-    TPU. A GPU is read with ``nvidia-smi`` (:func:`xla_utils.runtime.gpu.torch_devices`), so
+    TPU. A GPU is read with ``nvidia-smi`` (:func:`xla_utils.env.gpu.torch_devices`), so
     CUDA is not initialised here; without it the replica decides, first thing.
 
     Raises:

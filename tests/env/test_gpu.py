@@ -1,4 +1,4 @@
-"""xla_utils.runtime.gpu: the host's GPUs read from nvidia-smi (no CUDA initialised)."""
+"""xla_utils.env.gpu: the host's GPUs read from nvidia-smi (no CUDA initialised)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from xla_utils import env as xenv
-from xla_utils.runtime.gpu import (NVIDIA_SMI_QUERY, GPUFacts, gpu_facts, parse_nvidia_smi,
+from xla_utils.env.gpu import (NVIDIA_SMI_QUERY, GPUFacts, gpu_facts, parse_nvidia_smi,
                                    report_lines, visible_gpus)
 
 # What nvidia-smi --query-gpu=index,uuid,name,compute_cap,memory.total --format=csv,noheader,nounits
