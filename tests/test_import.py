@@ -11,6 +11,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
@@ -180,10 +182,8 @@ def test_cache_reader_imports_only_the_format_and_the_storage_room():
         assert not {d for d in graph[m] if d in writer}, m
 
 
-def test_type_checking_imports_match_the_lazy_exports():
-    import xla_utils
-
-    tree = ast.parse((PKG / "__init__.py").read_text(encoding="utf-8"))
+def _type_checking_imports(face: Path) -> dict[str, str]:
+    tree = ast.parse(face.read_text(encoding="utf-8"))
     seen: dict[str, str] = {}
     for node in tree.body:
         if isinstance(node, ast.If) and _is_type_checking(node):
@@ -191,11 +191,50 @@ def test_type_checking_imports_match_the_lazy_exports():
                 assert isinstance(imp, ast.ImportFrom) and imp.level == 1
                 for a in imp.names:
                     seen[a.name] = imp.module or a.name
+    return seen
+
+
+def test_type_checking_imports_match_the_lazy_exports():
+    import xla_utils
+
     exports = dict(xla_utils._EXPORTS, runtime="runtime")
-    assert seen == exports
+    assert _type_checking_imports(PKG / "__init__.py") == exports
     for name in xla_utils.__all__:  # every public name resolves lazily
         assert getattr(xla_utils, name) is not None
     assert (PKG / "py.typed").is_file()
+
+
+FACES = ("train", "diagnostics")  # the packages whose faces export names
+
+
+@pytest.mark.parametrize("package", FACES)
+def test_package_faces_name_what_users_import(package):
+    """``from xla_utils.train import OneCycleTrainer`` is the object ``xla_utils`` exports;
+    every name the top exports from a module of the package is on its face, and the face's
+    TYPE_CHECKING imports agree with its lazy table."""
+    import importlib
+
+    import xla_utils
+
+    face = importlib.import_module(f"xla_utils.{package}")
+    assert _type_checking_imports(PKG / package / "__init__.py") == face._EXPORTS
+    from_top = {n for n, m in xla_utils._EXPORTS.items() if m.split(".")[0] == package}
+    assert from_top == set(face.__all__), sorted(from_top ^ set(face.__all__))
+    for name in face.__all__:
+        assert getattr(face, name) is getattr(xla_utils, name), name
+        assert name in dir(face)
+    with pytest.raises(AttributeError, match=f"xla_utils.{package}' has no attribute 'nope'"):
+        face.nope
+
+
+def test_package_faces_import_nothing_until_a_name_is_used():
+    code = ("import sys; import xla_utils.train, xla_utils.diagnostics; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch', 'xla_utils.train.', "
+            "'xla_utils.diagnostics.')))); xla_utils.train.History; "
+            "print('xla_utils.train.history' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO).stdout.splitlines()
+    assert out == ["[]", "True"], out
 
 
 def test_architecture_names_every_public_name():

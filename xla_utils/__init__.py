@@ -18,6 +18,7 @@ import sys
 import os
 from typing import TYPE_CHECKING, Any
 
+from .utils.lazy import lazy_exports
 from .utils.version import __version__
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -116,13 +117,13 @@ sys.meta_path[:] = [_MovedModules()] + [f for f in sys.meta_path
                                         if type(f).__qualname__ != "_MovedModules"]
 
 
+_load_export, _ = lazy_exports(__name__, _EXPORTS, globals())
+
+
 def __getattr__(name: str) -> Any:
     """Load public name ``name`` from its module on first use (PEP 562)."""
     if name in _EXPORTS:
-        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
-        value = getattr(module, name)
-        globals()[name] = value
-        return value
+        return _load_export(name)
     if name == "runtime":
         return importlib.import_module(".runtime", __name__)
     if name in _MOVED:  # an old module path (see _MovedModules)

@@ -1,7 +1,7 @@
 """xla_utils.train: the trainer and the parts of a run: loops, strategies, schedule, LR finder, ...
 
-Importing this package runs nothing else; import the module you need. The names
-users import are exported by :mod:`xla_utils` itself.
+Importing this package runs nothing else: the names below load from their modules on first
+use (``from xla_utils.train import CVResult``), the same objects :mod:`xla_utils` exports.
 
 * ``config``: The trainer's configuration
 * ``trainer``: One-cycle training on every TPU core
@@ -32,3 +32,34 @@ users import are exported by :mod:`xla_utils` itself.
 * ``lr_rules``: The LR finder's reading of a sweep
 * ``submission``: Kaggle submission files
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..utils.lazy import lazy_exports
+
+if TYPE_CHECKING:  # what editors see; at run time __getattr__ loads these on first use
+    from .trainer import OneCycleTrainer
+    from .config import TrainerConfig
+    from .history import History
+    from .schedule import OneCycleSchedule
+    from .lr_finder import LRFinderResult, lr_find
+    from .crossval import CVResult, cross_validate, split
+    from .submission import write_submission
+
+# public name -> the module of this package that defines it (tests/test_import.py checks
+# that the TYPE_CHECKING imports agree and that xla_utils exports the same objects)
+_EXPORTS = {
+    "OneCycleTrainer": "trainer",
+    "TrainerConfig": "config",
+    "History": "history",
+    "OneCycleSchedule": "schedule",
+    "lr_find": "lr_finder",
+    "LRFinderResult": "lr_finder",
+    "cross_validate": "crossval",
+    "CVResult": "crossval",
+    "split": "crossval",
+    "write_submission": "submission",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
