@@ -307,7 +307,7 @@ def _fast_xla_cpu_compile():
 # The child: CPU analysis pass + XLA steps
 # ---------------------------------------------------------------------------
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # xla_utils/
 _HOST_READ_OPS = {"_local_scalar_dense"}
 
 

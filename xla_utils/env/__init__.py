@@ -199,7 +199,7 @@ def child_pythonpath() -> str:
     """``PYTHONPATH`` for a fresh interpreter started from this one: the folder holding
     this ``xla_utils`` first (so the child imports the same copy), then this process's
     ``sys.path`` (a notebook's added folders, the venv's site-packages), empty entries left out."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # env/ in xla_utils/
     return os.pathsep.join(dict.fromkeys([here] + [p for p in sys.path if p]))
 
 
