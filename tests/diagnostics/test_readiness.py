@@ -536,19 +536,3 @@ def test_resnet18_batch8_report():
     assert 11_000_000 < m["param_bytes"] / 4 < 12_000_000
     assert _finding(r, "memory").severity == "info"
     assert set(r.codes) <= set(CODES)
-
-
-def test_where_names_user_code_and_stops_at_the_packages_own_step():
-    """An op reached through xla_utils' own step (any of its packages) has no user place;
-    one from user code names the file and line."""
-    import xla_utils.train.loop as loop
-    from xla_utils.diagnostics import readiness
-
-    ns = {"where": readiness._where}
-    exec(compile("def step():\n    return where()\n", loop.__file__, "exec"), ns)
-    assert ns["step"]() == ""
-
-    def user_forward():
-        return readiness._where()
-
-    assert user_forward().startswith("test_readiness.py:") and "in user_forward" in user_forward()

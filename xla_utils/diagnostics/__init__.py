@@ -5,6 +5,7 @@ use (``from xla_utils.diagnostics import Finding``), the same objects :mod:`xla_
 
 * ``readiness``: Will this model run well on a TPU? Answered on a CPU, before any TPU quota
   is spent
+* ``measure``: The measurement job of :func:`xla_utils.check`: what runs in the forked child
 * ``findings``: What :func:`xla_utils.check` found, in words a user can act on
 * ``memory``: Per-device memory of a training step under each strategy
 * ``debug``: Single-core debug mode
