@@ -24,6 +24,7 @@ from ..utils.units import format_bytes
 if TYPE_CHECKING:
     from .config import TrainerConfig
     from ..diagnostics.readiness import ReadinessReport
+    from .inputs import InputSpec
     from .trainer import OneCycleTrainer
 
 __all__ = ["sweep_placement", "find_lr", "check_on_mesh"]
