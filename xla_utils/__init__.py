@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
-import sys
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .utils.lazy import lazy_exports
@@ -28,22 +28,16 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from .cache import CacheConfig, build_cache
     from .data import CachedImageDataset
     from .env import EnvInfo, detect, setup
-    from .train.lr_finder import LRFinderResult, lr_find
-    from .diagnostics.memory import MemoryReport, measure_memory, paper_memory
-    from .diagnostics.readiness import Finding, ReadinessReport, check
+    from .train import (CVResult, History, LRFinderResult, OneCycleSchedule, OneCycleTrainer,
+                        TrainerConfig, cross_validate, lr_find, split, write_submission)
+    from .diagnostics import (Finding, MemoryReport, ReadinessReport, check, debug_run, measure_memory,
+                              paper_memory)
     from .runtime import launch
-    from .train.schedule import OneCycleSchedule
-    from .train.submission import write_submission
-    from .diagnostics.debug import debug_run
-    from .train.trainer import OneCycleTrainer
-    from .train.crossval import CVResult, cross_validate, split
-    from .train.config import TrainerConfig
-    from .train.history import History
     from .runtime import ReplicaError
     from .simulate import run_script, simulated_spawn
 
-# public name -> module that defines it (keep in step with the TYPE_CHECKING imports above;
-# tests/test_import.py checks that they agree)
+# public name -> the module, or the package face, that has it (keep in step with the TYPE_CHECKING
+# imports above; tests/test_import.py checks that they agree; a face knows its defining modules)
 _EXPORTS = {
     "detect": "env",
     "setup": "env",
@@ -51,24 +45,24 @@ _EXPORTS = {
     "build_cache": "cache",
     "CacheConfig": "cache",
     "CachedImageDataset": "data",
-    "OneCycleSchedule": "train.schedule",
-    "OneCycleTrainer": "train.trainer",
-    "debug_run": "diagnostics.debug",
-    "lr_find": "train.lr_finder",
-    "LRFinderResult": "train.lr_finder",
-    "measure_memory": "diagnostics.memory",
-    "paper_memory": "diagnostics.memory",
-    "MemoryReport": "diagnostics.memory",
+    "OneCycleSchedule": "train",
+    "OneCycleTrainer": "train",
+    "debug_run": "diagnostics",
+    "lr_find": "train",
+    "LRFinderResult": "train",
+    "measure_memory": "diagnostics",
+    "paper_memory": "diagnostics",
+    "MemoryReport": "diagnostics",
     "launch": "runtime",
-    "write_submission": "train.submission",
-    "check": "diagnostics.readiness",
-    "ReadinessReport": "diagnostics.readiness",
-    "Finding": "diagnostics.readiness",
-    "cross_validate": "train.crossval",
-    "CVResult": "train.crossval",
-    "split": "train.crossval",
-    "TrainerConfig": "train.config",
-    "History": "train.history",
+    "write_submission": "train",
+    "check": "diagnostics",
+    "ReadinessReport": "diagnostics",
+    "Finding": "diagnostics",
+    "cross_validate": "train",
+    "CVResult": "train",
+    "split": "train",
+    "TrainerConfig": "train",
+    "History": "train",
     "ReplicaError": "runtime",
     "run_script": "simulate",
     "simulated_spawn": "simulate",
@@ -102,8 +96,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec: Any) -> Any:
-        module = importlib.import_module(f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}."
-                                         f"{spec.name.partition('.')[2]}")
+        old = spec.name.partition(".")[2]
+        module = importlib.import_module(f"{__name__}.{_MOVED[old]}.{old}")
         spec.loader_state = module.__spec__  # the import system sets the alias's spec next
         return module
 
