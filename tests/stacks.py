@@ -1,0 +1,151 @@
+"""Which of CI's two stacks runs which test (docs/CONTRIBUTING.md "Which stack runs a test").
+
+``.ci/run`` runs the suite on Colab's stack (torch 2.9 / torch_xla 2.9 / Python 3.13) and on
+Kaggle's (torch 2.8 / torch_xla 2.8 / Python 3.11) side by side, with ``XLA_UTILS_CI_STACK``
+naming the stack; ``tests/conftest.py`` then deselects the tests this table gives to the
+other stack. Without ``XLA_UTILS_CI_STACK`` (a developer's ``pytest``) every test runs.
+
+The rule: a test runs on **both** stacks when the code it exercises talks directly to what
+the two stacks differ in: torch_xla's runtime and device APIs (the simulator, the runtime,
+SPMD meshes, FSDP, the memory of sharded tensors), torch.distributed and process start-up
+(gloo, fork, fresh interpreters; Python 3.12 warns about forking threads), or the
+interpreter and packaging (the wheel, the environment report, import-time behaviour). Each
+form of multi-core program (xmp.spawn with xm collectives, torch.distributed on the xla
+backend, DDP, SPMD, FSDP) runs on both stacks at least once, in its smallest program.
+
+A test runs on **one** stack when it reaches those only through ``xla_utils.runtime``'s
+public functions, which the both-stacks tests pin down on each stack: the trainer's
+features, the LR finder, predictions and submissions, the cache's format and storage, the
+data pipeline, the docs, README and notebooks, the command line. Larger programs of a
+form already run on both (the 8-core ResNet examples, mnist in three modes) also run on
+one stack. The one-stack tests are split so that the two stacks take about the same time.
+
+Entries are path prefixes of pytest node ids; the longest matching prefix wins, so one test
+(``file::name`` or ``file::name[param]``) can leave its file's stack. ``tests/test_stacks.py``
+checks that every test file has an entry and that every entry names a test that exists.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["BOTH", "COLAB", "KAGGLE", "STACKS", "stack_of"]
+
+STACKS = ("colab", "kaggle")
+
+CORPUS_PROGRAM = "tests/simulate/test_torch_xla_corpus.py::test_corpus_program_passes_on_8_simulated_cores"
+
+BOTH = [
+    # the packages whose modules import torch_xla or torch.distributed, or start processes
+    # (tests/test_stacks.py keeps this equal to the code)
+    "tests/env/",
+    "tests/runtime/",
+    "tests/simulate/",
+    "tests/cache/test_runners.py",  # the cache builder's process pool (fork, Ray)
+    # the builder's pool as users meet it: forked workers and Python 3.12's fork warning
+    "tests/cache/test_cache.py::test_torch_dataset_with_parallel_ops_builds_on_several_workers",
+    "tests/cache/test_cache.py::test_only_the_builders_own_forks_are_quiet",
+    # the installed wheel on each Python, import-time behaviour, this table
+    "tests/test_install.py",
+    "tests/test_import.py",
+    "tests/test_stacks.py",
+]
+
+# One stack each. Larger programs of a form that test_forms.py and the light corpus
+# programs already run on both: torch_xla's examples, mnist in three modes, the 8-core
+# ResNet in 12 GiB (they also take turns on a cross-suite lock, so they share one stack).
+_HEAVY = [
+    CORPUS_PROGRAM + "[sync_batch_norm]",
+    CORPUS_PROGRAM + "[train_resnet_xla_ddp]",
+    CORPUS_PROGRAM + "[train_resnet_ddp]",
+    CORPUS_PROGRAM + "[train_resnet_spmd_data_parallel]",
+    CORPUS_PROGRAM + "[train_decoder_only_fsdp_v2]",
+    CORPUS_PROGRAM + "[train_resnet_fsdp_auto_wrap]",
+    "tests/simulate/test_torch_xla_corpus.py::test_train_mp_mnist_three_modes",
+    "tests/simulate/test_footprint.py::test_ddp_resnet18_on_8_simulated_cores_fits_12_gib",
+]
+
+COLAB: list[str] = _HEAVY + [
+    "tests/cache/",
+    "tests/diagnostics/",
+    "tests/train/test_lr_finder.py",
+    "tests/train/test_trainer_safety.py",
+    "tests/train/test_strategy.py",
+    "tests/train/test_mesh_tasks.py",
+    "tests/test_ci.py",
+    "tests/test_docs.py",
+    "tests/test_layering.py",
+    "tests/test_cli.py",
+    "tests/test_bench_gpu.py",
+]
+
+KAGGLE: list[str] = [
+    "tests/data/",
+    "tests/train/",
+    "tests/utils/",
+    "tests/test_readme.py",
+    "tests/test_notebooks.py",
+    "tests/test_demo.py",
+]
+
+
+def stack_of(nodeid: str) -> str:
+    """The stack that runs a test: ``"both"``, ``"colab"`` or ``"kaggle"``.
+
+    Args:
+        nodeid: pytest's node id, relative to the checkout (``tests/x/test_y.py::test_z``).
+
+    Raises:
+        KeyError: no entry covers the test (add one to this module's tables).
+    """
+    best, where = "", ""
+    for stack, entries in (("both", BOTH), ("colab", COLAB), ("kaggle", KAGGLE)):
+        for entry in entries:
+            if _covers(entry, nodeid) and len(entry) > len(best):
+                best, where = entry, stack
+    if not where:
+        raise KeyError(f"{nodeid}: no entry in tests/stacks.py gives it a stack "
+                       "(docs/CONTRIBUTING.md 'Which stack runs a test')")
+    return where
+
+
+def _covers(entry: str, nodeid: str) -> bool:
+    if not nodeid.startswith(entry):
+        return False
+    rest = nodeid[len(entry):]
+    # a folder ends in "/", a file is followed by "::", a test by "[" (its parameters) or nothing
+    return entry.endswith("/") or not rest or rest.startswith(("::", "["))
+
+
+def current() -> str | None:
+    """The stack this session runs as (``XLA_UTILS_CI_STACK``), or None: every test runs."""
+    stack = os.environ.get("XLA_UTILS_CI_STACK") or None
+    if stack is not None and stack not in STACKS:
+        raise ValueError(f"XLA_UTILS_CI_STACK={stack!r}: expected one of {', '.join(STACKS)}")
+    return stack
+
+
+DOC = "docs/CONTRIBUTING.md"
+DOC_BEGIN = "<!-- the list tests/stacks.py produces: `python tests/stacks.py --write` -->"
+DOC_END = "<!-- end of the list -->"
+
+
+def markdown() -> str:
+    """The tables as docs/CONTRIBUTING.md lists them (between DOC_BEGIN and DOC_END)."""
+    out = [DOC_BEGIN]
+    for title, entries in (("Both stacks", BOTH), ("Colab's stack only", COLAB),
+                           ("Kaggle's stack only", KAGGLE)):
+        out += ["", f"{title}:", ""] + [f"- `{e}`" for e in entries]
+    return "\n".join(out + ["", DOC_END])
+
+
+if __name__ == "__main__":  # python tests/stacks.py [--write]: print the list, or write it into the doc
+    import sys
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / DOC
+    if "--write" in sys.argv:
+        text = doc.read_text()
+        head, rest = text.split(DOC_BEGIN, 1)
+        doc.write_text(head + markdown() + rest.split(DOC_END, 1)[1])
+    else:
+        print(markdown())
