@@ -37,6 +37,11 @@ if "XLA_UTILS_SIM_FOOTPRINT_FILE" not in os.environ:
 
 from local_servers import free_port, start_emulator, stop, wait_port
 
+# Programs that tests run (torch_xla's own tests among them, on simulated cores), not tests of
+# this suite: collected, torch_xla's test_mp_sync_batch_norm.py ran its four tests once more on
+# one device in the test process (100 s), besides the corpus test's run on 8 simulated cores.
+collect_ignore = ["fixtures"]
+
 __all__ = ["free_port"]  # test modules import it from here
 
 BUCKET = "xla-utils-test"
