@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import runtime
+from .optim import optimizer_label
 from ..utils.units import format_bytes
 
 if TYPE_CHECKING:
@@ -350,7 +351,7 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
     print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
           f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
           + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
-          + f", optimizer {now_opt}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
+          + f", optimizer {optimizer_label(cfg.optimizer)}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
           "its schedule, "
           "optimizer state and history"
           + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)

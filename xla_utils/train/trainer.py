@@ -58,6 +58,27 @@ __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_
            "scale_lr", "CheckpointError", "ResumeError"]
 
 
+def host_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """``(model as the trainer keeps it, what was done, in words or "")``: unwrapped from
+    ``nn.DataParallel`` / ``DistributedDataParallel`` (each replica gets the plain module and
+    the trainer averages gradients itself) and on the CPU (``fit`` places it on each
+    replica's device; a model left on a GPU would be copied to every replica from there)."""
+    done = []
+    wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while isinstance(model, wrappers):
+        done.append(f"unwrapped from {type(model).__name__}")
+        model = model.module
+    devices = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())
+                      if t.device.type != "cpu"})
+    if devices:
+        model = model.cpu()
+        done.append(f"moved from {', '.join(devices)} to the CPU")
+    if not done:
+        return model, ""
+    return model, (f"the model was {' and '.join(done)}: fit places it on every replica's device "
+                   "itself, so pass it as built (a factory, or a model on the CPU)")
+
+
 class OneCycleTrainer:
     """Train ``model`` with the one-cycle policy on all TPU cores.
 
@@ -98,6 +119,7 @@ class OneCycleTrainer:
                 raise TypeError(f"model factory returned {type(self.model).__name__}, not nn.Module")
         else:
             raise TypeError("model must be an nn.Module or a zero-argument factory")
+        self.model, self._model_note = host_model(self.model)
         self.loss = loss
         self.train_data = train_data
         self.val_data = val_data
@@ -342,10 +364,11 @@ class OneCycleTrainer:
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True)
         lr_groups = self._lr_groups if lr_groups is None else lr_groups
+        note, self._model_note = self._model_note, ""  # said once, in the first run's first line
         return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
                        eval_step=self.eval_step, inputs=inputs, base_lr=float(base_lr),
                        lr_world=lr_world, ckpt=ckpt, run_id=run_id, mix=mix, lr_groups=lr_groups,
-                       ckpt_extra=checkpoint_extra), plan
+                       ckpt_extra=checkpoint_extra, note=note), plan
 
     def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
         """The fit run's :class:`~xla_utils.train.mixup.MixConfig` (None: no mixing or smoothing)
