@@ -253,8 +253,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
             process feeds ``strategy.devices`` devices), or None.
         inputs: The training data's :class:`~xla_utils.train.inputs.InputSpec` (image inputs
             go channels_last on CUDA), or None.
-        note: Said at the end of the run's first line (what the trainer did to the model it
-            was given, e.g. unwrapped from ``nn.DataParallel``); default none.
+        note: Said at the end of the run's first line (e.g. the model was unwrapped).
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
@@ -279,8 +278,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
     how = f"{rule} scaling" if lr_world == 1 else \
         f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
-    runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data, dev.type,
-                                     note))
+    runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data, dev.type, note))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
                          lr=max_lr / cfg.div_factor,
                          weight_decay=cfg.weight_decay)

@@ -73,13 +73,11 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
             and the class prior for ``fill="prior"``. Default None.
         sample: a CSV whose first column lists the ids to write, in order, under a header
             row (the competition's ``sample_submission.csv``): the file written has exactly
-            its ids in its order and its headers. Ids match ``data``'s exactly, or without
-            an image extension (``"0a1b"`` for ``"0a1b.jpg"``); ids that differ are refused,
-            the first differences shown. Default ``"auto"``: the ``sample_submission.csv``
-            next to the folder (or CSV) the test cache was built from (Kaggle's
-            ``/kaggle/input/<competition>/{test,sample_submission.csv}``), said when used;
-            none there: the test set's own ids. ``None``: the test set's own ids, in its
-            order (a cache built from ``sample_submission.csv`` records exactly its ids).
+            its ids in its order and its headers. Ids match ``data``'s exactly or without an
+            image extension; ids that differ are refused, the first differences shown.
+            Default ``"auto"``: the ``sample_submission.csv`` next to the folder (or CSV) the
+            test cache was built from (Kaggle's layout), said when used; ``None`` (or none
+            there): the test set's own ids, in its order.
         missing: what to do with ids that have no prediction (images the cache build
             skipped, or ``sample`` ids absent from ``data``): ``"error"`` (default) refuses
             the write and names them; ``"fill"`` writes them with ``fill`` and says so.

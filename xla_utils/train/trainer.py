@@ -52,6 +52,7 @@ from .submission import missing_note, training_multilabel
 from ..utils.suggest import unknown_keywords
 
 if TYPE_CHECKING:
+    from ..diagnostics.device_check import DeviceCheckReport
     from ..diagnostics.readiness import ReadinessReport
 
 __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
@@ -534,26 +535,65 @@ class OneCycleTrainer:
                                   config=self.config, eval_step=self.eval_step, loss=self.loss)
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
-              timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
-        """:func:`xla_utils.check` of this trainer's own step as :meth:`fit` runs it (as
-        :meth:`debug`) on the first ``batch_size`` batch of ``train_data``; prints the
-        report once and returns it (as :meth:`debug`). ``measure_loader`` (default True)
-        compares the loader's samples/s with the TPU's step rate; ``tpu`` as in
-        :func:`xla_utils.check` (default this TPU, else v5e). Under ``"spmd"``/``"fsdp"`` the
-        sharded step also runs on ``devices`` devices (default: the slice ``tpu`` names,
-        else 8): :func:`xla_utils.train.mesh_tasks.check_on_mesh`."""
-        from ..diagnostics.readiness import check as readiness_check
+              timeout: float | None = None, devices: int | None = None
+              ) -> "ReadinessReport | DeviceCheckReport | None":
+        """Check this trainer's own step as :meth:`fit` runs it (as :meth:`debug`), for the
+        device this notebook trains on and for a TPU; print each report, titled by its device.
 
+        * Without a TPU, on the torch backend (a GPU, ``XLA_UTILS_CPU_REPLICAS`` or the CPU):
+          :func:`xla_utils.diagnostics.device_check.check_device`: the step as ``fit`` feeds it
+          against the no-loader ceiling, the loader's speed, the precision and layout chosen,
+          host reads per step, memory headroom on CUDA.
+        * With torch_xla (or on a TPU): :func:`xla_utils.check` of the step on the first
+          ``batch_size`` batch of ``train_data`` (the TPU readiness report: recompiles, host
+          syncs, padding, memory against the chip, ...). ``measure_loader`` (default True)
+          compares the loader's samples/s with the TPU's step rate; ``tpu`` as in
+          :func:`xla_utils.check` (default this TPU, else v5e). Under ``"spmd"``/``"fsdp"``
+          the sharded step also runs on ``devices`` devices (default: the slice ``tpu``
+          names, else 8): :func:`xla_utils.train.mesh_tasks.check_on_mesh`. Without
+          torch_xla this part is skipped with one line saying how to get it
+          (``xla_utils.setup(install=True)``).
+
+        Returns:
+            The TPU :class:`~xla_utils.diagnostics.readiness.ReadinessReport` when it ran (its
+            ``device_check`` holds the device's report, if one ran), else the
+            :class:`~xla_utils.diagnostics.device_check.DeviceCheckReport`.
+        """
         cfg = self.config
         spec = self._inspect(self.train_data, "train_data", "training")
         data = spec.feed(self.train_data)
         if len(data) < cfg.batch_size:
             raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
+        step = self._step_plan((data, spec))
+        device = None
+        if not runtime.tpu_present() and cfg.strategy == "spawn":
+            from ..diagnostics.device_check import check_device
+
+            device = check_device(self.model, step, data, batch_size=cfg.batch_size,
+                                  replicas=_strategy.planned_world_size("all", None),
+                                  steps=steps, timeout=timeout)
+            print(device.report, flush=True)
+        if not runtime.tpu_present() and not runtime.xla_installed():
+            print("xla_utils.check for a TPU: skipped, torch_xla is not installed here "
+                  "(xla_utils.setup(install=True) installs the one that pairs with this torch; "
+                  "then trainer.check() answers for a TPU too)", flush=True)
+            return device
+        report = self._check_tpu(data, spec, step, steps, tpu, measure_loader, timeout, devices)
+        report.device_check = device
+        print(report.report, flush=True)
+        return report
+
+    def _check_tpu(self, data: Any, spec: InputSpec, step: TrainerStepPlan, steps: int,
+                   tpu: str | None, measure_loader: bool, timeout: float | None,
+                   devices: int | None) -> "ReadinessReport":
+        """The TPU readiness report of :meth:`check` (not printed)."""
+        from ..diagnostics.readiness import check as readiness_check
+
+        cfg = self.config
         x, y, _ = next(iter(iterate_batches(data, cfg.batch_size, shuffle=False, drop_last=True,
                                             num_workers=0)))
         loader = (iterate_batches(data, cfg.batch_size, seed=cfg.seed,
                                   num_workers=cfg.num_workers) if measure_loader else None)
-        step = self._step_plan((data, spec))
         report = readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
                                  optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
                                  prepare=self._prepare(spec, train=True),
@@ -564,7 +604,6 @@ class OneCycleTrainer:
         if cfg.strategy != "spawn":
             _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu,
                                       devices=devices, make_step=step)
-        print(report.report, flush=True)
         return report
 
     def eval_weights(self) -> dict[str, torch.Tensor]:
