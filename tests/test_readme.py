@@ -279,7 +279,7 @@ def test_fifteen_lines_on_two_torch_replicas(tmp_path, monkeypatch, capfd):
     h = ns["history"]
     assert h.world_size == 2 and h.global_batch == 8 and len(h) == 1
     out = capfd.readouterr().out
-    assert "lr_find suggests max_lr" in out and "2 cores x 4 per core = 8 global batch" in out
+    assert "lr_find suggests max_lr" in out and "2 processes x 4 per process = 8 global batch" in out
     assert (tmp_path / "ckpt" / "final.pt").exists()
     assert ns["preds"].shape == (5, 3) and "wrote submission.csv: 5 rows" in out
     rows = (tmp_path / "submission.csv").read_text().splitlines()

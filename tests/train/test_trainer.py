@@ -49,7 +49,7 @@ def test_torch_backend_fit_learns_and_reports(capsys):
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     h = t.fit()
     out = capsys.readouterr().out
-    assert "1 core x 32 per core = 32 global batch; max_lr 0.01 x 1 = 0.01 (sqrt scaling)" in out
+    assert "1 process x 32 per process = 32 global batch; Adam, max_lr 0.01 x 1 = 0.01 (sqrt scaling)" in out
     assert h.backend == "torch" and len(h) == 3
     assert h[-1]["accuracy"] > 0.9
     assert h[-1]["samples"] == len(val)  # every validation sample counted once

@@ -260,7 +260,6 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
             this run's (the schedule would not continue exactly).
     """
     from .checkpoint import ResumeError
-
     from .ema import DeviceEMA
     from .mixup import DeviceMix
 

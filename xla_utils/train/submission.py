@@ -67,7 +67,7 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
             to 1) are single-label and anything else is refused as ambiguous. Single-label
             rows get their argmax whatever their scale (raw outputs too); multi-label
             rows must be probabilities in [0, 1] (raw outputs are refused with the fix).
-        verbose: print what was written (rows, columns, the first row).
+        verbose: print what was written (rows, columns, the first row) and the sample used.
         train: the :class:`~xla_utils.train.trainer.OneCycleTrainer` that made ``preds``, or its
             training dataset (e.g. the training cache): gives ``multilabel``, ``classes``
             and the class prior for ``fill="prior"``. Default None.
@@ -75,9 +75,8 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
             row (the competition's ``sample_submission.csv``): the file written has exactly
             its ids in its order and its headers. Ids match ``data``'s exactly or without an
             image extension; ids that differ are refused, the first differences shown.
-            Default ``"auto"``: the ``sample_submission.csv`` next to the folder (or CSV) the
-            test cache was built from (Kaggle's layout), said when used; ``None`` (or none
-            there): the test set's own ids, in its order.
+            Default ``"auto"``: the ``sample_submission.csv`` next to the test cache's source
+            folder (Kaggle's layout); ``None`` (or none there): the test set's own ids.
         missing: what to do with ids that have no prediction (images the cache build
             skipped, or ``sample`` ids absent from ``data``): ``"error"`` (default) refuses
             the write and names them; ``"fill"`` writes them with ``fill`` and says so.
