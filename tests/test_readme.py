@@ -197,41 +197,10 @@ def test_quick_start_as_written(tmp_path, monkeypatch, capsys):
     assert all(r.split(",")[1] in train.classes for r in rows[1:])
 
 
-# torch_xla not installed, as in a Kaggle GPU notebook: `import torch_xla` fails, importlib
-# finds no spec and its metadata no distribution, in this process and every process it starts
-# (a sitecustomize on PYTHONPATH).
-NO_TORCH_XLA = """\
-import sys
-from importlib import metadata as _md
-
-sys.modules["torch_xla"] = None
-_version = _md.version
-
-
-def _no_torch_xla(name):
-    if name.replace("-", "_").lower() == "torch_xla":
-        raise _md.PackageNotFoundError(name)
-    return _version(name)
-
-
-_md.version = _no_torch_xla
-"""
-
-
-def without_torch_xla(tmp_path: Path) -> dict[str, str]:
-    """An environment for a subprocess whose Python has no torch_xla (:data:`NO_TORCH_XLA`)."""
-    shim = tmp_path / "no_torch_xla"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(NO_TORCH_XLA)
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "XLA_UTILS_CPU_REPLICAS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT)])
-    return env
-
-
 @pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(600)
-def test_quick_start_on_a_gpu_notebook_without_torch_xla(tmp_path):
+def test_quick_start_on_a_gpu_notebook_without_torch_xla(tmp_path, no_torch_xla_env):
     """The README's quick start with its GPU line (``fit()``), run top to bottom where torch_xla
     is not installed and the machine has two devices (``XLA_UTILS_CPU_REPLICAS=2``: two CPU
     processes over gloo, as Kaggle's T4 x2 over NCCL), only its sizes substituted, with the
@@ -248,7 +217,7 @@ def test_quick_start_on_a_gpu_notebook_without_torch_xla(tmp_path):
         "history = trainer.fit(simulate=8)": "history = trainer.fit()"})
     code += "\nprint('COLUMNS', sorted(history[-1]))\nprint(history)\n"
     (tmp_path / "quick_start.py").write_text(code)
-    env = dict(without_torch_xla(tmp_path), XLA_UTILS_CPU_REPLICAS="2")
+    env = dict(no_torch_xla_env, XLA_UTILS_CPU_REPLICAS="2")
     p = subprocess.run([sys.executable, "quick_start.py"], cwd=tmp_path, capture_output=True,
                        text=True, env=env, timeout=540)
     out = p.stdout

@@ -73,6 +73,11 @@ class DeviceCheckReport:
     total_memory: int | None = None
     report: str = field(default="", repr=False)
 
+    @property
+    def errors(self) -> list[str]:
+        """Findings that stop ``fit(check=True)``: none (the device's findings are suggestions)."""
+        return []
+
     def __str__(self) -> str:
         return f"xla_utils.check for {self.device}: {self.verdict}"
 

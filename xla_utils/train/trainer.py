@@ -540,7 +540,8 @@ class OneCycleTrainer:
         """Check this trainer's own step as :meth:`fit` runs it (as :meth:`debug`), for the
         device this notebook trains on and for a TPU; print each report, titled by its device.
 
-        * Without a TPU, on the torch backend (a GPU, ``XLA_UTILS_CPU_REPLICAS`` or the CPU):
+        * Without a TPU, on the torch backend (GPUs, ``XLA_UTILS_CPU_REPLICAS``, or the CPU
+          without torch_xla):
           :func:`xla_utils.diagnostics.device_check.check_device`: the step as ``fit`` feeds it
           against the no-loader ceiling, the loader's speed, the precision and layout chosen,
           host reads per step, memory headroom on CUDA.
@@ -566,14 +567,14 @@ class OneCycleTrainer:
             raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
         step = self._step_plan((data, spec))
         device = None
-        if not runtime.tpu_present() and cfg.strategy == "spawn":
+        if self._trains_on_torch():
             from ..diagnostics.device_check import check_device
 
             device = check_device(self.model, step, data, batch_size=cfg.batch_size,
                                   replicas=_strategy.planned_world_size("all", None),
                                   steps=steps, timeout=timeout)
             print(device.report, flush=True)
-        if not runtime.tpu_present() and not runtime.xla_installed():
+        if device is not None and not runtime.xla_installed():
             print("xla_utils.check for a TPU: skipped, torch_xla is not installed here "
                   "(xla_utils.setup(install=True) installs the one that pairs with this torch; "
                   "then trainer.check() answers for a TPU too)", flush=True)
@@ -582,6 +583,16 @@ class OneCycleTrainer:
         report.device_check = device
         print(report.report, flush=True)
         return report
+
+    def _trains_on_torch(self) -> bool:
+        """Whether this notebook's ``fit()`` trains on the torch backend (so :meth:`check`
+        reports on its device): no TPU, ``strategy="spawn"``, and GPUs, torch replicas
+        (``XLA_UTILS_CPU_REPLICAS``) or no torch_xla; a CPU notebook with torch_xla rehearses
+        a TPU run on simulated cores instead."""
+        if runtime.tpu_present() or self.config.strategy != "spawn":
+            return False
+        devs = runtime.torch_devices()
+        return not runtime.xla_installed() or devs.kind == "cuda" or devs.count > 1
 
     def _check_tpu(self, data: Any, spec: InputSpec, step: TrainerStepPlan, steps: int,
                    tpu: str | None, measure_loader: bool, timeout: float | None,

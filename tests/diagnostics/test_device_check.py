@@ -1,0 +1,65 @@
+"""trainer.check() on a notebook without a TPU and without torch_xla (a GPU notebook's stack;
+here the CPU): the device's own report, the TPU part skipped with how to get it, nothing raised."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+NOTEBOOK = textwrap.dedent("""
+    import torch
+    from torch import nn
+    import xla_utils
+    from xla_utils import OneCycleTrainer
+
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (64, 16, 16, 3), dtype=torch.uint8)
+    data = torch.utils.data.TensorDataset(images, torch.randint(0, 3, (64,)))
+
+    def make_model():
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(8, 3))
+
+    def reads_the_loss(model, batch, loss_fn):  # a habit that stalls a GPU every step
+        x, y = batch
+        loss = loss_fn(model(x), y)
+        if loss.item() > 1e9:
+            print("diverged")
+        return loss
+
+    trainer = OneCycleTrainer(make_model, nn.CrossEntropyLoss(), data, batch_size=8, epochs=1,
+                              max_lr=1e-2)
+    report = trainer.check()
+    print("RESULT", type(report).__name__, report.batch_size, report.step_s > 0,
+          report.ceiling_s > 0, report.loader_samples_per_s > 0, report.host_reads_per_step)
+    history = trainer.fit(check=True)
+    print("TRAINED", len(history))
+    other = OneCycleTrainer(make_model, nn.CrossEntropyLoss(), data, batch_size=8, epochs=1,
+                            max_lr=1e-2, train_step=reads_the_loss)
+    print("READS", other.check().host_reads_per_step)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_check_without_torch_xla_answers_for_this_device(tmp_path, no_torch_xla_env):
+    p = subprocess.run([sys.executable, "-c", NOTEBOOK], cwd=tmp_path, capture_output=True,
+                       text=True, env=no_torch_xla_env, timeout=280)
+    out = p.stdout
+    assert p.returncode == 0, (out[-3000:], p.stderr[-3000:])
+    title = re.findall(r"^xla_utils\.check for the CPU \(torch\), 1 process: (GOOD|could be faster.*)$",
+                       out, re.M)
+    assert len(title) == 3, out  # check(), fit(check=True), the second trainer's check()
+    assert re.search(r"step: [\d.]+ ms as fit feeds it, [\d.]+ ms on a batch already on the device "
+                     r"\(the no-loader ceiling; fed/ceiling [\d.]+x\), batch 8 per process", out)
+    assert re.search(r"loader: [\d,.]+ samples/s alone; the step takes [\d,.e+]+", out)
+    assert "plan: cpu: fp32 (auto)" in out
+    assert out.count("xla_utils.check for a TPU: skipped, torch_xla is not installed here "
+                     "(xla_utils.setup(install=True)") == 3
+    assert "XLAUnavailableError" not in p.stderr
+    assert "RESULT DeviceCheckReport 8 True True True 0.0" in out
+    assert "TRAINED 1" in out
+    # the loss read in the step is counted (one .item() per step): a GPU would wait there
+    assert "READS 1.0" in out
