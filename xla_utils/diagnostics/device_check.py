@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -82,7 +83,7 @@ class DeviceCheckReport:
         return f"xla_utils.check for {self.device}: {self.verdict}"
 
 
-def check_device(model: torch.nn.Module, make_step: Callable, data: Any, *, batch_size: int,
+def check_device(model: torch.nn.Module, make_step: Any, data: Any, *, batch_size: int,
                  replicas: int, steps: int = 4, timeout: float | None = None) -> DeviceCheckReport:
     """Measure the trainer's step on this machine's torch device (a GPU, else the CPU).
 
@@ -104,7 +105,7 @@ def check_device(model: torch.nn.Module, make_step: Callable, data: Any, *, batc
     return _report(meas, batch_size, replicas)
 
 
-def _measure(model: torch.nn.Module, make_step: Callable, data: Any, steps: int) -> dict[str, Any]:
+def _measure(model: torch.nn.Module, make_step: Any, data: Any, steps: int) -> dict[str, Any]:
     """The replica: warm up, time the fed step, the resident step and the loader; count
     host reads in one more step."""
     stepper = make_step(copy.deepcopy(model), None)
@@ -112,6 +113,7 @@ def _measure(model: torch.nn.Module, make_step: Callable, data: Any, steps: int)
     feed = _fed(s, data, cfg)
     first = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in next(feed))
     fed = _timed(stepper, feed, steps, dev)
+    feed.close()  # the loader's threads end here
     ceiling = _timed(stepper, itertools.repeat(first), steps, dev)
     reads = _host_reads(stepper, first)
     loader_sps = _loader_speed(s, data, cfg, steps)
@@ -159,12 +161,7 @@ def _host_reads(stepper: Any, batch: tuple) -> float:
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            name = func.__name__.split(".")[0]
-            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if name in ("_local_scalar_dense", "is_nonzero"):
-                count[0] += 1
-            elif (name in ("_to_copy", "copy_") and src is not None and src.device.type != "cpu"
-                  and str(kwargs.get("device", "cpu")).startswith("cpu")):
+            if _reads_host(func.__name__.split(".")[0], args, kwargs):
                 count[0] += 1
             return func(*args, **kwargs)
 
@@ -174,6 +171,19 @@ def _host_reads(stepper: Any, batch: tuple) -> float:
             stepper.micro_batch(x, y)
     runtime.sync()
     return float(count[0])
+
+
+def _reads_host(op: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the aten op ``op`` reads device data on the host: ``.item()``, ``float(t)`` and
+    a Python ``if`` on a tensor (``_local_scalar_dense``), or a copy from the device to the CPU."""
+    if op == "_local_scalar_dense":
+        return True
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    if op == "_to_copy" and tensors:  # t.cpu(), t.to("cpu")
+        return tensors[0].device.type != "cpu" and str(kwargs.get("device", "")).startswith("cpu")
+    if op == "copy_" and len(tensors) == 2:  # dst.copy_(src)
+        return tensors[0].device.type == "cpu" and tensors[1].device.type != "cpu"
+    return False
 
 
 def _loader_speed(s: Any, data: Any, cfg: Any, steps: int) -> float:
@@ -204,8 +214,6 @@ def _device_words(dev: torch.device) -> str:
 
 def _report(m: dict[str, Any], batch_size: int, replicas: int) -> DeviceCheckReport:
     """The findings and the text of the replica's measurements ``m``."""
-    import os
-
     kind = m["device_type"]
     device = m["device"] + (f" x{replicas}" if kind == "cuda" and replicas > 1 else "")
     if kind != "cuda":
