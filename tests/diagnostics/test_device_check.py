@@ -63,3 +63,18 @@ def test_check_without_torch_xla_answers_for_this_device(tmp_path, no_torch_xla_
     assert "TRAINED 1" in out
     # the loss read in the step is counted (one .item() per step): a GPU would wait there
     assert "READS 1.0" in out
+
+
+def test_xla_utils_check_without_torch_xla_says_what_it_needs(tmp_path, no_torch_xla_env):
+    """The function form (a TPU measurement on XLA:CPU) cannot run without torch_xla: its
+    error says why, the fix, and what answers on a GPU instead."""
+    code = ("import torch, xla_utils\n"
+            "try:\n"
+            "    xla_utils.check(torch.nn.Linear(4, 2), (torch.randn(8, 4), torch.randint(0, 2, (8,))))\n"
+            "except xla_utils.runtime.XLAUnavailableError as e:\n"
+            "    print('REFUSED', e)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       env=no_torch_xla_env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "REFUSED xla_utils.check measures a TPU run on an XLA:CPU device, so it needs torch_xla" in p.stdout
+    assert "xla_utils.setup(install=True)" in p.stdout and "trainer.check() reports on the GPU" in p.stdout
