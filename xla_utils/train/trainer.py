@@ -59,7 +59,7 @@ __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_
            "scale_lr", "CheckpointError", "ResumeError"]
 
 
-def host_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+def _host_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """``(model as the trainer keeps it, what was done, in words or "")``: unwrapped from
     ``nn.DataParallel`` / ``DistributedDataParallel`` (each replica gets the plain module and
     the trainer averages gradients itself) and on the CPU (``fit`` places it on each
@@ -86,7 +86,9 @@ class OneCycleTrainer:
     Args:
         model: An ``nn.Module`` or a zero-argument factory returning one. It is created
             once, here in the calling process (seeded with ``seed``), and every
-            replica starts from exactly these weights.
+            replica starts from exactly these weights. One wrapped in ``nn.DataParallel`` /
+            ``DistributedDataParallel`` is unwrapped and one on a GPU moved to the CPU (the
+            first fit's first line says so): ``fit`` places the model itself.
         loss: ``loss(outputs, targets) -> scalar`` (e.g. ``nn.CrossEntropyLoss()``;
             ``nn.BCEWithLogitsLoss()`` for multi-label). Validation uses its
             per-sample form (``reduction="none"``) when it has one.
@@ -120,7 +122,7 @@ class OneCycleTrainer:
                 raise TypeError(f"model factory returned {type(self.model).__name__}, not nn.Module")
         else:
             raise TypeError("model must be an nn.Module or a zero-argument factory")
-        self.model, self._model_note = host_model(self.model)
+        self.model, self._model_note = _host_model(self.model)
         self.loss = loss
         self.train_data = train_data
         self.val_data = val_data
@@ -536,7 +538,7 @@ class OneCycleTrainer:
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
               timeout: float | None = None, devices: int | None = None
-              ) -> "ReadinessReport | DeviceCheckReport | None":
+              ) -> "ReadinessReport | DeviceCheckReport":
         """Check this trainer's own step as :meth:`fit` runs it (as :meth:`debug`), for the
         device this notebook trains on and for a TPU; print each report, titled by its device.
 
