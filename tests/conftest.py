@@ -104,3 +104,36 @@ def pytest_collection_modifyitems(config, items):
     if other:
         config.hook.pytest_deselected(items=other)
         items[:] = keep
+
+
+# torch_xla not installed, as in a Kaggle GPU notebook: `import torch_xla` fails, importlib
+# finds no spec and its metadata no distribution, in the process and every process it starts
+# (a sitecustomize on PYTHONPATH).
+NO_TORCH_XLA = """\
+import sys
+from importlib import metadata as _md
+
+sys.modules["torch_xla"] = None
+_version = _md.version
+
+
+def _no_torch_xla(name):
+    if name.replace("-", "_").lower() == "torch_xla":
+        raise _md.PackageNotFoundError(name)
+    return _version(name)
+
+
+_md.version = _no_torch_xla
+"""
+
+
+@pytest.fixture
+def no_torch_xla_env(tmp_path_factory):
+    """The environment of a subprocess whose Python has no torch_xla (:data:`NO_TORCH_XLA`),
+    this checkout first on its path."""
+    shim = tmp_path_factory.mktemp("no_torch_xla")
+    (shim / "sitecustomize.py").write_text(NO_TORCH_XLA)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "XLA_UTILS_CPU_REPLICAS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), root])
+    return env

@@ -110,10 +110,10 @@ assert score > 0.3 and cv.oof_score > 0.3, (score, cv.oof_score)
 # Text each notebook must show; it comes from the forked replicas, so this also
 # proves that their output reaches the notebook.
 EXPECTED_OUTPUT = {
-    "kaggle_quickstart.ipynb": [r"8 cores x 16 per core = 128 global batch; max_lr \S+ x 2\.83",
+    "kaggle_quickstart.ipynb": [r"8 cores x 16 per core = 128 global batch; \w+, max_lr \S+ x 2\.83",
                                 r"epoch 3  train_loss", r"wrote .*submission\.csv: \d+ rows",
                                 r"submission accuracy against the hidden labels"],
-    "colab_quickstart.ipynb": [r"1 core x 32 per core = 32 global batch; max_lr \S+ x 1 ",
+    "colab_quickstart.ipynb": [r"1 core x 32 per core = 32 global batch; \w+, max_lr \S+ x 1 ",
                                r"epoch 3  train_loss", r"wrote .*submission\.csv: \d+ rows",
                                r"submission accuracy against the hidden labels"],
     "build_cache.ipynb": [r"OK: \d+ shards", r"wrote .*train_preview\.png", r"samples/s"],

@@ -197,6 +197,47 @@ def test_quick_start_as_written(tmp_path, monkeypatch, capsys):
     assert all(r.split(",")[1] in train.classes for r in rows[1:])
 
 
+@pytest.mark.slow
+@pytest.mark.multicore
+@pytest.mark.timeout(600)
+def test_quick_start_on_a_gpu_notebook_without_torch_xla(tmp_path, no_torch_xla_env):
+    """The README's quick start with its GPU line (``fit()``), run top to bottom where torch_xla
+    is not installed and the machine has two devices (``XLA_UTILS_CPU_REPLICAS=2``: two CPU
+    processes over gloo, as Kaggle's T4 x2 over NCCL), only its sizes substituted, with the
+    competition's sample_submission.csv (ids without extension, its own order) next to the
+    test folder: it finishes, check() reports on the device the notebook has and skips the
+    TPU with how to get it, submission.csv is the sample's ids in its order, and nothing on
+    this path speaks of XLA's cores or compiles."""
+    _plants(tmp_path)
+    ids = [f"test_{i}" for i in (3, 0, 4, 1, 2)]
+    (tmp_path / "plants" / "sample_submission.csv").write_text(
+        "id,label\n" + "".join(f"{x},healthy\n" for x in ids))
+    code = _substitute(_block("python", "xla_utils.split("), {
+        "size=224": "size=32", "batch_size=64": "batch_size=2", "epochs=5": "epochs=1",
+        "history = trainer.fit(simulate=8)": "history = trainer.fit()"})
+    code += "\nprint('COLUMNS', sorted(history[-1]))\nprint(history)\n"
+    (tmp_path / "quick_start.py").write_text(code)
+    env = dict(no_torch_xla_env, XLA_UTILS_CPU_REPLICAS="2")
+    p = subprocess.run([sys.executable, "quick_start.py"], cwd=tmp_path, capture_output=True,
+                       text=True, env=env, timeout=540)
+    out = p.stdout
+    assert p.returncode == 0, (out[-3000:], p.stderr[-3000:])
+    assert "torch_xla -" in out  # the environment report saw no torch_xla
+    assert "2 processes x 2 per process = 4 global batch; AdamW, max_lr" in out
+    assert "xla_utils.check for the CPU (torch), 2 processes (XLA_UTILS_CPU_REPLICAS=2): " in out
+    assert re.search(r"step: [\d.]+ ms as fit feeds it, [\d.]+ ms on a batch already on the device", out)
+    assert "xla_utils.check for a TPU: skipped, torch_xla is not installed" in out
+    assert "xla_utils.setup(install=True)" in out
+    assert "ids, order and header from " + str(tmp_path / "plants" / "sample_submission.csv") in out
+    rows = (tmp_path / "submission.csv").read_text().splitlines()
+    assert rows[0] == "id,label" and [r.split(",")[0] for r in rows[1:]] == ids
+    assert all(r.split(",")[1] in ("healthy", "rust", "scab") for r in rows[1:])
+    columns = re.search(r"^COLUMNS (.*)$", out, re.M).group(1)
+    assert "compiles" not in columns and "host_reads_per_step" not in columns, columns
+    assert "compile" not in out and not re.search(r"\d+ cores?\b|per core", out), out[-3000:]
+    assert "2 processes x 2 = 4 global batch" in out  # print(history)
+
+
 @pytest.mark.timeout(900)  # the whole competition loop on resnet18 (torch CPU backend)
 def test_python_blocks(tmp_path, monkeypatch, capsys):
     """The competition loop with a val/ folder (docs/TRAINER.md), the loading loop and the
@@ -279,7 +320,7 @@ def test_fifteen_lines_on_two_torch_replicas(tmp_path, monkeypatch, capfd):
     h = ns["history"]
     assert h.world_size == 2 and h.global_batch == 8 and len(h) == 1
     out = capfd.readouterr().out
-    assert "lr_find suggests max_lr" in out and "2 cores x 4 per core = 8 global batch" in out
+    assert "lr_find suggests max_lr" in out and "2 processes x 4 per process = 8 global batch" in out
     assert (tmp_path / "ckpt" / "final.pt").exists()
     assert ns["preds"].shape == (5, 3) and "wrote submission.csv: 5 rows" in out
     rows = (tmp_path / "submission.csv").read_text().splitlines()

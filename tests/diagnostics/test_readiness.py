@@ -429,7 +429,7 @@ def test_trainer_check_and_debug_run_the_same_step_and_print_once(capsys):
     assert again[1].startswith("xla_utils.debug on xla: 4 steps, compiles per step")
     assert "every step from 3 on compiled a new XLA graph" in _finding(r, "recompile").message
     assert "Steps [3, 4] compiled again after warm-up" in d.report
-    assert r.step == d.step and r.step.startswith("the trainer's: Adam, one-cycle LR")
+    assert r.step == d.step and r.step.startswith("the trainer's: AdamW, one-cycle LR")
     assert "2 micro-batches accumulated" in r.step
     late = [bool(s["compiles"]) for s in r.per_step[2:]]
     assert late == [bool(s["compiles"]) for s in d.per_step[2:]] == [True, True]

@@ -485,3 +485,11 @@ def test_fast_cpu_compile_flags_adds_level_0_once_and_keeps_the_callers_level():
     assert rt.fast_cpu_compile_flags(mine) == mine
     # the test session runs under it (tests/conftest.py), so every process a test starts does
     assert "xla_backend_optimization_level" in os.environ["XLA_FLAGS"]
+
+
+def test_replicas_are_named_by_their_device():
+    """What a run's lines call its replicas: XLA's cores, GPUs, CPU processes."""
+    assert [rt.replicas_word(n, "xla") for n in (1, 8)] == ["1 core", "8 cores"]
+    assert [rt.replicas_word(n, "cuda") for n in (1, 2)] == ["1 GPU", "2 GPUs"]
+    assert [rt.replicas_word(n, "cpu") for n in (1, 2)] == ["1 process", "2 processes"]
+    assert [rt.replica_noun(t) for t in ("xla", "cuda", "cpu")] == ["core", "GPU", "process"]

@@ -151,7 +151,7 @@ def test_first_line_reports_precision_layout_and_buffers(capsys):
                         channels_last=True, log_every=2)
     h = t.fit()
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("1 core x 8 per core = 8 global batch; max_lr")
+    assert first.startswith("1 process x 8 per process = 8 global batch; AdamW, max_lr")
     assert ("; cpu: fp32 (auto), channels_last (asked), pageable host buffers (no CUDA), "
             "DataLoader with 0 worker processes") in first
     # the replica's model ran channels_last (its weights come back in that format) ...

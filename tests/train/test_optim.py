@@ -153,3 +153,14 @@ def test_adam_no_recompile_on_xla_over_long_run():
 
     counts = runtime.launch(job, simulate=1)
     assert counts[-1] == counts[2], [i for i in range(1, 300) if counts[i] != counts[i - 1]]
+
+
+def test_one_name_for_each_optimizer():
+    """The name every message uses (a run's first line, resume, check(), debug())."""
+    from xla_utils.train.optim import optimizer_label
+
+    assert [optimizer_label(n) for n in ("sgd", " AdamW", "ADAM")] == ["SGD", "AdamW", "Adam"]
+    made = [make_optimizer(n, _model(), lr=1e-3) for n in ("sgd", "adam", "adamw")]
+    assert [optimizer_label(o) for o in made] == ["SGD", "Adam", "AdamW"]
+    assert optimizer_label(torch.optim.RMSprop) == "RMSprop"
+    assert optimizer_label(functools.partial(torch.optim.RMSprop, alpha=0.9)) == "RMSprop"

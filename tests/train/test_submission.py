@@ -230,14 +230,16 @@ def test_sample_submission_ids_in_its_order(tmp_path, capsys):
         write_submission(preds, folder, out, classes=CLASSES, sample=tmp_path / "probs.csv")
     # a prediction the sample does not list would invent a row
     (tmp_path / "short.csv").write_text("id,label\nt0\nt1\nt2\nnot_there\n")
-    with pytest.raises(ValueError, match=r"1 prediction\(s\) have ids that .*short.csv does not list.*t4.png"):
+    with pytest.raises(ValueError, match=r"do not match .*short.csv: 1 prediction\(s\) have ids it does not "
+                                         r"list \(t4.png\) and 1 of its ids have no prediction \(not_there\)"):
         write_submission(preds, folder, out, classes=CLASSES, sample=tmp_path / "short.csv")
     # an id the sample lists but the test set lacks is missing, and said so
     with pytest.raises(ValueError, match=r"not_there \(no prediction\)"):
         write_submission(np.eye(3)[[0, 1, 2]], ["t0.png", "t1.png", "t2.png"], out, classes=CLASSES,
                          sample=tmp_path / "short.csv")
 
-    # the test cache built from the sample itself: its ids, its order, the skipped one included
+    # the test cache built from the sample itself: its ids, its order, the skipped one included,
+    # and (the sample being next to it) its header
     capsys.readouterr()
     build_cache(sample, tmp_path / "c" / "sample", size=16, unlabeled=True)
     assert "WARNING: 1 test image(s) were skipped (t3)" in capsys.readouterr().out
@@ -245,8 +247,40 @@ def test_sample_submission_ids_in_its_order(tmp_path, capsys):
     assert from_sample.ids == ["t0", "t4", "t1", "t2"] and from_sample.requested_ids == wanted
     write_submission(np.eye(3)[[0, 1, 1, 2]], from_sample, out, classes=CLASSES, missing="fill", fill="scab",
                      overwrite=True)
-    assert _read(out) == [["image_id", "label"], ["t3", "scab"], ["t0", "healthy"], ["t4", "rust"],
+    assert _read(out) == [["id", "disease"], ["t3", "scab"], ["t0", "healthy"], ["t4", "rust"],
                           ["t1", "rust"], ["t2", "scab"]]
+
+
+def test_kaggle_layout_follows_the_competitions_sample(tmp_path, capsys):
+    """/kaggle/input/<comp>/{test/, sample_submission.csv}: the README's call, with no sample=,
+    writes the sample's ids (no extension), header and order and says which file it followed;
+    sample=None writes the test set's own ids; ids that differ are refused, both sides shown."""
+    rng = np.random.default_rng(5)
+    comp = tmp_path / "input" / "comp"
+    (comp / "test").mkdir(parents=True)
+    for i in range(5):
+        _image(comp / "test" / f"img_{i}.jpg", i % 3, rng)
+    wanted = ["img_3", "img_0", "img_4", "img_2", "img_1"]  # the sample's own order
+    (comp / "sample_submission.csv").write_text("id,label\n" + "".join(f"{x},healthy\n" for x in wanted))
+    build_cache(comp / "test", tmp_path / "cache" / "test", size=16, unlabeled=True, verbose=False)
+    test = CachedImageDataset(tmp_path / "cache" / "test")
+    preds = np.eye(3)[[0, 1, 2, 0, 1]]  # test order: img_0 .. img_4
+    capsys.readouterr()
+    out = write_submission(preds, test, tmp_path / "submission.csv", classes=CLASSES)
+    said = capsys.readouterr().out
+    assert f"ids, order and header from {comp / 'sample_submission.csv'}" in said and "sample=None" in said
+    assert _read(out) == [["id", "label"], ["img_3", "healthy"], ["img_0", "healthy"], ["img_4", "rust"],
+                          ["img_2", "scab"], ["img_1", "rust"]]
+    own = write_submission(preds, test, tmp_path / "own.csv", classes=CLASSES, sample=None)
+    assert [r[0] for r in _read(own)] == ["image_id"] + [f"img_{i}.jpg" for i in range(5)]
+    assert "sample" not in capsys.readouterr().out.split("wrote")[0]  # no sample named
+    # the sample of another test set: refused with the first ids of each side, nothing written
+    (comp / "sample_submission.csv").write_text("id,label\n" + "".join(f"other_{i},a\n" for i in range(7)))
+    with pytest.raises(ValueError, match=r"do not match .*sample_submission.csv: 5 prediction\(s\) have ids it "
+                                         r"does not list \(img_0.jpg, img_1.jpg.*\) and 7 of its ids have no "
+                                         r"prediction \(other_0, other_1.* and 2 more\).*Nothing was written.*sample=None"):
+        write_submission(preds, test, tmp_path / "refused.csv", classes=CLASSES)
+    assert not (tmp_path / "refused.csv").exists()
 
 
 def _render(folder, n, seed):

@@ -49,8 +49,11 @@ def test_torch_backend_fit_learns_and_reports(capsys):
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     h = t.fit()
     out = capsys.readouterr().out
-    assert "1 core x 32 per core = 32 global batch; max_lr 0.01 x 1 = 0.01 (sqrt scaling)" in out
+    assert "1 process x 32 per process = 32 global batch; Adam, max_lr 0.01 x 1 = 0.01 (sqrt scaling)" in out
     assert h.backend == "torch" and len(h) == 3
+    # the torch backend's words: processes, no XLA compile counts in the lines or the history
+    assert "compiles" not in out and not {"compiles", "host_reads_per_step"} & set(h[-1])
+    assert str(h).startswith("1 process x 32 = 32 global batch") and "compiles" not in str(h)
     assert h[-1]["accuracy"] > 0.9
     assert h[-1]["samples"] == len(val)  # every validation sample counted once
     assert h[0]["train_loss"] > h[-1]["train_loss"]
@@ -60,6 +63,27 @@ def test_torch_backend_fit_learns_and_reports(capsys):
     steps = 3 * (len(train) // 32)
     sched = OneCycleSchedule(steps, 1e-2)
     assert h[-1]["lr_last"] == pytest.approx(sched.lr(steps - 1), rel=1e-12)
+
+
+def test_a_model_in_data_parallel_is_unwrapped_and_said(capsys):
+    """A GPU habit: the model wrapped in nn.DataParallel (here on the CPU, as on a GPU). The
+    trainer keeps the plain module, says so in the run's first line, and the weights it hands
+    back carry no ``module.`` prefix."""
+    train, _ = _digits_tensors()
+    torch.manual_seed(0)
+    net = _mlp()
+    t = OneCycleTrainer(nn.DataParallel(net), nn.CrossEntropyLoss(), train, batch_size=64,
+                        epochs=1, max_lr=1e-2, optimizer="sgd")
+    assert t.model is net
+    h = t.fit()
+    first = [ln for ln in capsys.readouterr().out.splitlines() if "global batch" in ln][0]
+    assert first.startswith("1 process x 64 per process = 64 global batch; SGD, max_lr")
+    assert first.endswith("; the model was unwrapped from DataParallel: fit places it on every "
+                          "replica's device itself, so pass it as built (a factory, or a model "
+                          "on the CPU)"), first
+    assert list(h.state_dict) == list(net.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    t.fit(warn_if_trained=False)  # said once: the next run's first line is plain
+    assert "unwrapped" not in capsys.readouterr().out
 
 
 @pytest.mark.multicore

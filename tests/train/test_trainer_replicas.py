@@ -47,8 +47,8 @@ def test_two_replicas_train_as_one_with_the_global_batch(two_cpu_replicas, capfd
         runs[cores] = t.fit(cores=cores, timeout=120)
     two, one = runs["all"], runs[1]
     out = capfd.readouterr().out
-    assert "2 cores x 32 per core = 64 global batch" in out
-    assert "1 core x 64 per core = 64 global batch" in out
+    assert "2 processes x 32 per process = 64 global batch; SGD, max_lr" in out
+    assert "1 process x 64 per process = 64 global batch" in out
     assert (two.world_size, one.world_size, two.global_batch) == (2, 1, 64)
     curve2, curve1 = [e["train_loss"] for e in two], [e["train_loss"] for e in one]
     assert len(curve2) == 20 and curve2[-1] < 0.5 * curve2[0]  # it really trained

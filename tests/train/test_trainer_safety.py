@@ -316,6 +316,7 @@ def test_resume_refuses_changed_schedule_listing_every_difference(tmp_path, caps
     r = t.fit(resume=path)
     out = capsys.readouterr().out
     assert re.search(r"resuming run \S+ from epoch_002-\S+ after epoch 2 of 3: kept max_lr 0.01", out)
+    assert ", optimizer SGD, batch 64 x 1 process, " in out  # the first line's words (CPU, torch)
     assert "changed: log_every 20 -> 3" in out
     assert [e["epoch"] for e in r.epochs] == [1, 2, 3] and r.epochs[:2] == h.epochs[:2]
     for k, v in h.state_dict.items():

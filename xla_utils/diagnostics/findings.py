@@ -112,6 +112,8 @@ class ReadinessReport:
             without a description.
         step: the training step that ran, in words (the trainer's: optimizer, one-cycle
             LR and momentum, accumulation, EMA, mixing).
+        device_check: ``trainer.check()``'s report on the GPU or CPU this notebook trains
+            on (a :class:`~xla_utils.diagnostics.device_check.DeviceCheckReport`), or None.
     """
 
     findings: list[Finding]
@@ -124,6 +126,7 @@ class ReadinessReport:
     measurements: dict[str, Any] = field(default_factory=dict, repr=False)
     inputs: str = ""
     step: str = ""
+    device_check: Any = None
 
     @property
     def ok(self) -> bool:

@@ -150,7 +150,14 @@ def _step_inputs(model: Any, batch: Any, optimizer: Any, loss: Callable | None,
         _param_positions(module, optimizer)  # fail here, not in the child
     loss_fn, loss_name = (loss, "your loss") if loss is not None else _auto_loss(y)
     if not runtime.xla_installed():  # without importing it here: the zygote does
-        runtime.load_xla()  # raises XLAUnavailableError with the fix
+        try:
+            runtime.load_xla()
+        except runtime.XLAUnavailableError as exc:
+            raise runtime.XLAUnavailableError(
+                "xla_utils.check measures a TPU run on an XLA:CPU device, so it needs torch_xla, "
+                "which is not installed here. Fix: xla_utils.setup(install=True) installs the one "
+                "that pairs with this torch. On a GPU, trainer.check() reports on the GPU without "
+                f"it.\n{exc}") from None
     return module, x, y, prepare, inputs, loss_fn, loss_name
 
 

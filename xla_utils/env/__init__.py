@@ -924,7 +924,7 @@ def setup(
         prepare_spawn(info, env)
     elif not env.get("PJRT_DEVICE"):
         env["PJRT_DEVICE"] = "CPU"
-        if "torch_xla" in mods:
+        if mods.get("torch_xla") is not None:  # None: an import that was blocked
             out(
                 "warning: torch_xla was imported before setup(); PJRT_DEVICE=CPU may not take "
                 "effect until the kernel is restarted and setup() runs first."

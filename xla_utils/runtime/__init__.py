@@ -91,8 +91,8 @@ from .state import STATE, RuntimeState
 from .torch_launch import CUDAInitializedError
 from .transfer import device_prefetch, to_device
 from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
-                    master_print, optimizer_step, rank, reduce_gradients, rendezvous, save,
-                    set_seed, sync, text_progress, world_size)
+                    master_print, optimizer_step, rank, reduce_gradients, rendezvous,
+                    replica_noun, replicas_word, save, set_seed, sync, text_progress, world_size)
 from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_compile_flags,
                   load_xla, tpu_present, xla_available, xla_installed, xla_runtime_initialized)
 
@@ -147,6 +147,8 @@ INTERNAL_API = (
     "register_simulator",
     "reduce_gradients",  # a gradient scaler's step: average the gradients, then step it
     "text_progress",
+    "replica_noun",
+    "replicas_word",  # "8 cores", "2 GPUs", "2 processes": a run's replicas in its device's words
     "torch_devices",  # how many replicas the torch backend runs (no CUDA initialised)
     "TorchDevices",
     "CPU_REPLICAS_ENV",

@@ -21,7 +21,7 @@ from .xla import load_xla, tpu_present, xla_available
 
 __all__ = ["backend", "text_progress", "is_simulated", "device", "world_size", "rank", "local_rank", "is_master",
            "sync", "optimizer_step", "reduce_gradients", "all_reduce", "master_print", "rendezvous", "save",
-           "set_seed", "graph_text", "BARRIER_TIMEOUT_S"]
+           "set_seed", "graph_text", "replica_noun", "replicas_word", "BARRIER_TIMEOUT_S"]
 
 # Seconds a thread-simulated replica waits at a step boundary for the others. A
 # replica that is still compiling a large graph can legitimately lag, so this is
@@ -63,6 +63,19 @@ def device():
     if os.environ.get(CPU_REPLICAS_ENV):
         return torch.device("cpu")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def replica_noun(device_type: str) -> str:
+    """What one replica is called on a device of ``device_type``: ``"core"`` (XLA: TPU or
+    simulated cores), ``"GPU"`` (CUDA), ``"process"`` (the CPU on the torch backend)."""
+    return {"xla": "core", "cuda": "GPU"}.get(device_type, "process")
+
+
+def replicas_word(count: int, device_type: str) -> str:
+    """``count`` replicas in the words of their device: ``"8 cores"``, ``"2 GPUs"``,
+    ``"1 process"`` (:func:`replica_noun`)."""
+    noun = replica_noun(device_type)
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun == "process" else "s")
 
 
 def world_size() -> int:

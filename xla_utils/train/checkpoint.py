@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import runtime
+from .optim import optimizer_label
 from ..utils.units import format_bytes
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ _CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size",
 # What an epoch checkpoint (or a .dcp twin's meta) holds itself: extra fields may not reuse them.
 RESERVED_KEYS = ("model", "optimizer", "epoch", "history", "base_lr", "lr_world", "world_size",
                  "steps_per_epoch", "run_id", "initial_loss", "optimizer_name", "config", "ema",
-                 "optimizer_devices", "sharded_strategy", "sharded")
+                 "optimizer_devices", "sharded_strategy", "sharded", "device_type")
 
 
 # Config fields the optimizer state and the one-cycle schedule depend on: a
@@ -350,7 +351,8 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
     print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
           f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
           + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
-          + f", optimizer {now_opt}, batch {cfg.batch_size} x {ckpt['world_size']} cores, "
+          + f", optimizer {optimizer_label(cfg.optimizer)}, batch {cfg.batch_size} x "
+          f"{runtime.replicas_word(ckpt['world_size'], ckpt.get('device_type', 'xla'))}, "
           "its schedule, "
           "optimizer state and history"
           + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
@@ -453,7 +455,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
         "optimizer": opt.state_dict(), "epoch": epoch,
         "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": world_size,
         "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
-        "optimizer_name": _optimizer_name(cfg.optimizer),
+        "optimizer_name": _optimizer_name(cfg.optimizer), "device_type": runtime.device().type,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
     }
     if ema is not None:

@@ -34,14 +34,19 @@ class History:
         epochs: One dict per epoch: ``epoch``, ``train_loss``, ``val_loss`` and
             validation metrics (when ``val_data`` was given), ``lr_max`` (peak LR
             used), ``lr_last`` (LR of the epoch's last step), ``images_per_s``
-            (global, this epoch including any compilation), ``compiles`` (XLA
-            compilations so far in the run, cumulative), ``host_reads_per_step``
-            (device->host transfers per training step in this process, all its
-            replicas together: the progress-bar loss reads), ``seconds``.
-        world_size, global_batch: Cores and samples per step over all cores.
+            (global, this epoch including any compilation), ``seconds``; on XLA (TPU or
+            simulated cores) ``compiles`` (XLA compilations so far in the run, cumulative)
+            and ``host_reads_per_step`` (device->host transfers per training step in this
+            process, all its replicas together: the progress-bar loss reads); with an fp16
+            gradient scaler (a GPU without bf16) ``skipped_steps`` (optimizer steps it
+            skipped on inf/NaN gradients).
+        world_size, global_batch: Replicas (cores, GPUs or processes) and samples per step
+            over all of them.
         base_lr, max_lr: The LR given (or found) and the peak LR used.
         lr_scaling, lr_note: The scaling rule and how ``max_lr`` came from ``base_lr``.
         backend: ``"xla"`` or ``"torch"``.
+        device_type: The replicas' device type: ``"xla"``, ``"cuda"`` or ``"cpu"`` (names
+            them in ``str(history)``: cores, GPUs, processes).
         state_dict: The final model state on the CPU (after a stop: the last
             finite epoch's; empty when no epoch ended finite). With ``monitor=``
             set: the best epoch's weights.
@@ -67,6 +72,7 @@ class History:
     lr_scaling: str
     lr_note: str
     backend: str
+    device_type: str = "xla"
     state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     stop_reason: str | None = None
     warnings: list[str] = field(default_factory=list)
@@ -153,7 +159,9 @@ class History:
         return fig
 
     def __str__(self) -> str:
-        cores = f"{self.world_size} core{'s' if self.world_size > 1 else ''}"
+        from .. import runtime  # loaded already: the run that made this history imported it
+
+        cores = runtime.replicas_word(self.world_size, self.device_type)
         best = (f"\nbest epoch {self.best_epoch} ({self.monitor} {self.best_score:.4g})"
                 if self.best_epoch is not None and self.best_score is not None else "")
         return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "

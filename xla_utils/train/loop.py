@@ -30,7 +30,7 @@ from .. import runtime
 from ..data import CachedImageDataset, default_loader_threads, iterate_batches
 from .device_plan import DevicePlan, DeviceRequest
 from .metrics import MetricAccumulator, resolve_metrics
-from .optim import make_optimizer
+from .optim import make_optimizer, optimizer_label
 from .schedule import OneCycleSchedule
 
 if TYPE_CHECKING:
@@ -232,7 +232,7 @@ class TrainState:
 def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: float,
            lr_world: int, ckpt: dict | None, mix: MixConfig | None = None,
            lr_groups: Callable | None = None, strategy: MeshRun | None = None,
-           inputs: InputSpec | None = None) -> Setup:
+           inputs: InputSpec | None = None, note: str = "") -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state, and
     its :class:`~xla_utils.train.device_plan.DevicePlan`, which the first line reports on the
     torch backend (precision, layout, host buffers, loader) after the LR scaling.
@@ -253,13 +253,13 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
             process feeds ``strategy.devices`` devices), or None.
         inputs: The training data's :class:`~xla_utils.train.inputs.InputSpec` (image inputs
             go channels_last on CUDA), or None.
+        note: Said at the end of the run's first line (e.g. the model was unwrapped).
 
     Raises:
         ResumeError: The checkpoint's world size or steps per epoch differ from
             this run's (the schedule would not continue exactly).
     """
     from .checkpoint import ResumeError
-
     from .ema import DeviceEMA
     from .mixup import DeviceMix
 
@@ -277,7 +277,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
     how = f"{rule} scaling" if lr_world == 1 else \
         f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
-    runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data))
+    runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data, dev.type, note))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
                          lr=max_lr / cfg.div_factor,
                          weight_decay=cfg.weight_decay)
@@ -312,15 +312,18 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
 
 
 def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how: str,
-                plan: DevicePlan, train_data: Any) -> str:
-    """The run's first line: the global batch and the LR scaling (``how``), and on the
-    torch backend what the device plan chose and the loader."""
+                plan: DevicePlan, train_data: Any, device_type: str, note: str = "") -> str:
+    """The run's first line: the replicas in their device's words (cores, GPUs, processes),
+    the global batch, the optimizer and the LR scaling (``how``), on the torch backend what
+    the device plan chose and the loader, then ``note``."""
     k = cfg.accum_steps
-    return (f"{ws} core{'s' if ws > 1 else ''} x {cfg.batch_size} per core"
+    return (f"{runtime.replicas_word(ws, device_type)} x {cfg.batch_size} per "
+            f"{runtime.replica_noun(device_type)}"
             + (f" x {k} accumulated" if k > 1 else "") + f" = "
-            f"{ws * cfg.batch_size * k} global batch; max_lr {base_lr:.3g} x "
-            f"{max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
-            + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else ""))
+            f"{ws * cfg.batch_size * k} global batch; {optimizer_label(cfg.optimizer)}, max_lr "
+            f"{base_lr:.3g} x {max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
+            + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else "")
+            + (f"; {note}" if note else ""))
 
 
 @dataclass
@@ -591,7 +594,11 @@ def epoch_line(r: dict[str, Any]) -> str:
     for k in ("val_loss", "accuracy", "f1"):
         if k in r:
             parts.append(f"{k} {r[k]:.4f}")
-    parts += [f"{r['images_per_s']:.0f} img/s", f"{r['compiles']} compiles"]
+    parts.append(f"{r['images_per_s']:.0f} img/s")
+    if "compiles" in r:  # XLA runs only
+        parts.append(f"{r['compiles']} compiles")
+    if r.get("skipped_steps"):  # fp16 runs: steps the gradient scaler skipped
+        parts.append(f"{r['skipped_steps']} skipped fp16 steps")
     return "  ".join(parts)
 
 
@@ -699,7 +706,7 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
     total = nb * len(plan.views)
     what = "evaluate" if plan.labelled else "predict"
     pb = progress_bar(range(total), title=f"{what}: {plan.n} samples x {len(plan.views)} "
-                      f"view{'s' if len(plan.views) > 1 else ''} on {ws} core{'s' if ws > 1 else ''}"
+                      f"view{'s' if len(plan.views) > 1 else ''} on {runtime.replicas_word(ws, dev.type)}"
                       ) if runtime.is_master() else None
 
     def steps():

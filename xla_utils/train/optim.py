@@ -22,9 +22,11 @@ import torch
 from ..utils.suggest import did_you_mean
 
 __all__ = ["OPTIMIZERS", "Adam", "avoid_special", "avoid_special_momentum", "make_optimizer",
-           "resolve_optimizer", "set_hparams", "get_hparams"]
+           "optimizer_label", "resolve_optimizer", "set_hparams", "get_hparams"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+# How every message names them (the first line of a run, resume, check(), debug()).
+_LABELS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 SGD_MOMENTUM = 0.9
 ADAM_BETAS = (0.9, 0.999)
 
@@ -96,6 +98,20 @@ def resolve_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
                         f"spec(params, lr=..., weight_decay=...), got {type(spec).__name__}; "
                         "pass the class (e.g. torch.optim.SGD), not an optimizer instance")
     return spec
+
+
+def optimizer_label(spec: OptimizerSpec | torch.optim.Optimizer) -> str:
+    """The one name messages give an optimizer: ``"SGD"``, ``"Adam"``, ``"AdamW"`` for a name
+    (any case) or an optimizer :func:`make_optimizer` built from one, else the class or
+    callable's own name (``"RMSprop"``)."""
+    if isinstance(spec, str):
+        return _LABELS.get(spec.strip().lower(), spec)
+    if isinstance(spec, Adam):
+        return "AdamW" if spec.defaults.get("decoupled") else "Adam"
+    if isinstance(spec, torch.optim.Optimizer):
+        return type(spec).__name__
+    inner = getattr(spec, "func", spec)  # functools.partial(torch.optim.RMSprop, ...)
+    return getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None) or repr(spec)
 
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[Any] | torch.nn.Module, lr: float,

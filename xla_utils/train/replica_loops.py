@@ -57,6 +57,8 @@ class FitPlan:
         lr_groups: ``lr_groups(model) -> param-group dicts`` (with ``lr_mult``), or None:
             every parameter at one LR.
         ckpt_extra: Fields every epoch checkpoint records beside the run's state, or None.
+        note: Said at the end of the run's first line (what the trainer did to the model it
+            was given), or "".
     """
 
     model: torch.nn.Module
@@ -72,6 +74,7 @@ class FitPlan:
     mix: MixConfig | None = None
     lr_groups: Callable[..., Any] | None = None
     ckpt_extra: dict[str, Any] | None = None
+    note: str = ""
 
 
 def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
@@ -85,7 +88,7 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     counters0 = runtime.xla_counters()
     s = loop.set_up(plan.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
                     ckpt=ckpt, mix=plan.mix, lr_groups=plan.lr_groups,
-                    strategy=strategy, inputs=spec)
+                    strategy=strategy, inputs=spec, note=plan.note)
     state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                             initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
     master_bar, progress_bar = runtime.progress_bars()
@@ -123,7 +126,7 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
                    global_batch=s.world_size * cfg.batch_size * s.accum_steps,
                    base_lr=s.base_lr,
                    max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
-                   backend=runtime.backend(), state_dict=final,
+                   backend=runtime.backend(), device_type=s.device.type, state_dict=final,
                    stop_reason=state.stop_reason or (best and best.stop_reason),
                    monitor=cfg.monitor, best_epoch=best and best.best_epoch,
                    best_score=best and best.best_score,
@@ -161,10 +164,12 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
         record.update({"val_loss": metrics.pop("loss")}, **metrics)
     record.update(lr_max=s.max_lr, lr_last=res.lr_last,
                   images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
-                  / res.seconds,
-                  compiles=runtime.xla_counters()["compiles"],
-                  host_reads_per_step=res.to_host / s.steps_per_epoch, seconds=res.seconds)
-    if res.skipped_steps is not None:
+                  / res.seconds)
+    if s.device.type == "xla":  # XLA's own counts; nothing compiles on the torch backend
+        record.update(compiles=runtime.xla_counters()["compiles"],
+                      host_reads_per_step=res.to_host / s.steps_per_epoch)
+    record["seconds"] = res.seconds
+    if res.skipped_steps is not None:  # a gradient scaler's (fp16 on a GPU)
         record["skipped_steps"] = res.skipped_steps
     loop.explosion(record, state, cfg, s, epoch)
     return record

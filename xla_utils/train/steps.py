@@ -30,6 +30,7 @@ import torch
 from . import loop
 from .. import runtime
 from .device_plan import DevicePlan
+from .optim import optimizer_label
 
 __all__ = ["PlainStep", "TrainerStepPlan", "TrainerStep", "optimizer_tensors"]
 
@@ -68,9 +69,9 @@ class PlainStep:
                               torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16))
         self.plan = plan
         lr = optimizer.param_groups[0].get("lr")
-        self.description = (f"forward, backward and a {type(optimizer).__name__} step at the "
-                            f"constant LR {lr:.3g}" if isinstance(lr, float) else
-                            f"forward, backward and a {type(optimizer).__name__} step")
+        name = optimizer_label(optimizer)
+        self.description = (f"forward, backward and a {name} step at the constant LR {lr:.3g}"
+                            if isinstance(lr, float) else f"forward, backward and a {name} step")
 
     def micro_batch(self, x: Any, y: Any) -> torch.Tensor:
         """One step on the device batch ``(x, y)``; returns its loss (not synced)."""
@@ -138,7 +139,7 @@ class TrainerStep:
         loop.begin_epoch(s, plan.cfg, 0)
         self.loss_sum = runtime.to_device(torch.zeros(()), s.device)  # as train_one_epoch's
         cfg = plan.cfg
-        parts = [f"the trainer's: {type(s.opt).__name__}, one-cycle LR "
+        parts = [f"the trainer's: {optimizer_label(s.opt)}, one-cycle LR "
                  f"{s.sched.lr(0):.3g} -> {s.max_lr:.3g} and momentum set every step"]
         if s.accum_steps > 1:
             parts.append(f"{s.accum_steps} micro-batches accumulated")

@@ -1,7 +1,9 @@
 """Kaggle submission files: :func:`write_submission`.
 
 ``write_submission(preds, test, "submission.csv", train=trainer)`` writes one row
-per id of the test set, in its order, with the ids the cache recorded
+per id of the competition's ``sample_submission.csv`` when one lies next to the test
+folder the cache was built from (Kaggle's layout), in its order under its headers; else
+one row per id of the test set, in its order, with the ids the cache recorded
 (``CachedImageDataset.ids``). It never loses or invents a row: an image the cache
 build skipped (a truncated file) has no prediction, and the write is refused,
 naming it, unless ``missing="fill"`` says what to write for it. Single- or
@@ -21,9 +23,10 @@ import numpy as np
 from ..utils.atomic import atomic_write
 from ..cache.sources import IMAGE_EXTENSIONS
 
-__all__ = ["write_submission", "training_multilabel", "missing_note"]
+__all__ = ["write_submission", "competition_sample", "training_multilabel", "missing_note"]
 
 KINDS = ("label", "probabilities")
+SAMPLE_NAME = "sample_submission.csv"  # Kaggle's name, next to the test folder
 MISSING = ("error", "fill")
 SHOWN = 5  # ids named in a message
 
@@ -32,7 +35,7 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
                      label_column: str | None = None, classes: Sequence[str] | None = None,
                      kind: str = "label", threshold: float = 0.5, overwrite: bool = False,
                      multilabel: bool | None = None, verbose: bool = True, *, train: Any = None,
-                     sample: str | os.PathLike | None = None, missing: str = "error",
+                     sample: str | os.PathLike | None = "auto", missing: str = "error",
                      fill: str = "prior") -> Path:
     """Write a Kaggle submission CSV: one row per id of the test set, in its order.
 
@@ -64,16 +67,16 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
             to 1) are single-label and anything else is refused as ambiguous. Single-label
             rows get their argmax whatever their scale (raw outputs too); multi-label
             rows must be probabilities in [0, 1] (raw outputs are refused with the fix).
-        verbose: print what was written (rows, columns, the first row).
+        verbose: print what was written (rows, columns, the first row) and the sample used.
         train: the :class:`~xla_utils.train.trainer.OneCycleTrainer` that made ``preds``, or its
             training dataset (e.g. the training cache): gives ``multilabel``, ``classes``
             and the class prior for ``fill="prior"``. Default None.
         sample: a CSV whose first column lists the ids to write, in order, under a header
             row (the competition's ``sample_submission.csv``): the file written has exactly
-            its ids in its order and its headers. Ids match ``data``'s exactly, or without
-            an image extension (``"0a1b"`` for ``"0a1b.jpg"``); a prediction whose id the
-            sample does not list is refused. Default None: the test set's own ids
-            (a cache built from ``sample_submission.csv`` records exactly its ids).
+            its ids in its order and its headers. Ids match ``data``'s exactly or without an
+            image extension; ids that differ are refused, the first differences shown.
+            Default ``"auto"``: the ``sample_submission.csv`` next to the test cache's source
+            folder (Kaggle's layout); ``None`` (or none there): the test set's own ids.
         missing: what to do with ids that have no prediction (images the cache build
             skipped, or ``sample`` ids absent from ``data``): ``"error"`` (default) refuses
             the write and names them; ``"fill"`` writes them with ``fill`` and says so.
@@ -96,6 +99,7 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
     p, ids, seen = _checked_predictions(preds, data)
     classes, multilabel, prior = _checked_classes(p, train, data, classes, multilabel)
     multilabel = _check_values(p, kind, multilabel)
+    sample = _sample_path(sample, data, verbose)
     wanted, order, head = _wanted_rows(data, ids, seen, sample)
     header = _header(kind, classes, head, id_column, label_column)
     gaps = [x for x, r in zip(wanted, order) if r is None]
@@ -107,6 +111,32 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
     _write_atomic(path, header, rows)
     _say_written(path, header, rows, gaps, filler, kind, fill, threshold, verbose)
     return path
+
+
+def competition_sample(data: Any) -> Path | None:
+    """The competition's ``sample_submission.csv`` beside the folder (or CSV) the test cache
+    ``data`` was built from (its manifest's source), or None (none there, a source in a
+    bucket or a Python dataset, or ``data`` is not a cache)."""
+    source = (getattr(data, "manifest", None) or {}).get("source") or {}
+    where = source.get("path")
+    if source.get("kind") not in ("folder", "csv") or not where or "://" in str(where):
+        return None
+    found = Path(where).parent / SAMPLE_NAME
+    return found if found.is_file() else None
+
+
+def _sample_path(sample: Any, data: Any, verbose: bool) -> str | os.PathLike | None:
+    """The sample to follow: ``sample`` itself, or for ``"auto"`` the competition's
+    (:func:`competition_sample`), said when found; None: the test set's own ids."""
+    if sample is None or sample is False:
+        return None
+    if isinstance(sample, str) and sample == "auto":
+        found = competition_sample(data)
+        if found is not None and verbose:
+            print(f"write_submission: ids, order and header from {found} (the competition's sample "
+                  "next to the test folder; sample=None writes the test set's own ids)", flush=True)
+        return found
+    return sample
 
 
 def _header(kind: str, classes: list[str], head: list[str] | None, id_column: str | None,
@@ -362,10 +392,15 @@ def _match(wanted: list[str], seen: dict[str, int], sample: Any) -> list[int | N
     extra = set(seen.values()) - {r for r in order if r is not None}
     if extra:
         names = [x for x, r in seen.items() if r in extra]
-        raise ValueError(f"{len(names)} prediction(s) have ids that {sample} does not list, e.g. "
-                         f"{_shown(names)}: the test set and the sample submission differ (build "
-                         f"the test cache from the sample itself: build_cache({str(sample)!r}, "
-                         "..., unlabeled=True))")
+        unmatched = [x for x, r in zip(wanted, order) if r is None]
+        raise ValueError(
+            f"the test set's ids do not match {sample}: {len(names)} prediction(s) have ids it "
+            f"does not list ({_shown(names)})"
+            + (f" and {len(unmatched)} of its ids have no prediction ({_shown(unmatched)})"
+               if unmatched else "") + ". Nothing was written. Fix: predict the test set the "
+            f"sample lists (build the test cache from the sample itself: build_cache("
+            f"{str(sample)!r}, ..., unlabeled=True)), pass the right file as sample=, or "
+            "sample=None to write the test set's own ids")
     return order
 
 

@@ -52,10 +52,32 @@ from .submission import missing_note, training_multilabel
 from ..utils.suggest import unknown_keywords
 
 if TYPE_CHECKING:
+    from ..diagnostics.device_check import DeviceCheckReport
     from ..diagnostics.readiness import ReadinessReport
 
 __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
            "scale_lr", "CheckpointError", "ResumeError"]
+
+
+def _host_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """``(model as the trainer keeps it, what was done, in words or "")``: unwrapped from
+    ``nn.DataParallel`` / ``DistributedDataParallel`` (each replica gets the plain module and
+    the trainer averages gradients itself) and on the CPU (``fit`` places it on each
+    replica's device; a model left on a GPU would be copied to every replica from there)."""
+    done = []
+    wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while isinstance(model, wrappers):
+        done.append(f"unwrapped from {type(model).__name__}")
+        model = model.module
+    devices = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())
+                      if t.device.type != "cpu"})
+    if devices:
+        model = model.cpu()
+        done.append(f"moved from {', '.join(devices)} to the CPU")
+    if not done:
+        return model, ""
+    return model, (f"the model was {' and '.join(done)}: fit places it on every replica's device "
+                   "itself, so pass it as built (a factory, or a model on the CPU)")
 
 
 class OneCycleTrainer:
@@ -64,7 +86,9 @@ class OneCycleTrainer:
     Args:
         model: An ``nn.Module`` or a zero-argument factory returning one. It is created
             once, here in the calling process (seeded with ``seed``), and every
-            replica starts from exactly these weights.
+            replica starts from exactly these weights. One wrapped in ``nn.DataParallel`` /
+            ``DistributedDataParallel`` is unwrapped and one on a GPU moved to the CPU (the
+            first fit's first line says so): ``fit`` places the model itself.
         loss: ``loss(outputs, targets) -> scalar`` (e.g. ``nn.CrossEntropyLoss()``;
             ``nn.BCEWithLogitsLoss()`` for multi-label). Validation uses its
             per-sample form (``reduction="none"``) when it has one.
@@ -98,6 +122,7 @@ class OneCycleTrainer:
                 raise TypeError(f"model factory returned {type(self.model).__name__}, not nn.Module")
         else:
             raise TypeError("model must be an nn.Module or a zero-argument factory")
+        self.model, self._model_note = _host_model(self.model)
         self.loss = loss
         self.train_data = train_data
         self.val_data = val_data
@@ -342,10 +367,11 @@ class OneCycleTrainer:
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True)
         lr_groups = self._lr_groups if lr_groups is None else lr_groups
+        note, self._model_note = self._model_note, ""  # said once, in the first run's first line
         return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
                        eval_step=self.eval_step, inputs=inputs, base_lr=float(base_lr),
                        lr_world=lr_world, ckpt=ckpt, run_id=run_id, mix=mix, lr_groups=lr_groups,
-                       ckpt_extra=checkpoint_extra), plan
+                       ckpt_extra=checkpoint_extra, note=note), plan
 
     def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
         """The fit run's :class:`~xla_utils.train.mixup.MixConfig` (None: no mixing or smoothing)
@@ -511,26 +537,76 @@ class OneCycleTrainer:
                                   config=self.config, eval_step=self.eval_step, loss=self.loss)
 
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
-              timeout: float | None = None, devices: int | None = None) -> "ReadinessReport":
-        """:func:`xla_utils.check` of this trainer's own step as :meth:`fit` runs it (as
-        :meth:`debug`) on the first ``batch_size`` batch of ``train_data``; prints the
-        report once and returns it (as :meth:`debug`). ``measure_loader`` (default True)
-        compares the loader's samples/s with the TPU's step rate; ``tpu`` as in
-        :func:`xla_utils.check` (default this TPU, else v5e). Under ``"spmd"``/``"fsdp"`` the
-        sharded step also runs on ``devices`` devices (default: the slice ``tpu`` names,
-        else 8): :func:`xla_utils.train.mesh_tasks.check_on_mesh`."""
-        from ..diagnostics.readiness import check as readiness_check
+              timeout: float | None = None, devices: int | None = None
+              ) -> "ReadinessReport | DeviceCheckReport":
+        """Check this trainer's own step as :meth:`fit` runs it (as :meth:`debug`), for the
+        device this notebook trains on and for a TPU; print each report, titled by its device.
 
+        * Without a TPU, on the torch backend (GPUs, ``XLA_UTILS_CPU_REPLICAS``, or the CPU
+          without torch_xla):
+          :func:`xla_utils.diagnostics.device_check.check_device`: the step as ``fit`` feeds it
+          against the no-loader ceiling, the loader's speed, the precision and layout chosen,
+          host reads per step, memory headroom on CUDA.
+        * With torch_xla (or on a TPU): :func:`xla_utils.check` of the step on the first
+          ``batch_size`` batch of ``train_data`` (the TPU readiness report: recompiles, host
+          syncs, padding, memory against the chip, ...). ``measure_loader`` (default True)
+          compares the loader's samples/s with the TPU's step rate; ``tpu`` as in
+          :func:`xla_utils.check` (default this TPU, else v5e). Under ``"spmd"``/``"fsdp"``
+          the sharded step also runs on ``devices`` devices (default: the slice ``tpu``
+          names, else 8): :func:`xla_utils.train.mesh_tasks.check_on_mesh`. Without
+          torch_xla this part is skipped with one line saying how to get it
+          (``xla_utils.setup(install=True)``).
+
+        Returns:
+            The TPU :class:`~xla_utils.diagnostics.readiness.ReadinessReport` when it ran (its
+            ``device_check`` holds the device's report, if one ran), else the
+            :class:`~xla_utils.diagnostics.device_check.DeviceCheckReport`.
+        """
         cfg = self.config
         spec = self._inspect(self.train_data, "train_data", "training")
         data = spec.feed(self.train_data)
         if len(data) < cfg.batch_size:
             raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
+        step = self._step_plan((data, spec))
+        device = None
+        if self._trains_on_torch():
+            from ..diagnostics.device_check import check_device
+
+            device = check_device(self.model, step, data, batch_size=cfg.batch_size,
+                                  replicas=_strategy.planned_world_size("all", None),
+                                  steps=steps, timeout=timeout)
+            print(device.report, flush=True)
+        if device is not None and not runtime.xla_installed():
+            print("xla_utils.check for a TPU: skipped, torch_xla is not installed here "
+                  "(xla_utils.setup(install=True) installs the one that pairs with this torch; "
+                  "then trainer.check() answers for a TPU too)", flush=True)
+            return device
+        report = self._check_tpu(data, spec, step, steps, tpu, measure_loader, timeout, devices)
+        report.device_check = device
+        print(report.report, flush=True)
+        return report
+
+    def _trains_on_torch(self) -> bool:
+        """Whether this notebook's ``fit()`` trains on the torch backend (so :meth:`check`
+        reports on its device): no TPU, ``strategy="spawn"``, and GPUs, torch replicas
+        (``XLA_UTILS_CPU_REPLICAS``) or no torch_xla; a CPU notebook with torch_xla rehearses
+        a TPU run on simulated cores instead."""
+        if runtime.tpu_present() or self.config.strategy != "spawn":
+            return False
+        devs = runtime.torch_devices()
+        return not runtime.xla_installed() or devs.kind == "cuda" or devs.count > 1
+
+    def _check_tpu(self, data: Any, spec: InputSpec, step: TrainerStepPlan, steps: int,
+                   tpu: str | None, measure_loader: bool, timeout: float | None,
+                   devices: int | None) -> "ReadinessReport":
+        """The TPU readiness report of :meth:`check` (not printed)."""
+        from ..diagnostics.readiness import check as readiness_check
+
+        cfg = self.config
         x, y, _ = next(iter(iterate_batches(data, cfg.batch_size, shuffle=False, drop_last=True,
                                             num_workers=0)))
         loader = (iterate_batches(data, cfg.batch_size, seed=cfg.seed,
                                   num_workers=cfg.num_workers) if measure_loader else None)
-        step = self._step_plan((data, spec))
         report = readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
                                  optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
                                  prepare=self._prepare(spec, train=True),
@@ -541,7 +617,6 @@ class OneCycleTrainer:
         if cfg.strategy != "spawn":
             _mesh_tasks.check_on_mesh(self, report, spec=spec, steps=steps, tpu=tpu,
                                       devices=devices, make_step=step)
-        print(report.report, flush=True)
         return report
 
     def eval_weights(self) -> dict[str, torch.Tensor]:
