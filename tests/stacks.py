@@ -5,20 +5,19 @@ Kaggle's (torch 2.8 / torch_xla 2.8 / Python 3.11) side by side, with ``XLA_UTIL
 naming the stack; ``tests/conftest.py`` then deselects the tests this table gives to the
 other stack. Without ``XLA_UTILS_CI_STACK`` (a developer's ``pytest``) every test runs.
 
-The rule: a test runs on **both** stacks when the code it exercises talks directly to what
-the two stacks differ in: torch_xla's runtime and device APIs (the simulator, the runtime,
-SPMD meshes, FSDP, the memory of sharded tensors), torch.distributed and process start-up
-(gloo, fork, fresh interpreters; Python 3.12 warns about forking threads), or the
-interpreter and packaging (the wheel, the environment report, import-time behaviour). Each
-form of multi-core program (xmp.spawn with xm collectives, torch.distributed on the xla
-backend, DDP, SPMD, FSDP) runs on both stacks at least once, in its smallest program.
+The rule (docs/CONTRIBUTING.md "Which stack runs a test"): a test runs on **both** stacks
+when it tests a module that imports torch_xla, torch.distributed, multiprocessing or
+subprocess, or forks (the packages env/, runtime/, simulate/ and cache/runners.py): the
+stacks differ there (torch_xla 2.8/2.9 runtimes, torch 2.8/2.9 process groups, Python
+3.11/3.13 forking). Also on both: the installed wheel and import-time behaviour. Each form of
+multi-core program runs on both in its smallest program.
 
 A test runs on **one** stack when it reaches those only through ``xla_utils.runtime``'s
-public functions, which the both-stacks tests pin down on each stack: the trainer's
-features, the LR finder, predictions and submissions, the cache's format and storage, the
-data pipeline, the docs, README and notebooks, the command line. Larger programs of a
-form already run on both (the 8-core ResNet examples, mnist in three modes) also run on
-one stack. The one-stack tests are split so that the two stacks take about the same time.
+public functions, which the both-stacks tests pin down on each stack (the trainer, the LR
+finder, predictions, the cache's format and storage, the data pipeline, the docs, README and
+notebooks, the command line), and when it is a larger program of a form that already runs on
+both. torch_xla v2.9.0's own programs (tests/simulate/test_torch_xla_corpus.py) run on torch_xla
+2.9's stack. The one-stack tests are split so that the two stacks take about the same time.
 
 Entries are path prefixes of pytest node ids; the longest matching prefix wins, so one test
 (``file::name`` or ``file::name[param]``) can leave its file's stack. ``tests/test_stacks.py``
@@ -31,8 +30,6 @@ import os
 __all__ = ["BOTH", "COLAB", "KAGGLE", "STACKS", "stack_of"]
 
 STACKS = ("colab", "kaggle")
-
-CORPUS_PROGRAM = "tests/simulate/test_torch_xla_corpus.py::test_corpus_program_passes_on_8_simulated_cores"
 
 BOTH = [
     # the packages whose modules import torch_xla or torch.distributed, or start processes
@@ -53,22 +50,13 @@ BOTH = [
     "tests/simulate/test_footprint.py::test_an_spmd_job_listens_on_loopback_only",
 ]
 
-# One stack each. Larger programs of a form that test_forms.py and the light corpus
-# programs already run on both: torch_xla's examples, mnist in three modes, the 8-core
-# ResNet in 12 GiB (they also take turns on a cross-suite lock, so they share one stack).
-_HEAVY = [
-    CORPUS_PROGRAM + "[sync_batch_norm]",
-    CORPUS_PROGRAM + "[train_resnet_xla_ddp]",
-    CORPUS_PROGRAM + "[train_resnet_ddp]",
-    CORPUS_PROGRAM + "[train_resnet_spmd_data_parallel]",
-    CORPUS_PROGRAM + "[train_decoder_only_fsdp_v2]",
-    CORPUS_PROGRAM + "[train_resnet_fsdp_auto_wrap]",
-    "tests/simulate/test_torch_xla_corpus.py::test_train_mp_mnist_three_modes",
-]
-
-COLAB: list[str] = _HEAVY + [
+# One stack each.
+COLAB: list[str] = [
+    # torch_xla v2.9.0's own multi-core tests and examples run on torch_xla 2.9's stack; the
+    # forms they use run on both in tests/simulate/test_forms.py's smaller programs
+    "tests/simulate/test_torch_xla_corpus.py",
     # the simulator's memory (simulate/footprint.py reaches no torch_xla): the estimate, and
-    # torch_xla's DDP ResNet on 8 cores in 12 GiB (it takes turns on the same lock as _HEAVY)
+    # torch_xla's DDP ResNet on 8 cores in 12 GiB (it takes turns on the corpus' memory lock)
     "tests/simulate/test_footprint.py",
     "tests/cache/",
     "tests/diagnostics/",
@@ -84,10 +72,13 @@ COLAB: list[str] = _HEAVY + [
 ]
 
 KAGGLE: list[str] = [
-    # test_forms.py's larger programs: every form trained to the one-device curve, mnist's
-    # three modes in one script
+    # larger programs of forms that run on both in smaller ones: every form trained to the
+    # one-device curve, mnist's three modes in one script, a model trained on 8 simulated
+    # cores against 1 core (script and function)
     "tests/simulate/test_forms.py::test_every_form_gives_the_one_device_loss_curve",
     "tests/simulate/test_forms.py::test_mp_mnist_style_script_three_modes_agree",
+    "tests/simulate/test_simulate.py::test_runner_idiom_script_8_cores_equals_1_core",
+    "tests/simulate/test_simulate.py::test_launch_idiom_function_8_cores_equals_1_core",
     "tests/data/",
     "tests/train/",
     "tests/utils/",

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_command_reaches_95_percent(tmp_path):
     """Runs exactly the README command (python -m xla_utils.demo) in a fresh process."""

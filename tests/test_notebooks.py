@@ -203,6 +203,7 @@ def _stream_text(nb) -> str:
     return "".join(out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_runs_in_tiny_mode(path, kernel_env, monkeypatch, tmp_path):

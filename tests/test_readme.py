@@ -166,6 +166,7 @@ def _plants(root: Path, per_class: int = 10, tests: int = 5) -> None:
         Image.fromarray(arr).save(root / "plants" / "test" / f"test_{i}.png")
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(600)
 def test_quick_start_as_written(tmp_path, monkeypatch, capsys):
@@ -238,6 +239,7 @@ def test_quick_start_on_a_gpu_notebook_without_torch_xla(tmp_path, no_torch_xla_
     assert "2 processes x 2 = 4 global batch" in out  # print(history)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the whole competition loop on resnet18 (torch CPU backend)
 def test_python_blocks(tmp_path, monkeypatch, capsys):
     """The competition loop with a val/ folder (docs/TRAINER.md), the loading loop and the
@@ -379,6 +381,7 @@ def _digits(n: int):
     return TensorDataset(torch.tensor(d.data[:n], dtype=torch.float32) / 16, torch.tensor(d.target[:n]))
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 def test_bigger_than_one_core_blocks(capsys):
     """"Models bigger than one core": the strategy example, the memory report and the

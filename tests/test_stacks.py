@@ -64,8 +64,8 @@ def test_tests_of_modules_that_reach_torch_xla_distributed_or_processes_run_on_b
 
 
 def test_the_longest_entry_wins():
-    corpus = "tests/simulate/test_torch_xla_corpus.py"
-    assert stacks.stack_of(f"{corpus}::test_subset_rendezvous_raises_valueerror_as_pjrt_does") == "both"
+    forms = "tests/simulate/test_forms.py"
+    assert stacks.stack_of(f"{forms}::test_list_reduce_scatter_groups_and_subset_rendezvous_8_cores") == "both"
     assert stacks.stack_of("tests/runtime/test_fresh.py::test_x") == "both"
     one = next(e for e in stacks.COLAB + stacks.KAGGLE if "::" in e)
     assert stacks.stack_of(one + "[x]" if "[" not in one else one) != "both"

@@ -525,6 +525,7 @@ build_cache(Digits224(), sys.argv[1], size=32, workers=2, shard_size=16384, verb
 """
 
 
+@pytest.mark.slow
 def test_torch_dataset_with_parallel_ops_builds_on_several_workers(tmp_path):
     """The workers fork from a caller whose thread owns an OpenMP team (reading the dataset's item 0
     ran a parallel op): without the workers' one-thread limit their first parallel op hangs."""

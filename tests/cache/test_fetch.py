@@ -298,6 +298,7 @@ def _no_partial_files(folder: Path, manifest: dict) -> None:
             assert zlib.crc32(p.read_bytes()) == crc[p.name], p.name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_downloads_cut_mid_body_are_retried_to_exact_bytes(caches, tmp_path):
     local, url = caches

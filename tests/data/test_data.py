@@ -360,6 +360,7 @@ print(json.dumps({"max_err": out[0], "compiles": met.metric_data("CompileTime")[
 """
 
 
+@pytest.mark.slow
 def test_images_to_float_on_an_xla_device_compiles_once():
     import os
     import subprocess

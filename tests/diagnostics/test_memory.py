@@ -59,6 +59,7 @@ def test_bad_input_is_refused_before_any_process():
         measure_memory(GPT, x, devices=0, train_step=lm_step)
 
 
+@pytest.mark.slow
 def test_small_gpt_under_each_strategy_read_from_shardings():
     block = 32
 
@@ -84,6 +85,7 @@ def test_small_gpt_under_each_strategy_read_from_shardings():
     assert "fsdp" in str(r) and "measured" in r.table()
 
 
+@pytest.mark.slow
 def test_fsdp_50m_states_per_device_at_most_an_eighth_plus_5_percent():
     r = measure_memory(_gpt50m, _tokens(1, 16), strategies=["fsdp"], train_step=lm_step,
                        fsdp_wrap=["Block"], timeout=1200)

@@ -456,6 +456,7 @@ def _rendered_cache(tmp_path, n: int = 24, size: int = 32):
     return CachedImageDataset(tmp_path / "cache")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_stock_resnet18_on_a_cache_is_ready_and_check_agrees_with_debug(tmp_path, capsys):
     """The issue-36 newcomer: a stock torchvision ResNet-18 fed from a CachedImageDataset,

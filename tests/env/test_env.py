@@ -537,6 +537,7 @@ def _cli(*args, env):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_json_on_this_machine():
     data = json.loads(_cli("--json", env=_clean_env()))
     for key in ("platform", "accelerator", "tpu_generation", "num_devices", "torch", "torch_xla",

@@ -51,6 +51,7 @@ def test_option_validation_and_default_root(tmp_path, monkeypatch):
         assert runtime.default_compile_cache_root() == tmp_path / ".cache/xla_utils/compile_cache"
 
 
+@pytest.mark.slow
 def test_auto_is_off_on_xla_cpu_and_says_why():
     h = _fit("auto")
     assert h.compile_cache.startswith("compile cache off: XLA:CPU cannot load"), h.compile_cache

@@ -53,6 +53,7 @@ _SIMULATED = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_zygote_jobs_keep_full_parallelism_and_are_checked():
     out = _run(_SIMULATED, hook=False)
@@ -62,6 +63,7 @@ def test_zygote_jobs_keep_full_parallelism_and_are_checked():
         assert out[design]["threads"] == out["caller"], (design, out)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: OpenMP starts no team")
 @pytest.mark.timeout(420)
 def test_a_team_in_the_zygote_is_detected_and_the_job_limited():
@@ -75,6 +77,7 @@ def test_a_team_in_the_zygote_is_detected_and_the_job_limited():
         assert out[design]["threads"] == 1, (design, out)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: OpenMP starts no team")
 @pytest.mark.timeout(300)
 def test_tpu_style_job_forked_from_a_caller_with_a_team_runs_in_a_fresh_thread():

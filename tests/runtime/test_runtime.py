@@ -42,6 +42,7 @@ def _launch_as(design: str, fn, *args, simulate: int, timeout: float | None = No
     return rt.launch_job(fn, args, cores="all", simulate=simulate, timeout=timeout, sim_threads=True)
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("design", ["processes", "threads"])
@@ -236,6 +237,7 @@ def _run_py(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_launch_after_runtime_initialised_refuses_tpu_fork_allows_simulation():
     p = _run_py("""
         import torch_xla
@@ -254,6 +256,7 @@ def test_launch_after_runtime_initialised_refuses_tpu_fork_allows_simulation():
     assert "restart" in p.stdout
 
 
+@pytest.mark.slow
 def test_simulated_launch_leaves_torch_xla_to_the_zygote():
     # The caller never imports torch_xla for a simulated launch (the zygote does,
     # 1.5-6 s saved on the first lr_find/fit/predict call), and a job starts from
@@ -442,6 +445,7 @@ print("result", rt.launch(cpu_matmul, cores=1, simulate=1, timeout=120))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cpu_matmul_in_a_forked_job_after_the_caller_set_torch_threads():
     env = dict(os.environ, PJRT_DEVICE="CPU")

@@ -255,6 +255,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(600)
 def test_the_estimate_refuses_a_run_that_cannot_fit(tmp_path):
@@ -294,6 +295,7 @@ def _mean_losses(text: str, cores: int) -> list[float]:
     return [sum(v.values()) / cores for _, v in sorted(steps.items())]
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(3600)  # may wait for the other suite's heavy program (LOCK)
 def test_ddp_resnet18_on_8_simulated_cores_fits_12_gib(tmp_path):

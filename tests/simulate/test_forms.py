@@ -104,6 +104,7 @@ def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_spmd_script_gets_8_devices_and_an_8_way_sharding_via_cli():
@@ -113,6 +114,7 @@ def test_spmd_script_gets_8_devices_and_an_8_way_sharding_via_cli():
     assert "as SPMD (one process with 8 XLA:CPU devices) because it uses `use_spmd`" in p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_spmd_script_via_run_script_4_devices(capfd):
@@ -131,6 +133,7 @@ def test_form_detection_reads_code_not_comments(tmp_path):
     assert detect_form(spmd) == ("spmd", "it uses `Mesh` (line 2)")
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_mixing_spmd_and_spawn_is_named(tmp_path):

@@ -71,6 +71,7 @@ def one_core(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(900 + 600 * REPEATS)
 def test_runner_idiom_script_8_cores_equals_1_core(one_core, tmp_path):
@@ -90,6 +91,7 @@ def test_runner_idiom_script_8_cores_equals_1_core(one_core, tmp_path):
         _close({k: v.tolist() for k, v in saved.items()}, out["state"], tol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(900 + 400 * REPEATS)
 def test_launch_idiom_function_8_cores_equals_1_core(one_core, monkeypatch):
@@ -105,6 +107,7 @@ def test_launch_idiom_function_8_cores_equals_1_core(one_core, monkeypatch):
         _close({k: v.tolist() for k, v in out["state"].items()}, one_core["state"])
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cores", [2, 4])
@@ -117,6 +120,7 @@ def test_torch_xla_launch_entry_point_via_run_script(cores, tmp_path):
     _check_idioms(out, cores)
 
 
+@pytest.mark.slow
 def test_run_script_exit_status_and_arguments(tmp_path):
     script = tmp_path / "exits.py"
     script.write_text(textwrap.dedent("""
@@ -136,6 +140,7 @@ def test_run_script_exit_status_and_arguments(tmp_path):
     assert (tmp_path / "o.txt").read_text() == "0 2"
 
 
+@pytest.mark.slow
 def test_runner_reports_replica_exception_with_status_1(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(textwrap.dedent("""
@@ -314,6 +319,7 @@ def _replica_backward():
     return g.cpu().tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(900)
 def test_50_launches_after_caller_side_backward():
@@ -326,6 +332,7 @@ def test_50_launches_after_caller_side_backward():
         assert rt.launch(_replica_backward, simulate=2, timeout=120) == expected, i
 
 
+@pytest.mark.slow
 def test_function_and_model_defined_in_main_work():
     # A script's __main__ (like a notebook cell): cloudpickle sends them by value.
     p = subprocess.run([sys.executable, "-c", textwrap.dedent("""

@@ -77,6 +77,7 @@ def _losses(text: str) -> list[float]:
     return [float(v) for v in re.findall(r"loss: (?:tensor\()?([-+0-9.einaf]+)", text)]
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(1800)  # may wait for the other suite's program (LOCK)
 @pytest.mark.parametrize("name,program,shows", PROGRAMS, ids=[p[0] for p in PROGRAMS])
@@ -92,6 +93,7 @@ def test_corpus_program_passes_on_8_simulated_cores(name, program, shows):
         assert re.search(shows, out), out[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(1600)
 @pytest.mark.parametrize("mode", ["xm", "pjrt_distributed", "ddp"])

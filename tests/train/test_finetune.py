@@ -269,6 +269,7 @@ def _bench_finetune():
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_transfer_fine_tune_beats_fit_from_pretrained_and_from_scratch():
     """The issue's transfer task, CI-sized (scripts/bench_finetune.py, its defaults): a CNN
