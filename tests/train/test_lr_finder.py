@@ -156,8 +156,9 @@ def test_flat_curve_warns_and_is_not_confident():
         nn.init.zeros_(m.bias)
         return m
 
-    with pytest.warns(RuntimeWarning, match="flat"):
+    with pytest.warns(RuntimeWarning, match="flat") as seen:
         res = lr_find(make, nn.functional.cross_entropy, ds, 64, show_progress=False)
+    assert seen[0].filename == __file__  # the warning names the caller's line, not a wrapper's
     assert not res.confident and "flat" in res.warning
     assert "NOT CONFIDENT" in repr(res)
     # a learnable problem: no warning, confident

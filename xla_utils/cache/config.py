@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..utils.suggest import choice
+
 __all__ = ["CacheConfig", "parse_size", "parse_bytes", "RESAMPLE_FILTERS"]
 
 # Small data sets still get this many shards so that every core has work.
@@ -86,28 +88,31 @@ class CacheConfig:
         if self.augment is None:
             set_("augment", self.variants > 1)
         problems = []
+        for name, options in (("resize", ("crop", "stretch")), ("codec", ("raw", "jpeg")),
+                              ("resample", RESAMPLE_FILTERS), ("small", ("upscale", "skip"))):
+            try:  # any case and surrounding spaces, as every string option of xla_utils
+                value = choice(getattr(self, name), options, name)
+            except ValueError as exc:
+                problems.append(str(exc))
+                continue
+            if value in options:
+                set_(name, value)
+            else:  # not a string
+                problems.append(f"{name} must be one of {options}, got {value!r}")
         if not isinstance(self.variants, int) or self.variants < 1:
             problems.append(f"variants={self.variants!r} must be an int >= 1")
         elif self.variants > 1 and not self.augment:
             problems.append(f"variants={self.variants} with augment=False would store identical copies")
-        if self.resize not in ("crop", "stretch"):
-            problems.append(f"resize={self.resize!r} must be 'crop' or 'stretch'")
         if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
             problems.append(f"scale={self.scale!r} must be (min, max) with 0 < min <= max <= 1")
         if len(self.ratio) != 2 or not 0 < self.ratio[0] <= self.ratio[1]:
             problems.append(f"ratio={self.ratio!r} must be (min, max) with 0 < min <= max")
         if not 0 <= self.rotate <= 45:
             problems.append(f"rotate={self.rotate!r} must be between 0 and 45 degrees")
-        if self.codec not in ("raw", "jpeg"):
-            problems.append(f"codec={self.codec!r} must be 'raw' or 'jpeg'")
         if not 1 <= self.quality <= 100:
             problems.append(f"quality={self.quality!r} must be between 1 and 100")
         if self.shard_size < 1:
             problems.append(f"shard_size={self.shard_size!r} must be a positive number of bytes")
-        if self.resample not in RESAMPLE_FILTERS:
-            problems.append(f"resample={self.resample!r} must be one of {sorted(RESAMPLE_FILTERS)}")
-        if self.small not in ("upscale", "skip"):
-            problems.append(f"small={self.small!r} must be 'upscale' or 'skip'")
         if self.max_pixels < 1:
             problems.append(f"max_pixels={self.max_pixels!r} must be positive")
         if problems:

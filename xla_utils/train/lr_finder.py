@@ -40,6 +40,7 @@ from .lr_rules import (BETA, BUDGET_POWER, BUDGET_STEPS, DEFAULT_RULE, DESCENT_F
                        suggest_steep, suggest_valley)
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
 from ..utils.progress import progress_bar
+from ..utils.suggest import choice, keyword_help
 
 if TYPE_CHECKING:
     from .strategy import MeshRun, StrategyPlan
@@ -253,6 +254,7 @@ class _Config:
     device: DeviceRequest = DeviceRequest()
 
 
+@keyword_help
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
             data: Any, batch_size: int, optimizer: OptimizerSpec = "sgd",
@@ -320,8 +322,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
                   weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
                   num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
-                  accum_steps=int(accum_steps), rule=rule, planned_steps=planned_steps,
-                  seed=int(seed), shuffle=shuffle, num_workers=num_workers, batch_tfm=batch_tfm,
+                  accum_steps=int(accum_steps), rule=choice(rule, RULES, "rule"),
+                  planned_steps=planned_steps, seed=int(seed), shuffle=shuffle, num_workers=num_workers, batch_tfm=batch_tfm,
                   show_progress=show_progress,
                   parent_pid=os.getpid(), compile_cache=compile_cache,
                   device=DeviceRequest(precision, channels_last, spec))
@@ -344,7 +346,7 @@ def _judged(res: LRFinderResult, cfg: _Config, note: str | None) -> LRFinderResu
         res.confident = False
         warnings.warn(f"LR finder: {res.warning}. The suggestion ({res.suggestion:.3g}, rule "
                       f"{res.rule}) is not trustworthy: look at result.plot() and pick max_lr "
-                      "yourself", RuntimeWarning, stacklevel=3)
+                      "yourself", RuntimeWarning, stacklevel=4)  # lr_find's caller
     return res
 
 
@@ -454,7 +456,7 @@ def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num
         raise ValueError(f"beta must be in [0, 1), got {beta!r}")
     if diverge_factor <= 1.0:
         raise ValueError(f"diverge_factor must be > 1, got {diverge_factor!r}")
-    if rule not in RULES:
+    if choice(rule, RULES, "rule") not in RULES:  # a string: any case, else a suggestion
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if len(data) < batch_size:
         raise ValueError(f"data has {len(data)} samples, fewer than one batch of {batch_size}: "
