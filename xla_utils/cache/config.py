@@ -13,10 +13,15 @@ import numpy as np
 
 from ..utils.suggest import choice
 
-__all__ = ["CacheConfig", "parse_size", "parse_bytes", "RESAMPLE_FILTERS"]
+__all__ = ["CacheConfig", "parse_size", "parse_bytes", "RESAMPLE_FILTERS", "MIN_SHARDS",
+           "MIN_SHARD_BYTES"]
 
-# Small data sets still get this many shards so that every core has work.
+# A build whose shards would be smaller than shard_size is split into up to this many shards
+# so that every worker has one to build, but none holds under MIN_SHARD_BYTES of pixels:
+# a small folder (40 test images, 6 MiB of pixels at 224) is one shard, as a reader of a
+# few large shards expects, and a 1 GiB build still has 16.
 MIN_SHARDS = 16
+MIN_SHARD_BYTES = 32 * 2**20
 # Expected size of a q90 JPEG relative to raw pixels; fixes how many images a
 # JPEG shard holds so that shards come out near ``shard_size``.
 JPEG_RATIO_GUESS = 8
@@ -140,14 +145,15 @@ class CacheConfig:
     def images_per_shard(self, num_items: int) -> int:
         """Source items per shard for a source of ``num_items`` items.
 
-        ``shard_size`` bytes worth of images, but at least ``min(num_items, 16)`` shards
-        so that every core has work on small data sets.
+        ``shard_size`` bytes worth of images; a smaller build is split into at most
+        :data:`MIN_SHARDS` shards (work for every build worker) of at least
+        :data:`MIN_SHARD_BYTES` of pixels each, so a small folder is one shard.
         """
-        per_image = self.variants * self.sample_bytes
-        if self.codec == "jpeg":
-            per_image = max(1, per_image // JPEG_RATIO_GUESS)
+        pixels = self.variants * self.sample_bytes  # the decoding and resizing each image costs
+        per_image = max(1, pixels // JPEG_RATIO_GUESS) if self.codec == "jpeg" else pixels
         by_size = max(1, self.shard_size // per_image)
-        return max(1, min(by_size, math.ceil(num_items / MIN_SHARDS)))
+        shards = max(1, min(MIN_SHARDS, num_items * pixels // MIN_SHARD_BYTES))
+        return max(1, min(by_size, math.ceil(num_items / shards)))
 
 
 def parse_size(size: int | str | Sequence[int]) -> tuple[int, int]:
