@@ -139,6 +139,7 @@ class OneCycleTrainer:
             cores: The fit's ``cores`` the answer is for (mesh strategies): ``"all"``
                 (default) or 1.
         """
+        cores = _cores(cores)
         devices = _strategy.planned_world_size(cores, simulate)
         self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs, devices)
         return self.lr_finder_result
