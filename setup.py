@@ -11,6 +11,11 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 
+# fastprogress 1.1 made fastcore and python-fasthtml (a web stack: uvicorn, starlette, httpx,
+# ...) requirements; 1.0.x requires nothing (1.0.0: numpy) and has every bar xla_utils uses.
+# scripts/make_offline_wheels.py reads this list, so the offline wheels take the same pin.
+INSTALL_REQUIRES = ["numpy", "pillow", "fastprogress>=1.0,<1.1", "cloudpickle"]
+
 setup(
     name="xla_utils",
     version="0.1.0",
@@ -21,7 +26,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["xla_utils", "xla_utils.*"]),
     package_data={"xla_utils": ["py.typed"]},  # PEP 561: the package ships its type hints
-    install_requires=["numpy", "pillow", "fastprogress", "cloudpickle"],
+    install_requires=INSTALL_REQUIRES,
     extras_require={
         "plot": ["matplotlib"],
         "demo": ["scikit-learn"],

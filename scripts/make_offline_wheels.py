@@ -12,8 +12,8 @@ and in the notebook (dataset attached with *Add Input*)::
 
 OUT_DIR then holds the xla_utils wheel (built from this checkout, no torch /
 torchvision / torch_xla requirement, so pip never touches the platform's torch)
-plus the pure-Python dependencies a TPU image may lack (``fastprogress<1.1``,
-which has no dependencies of its own, and ``cloudpickle``), downloaded with
+plus the pure-Python dependencies a TPU image may lack (``fastprogress``, pinned below 1.1
+as setup.py pins it: 1.0.x has no dependencies of its own, and ``cloudpickle``), downloaded with
 ``pip download``. numpy and Pillow ship with every Kaggle and Colab image.
 ``--for none`` puts only the xla_utils wheel there (no network needed when this
 Python has ``wheel`` or setuptools>=70.1: the build runs without build isolation).
@@ -24,7 +24,9 @@ gets no ``build/`` or ``*.egg-info``.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -33,12 +35,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Pure-Python wheels (py3-none-any) each target may lack. fastprogress 1.1 added
-# fastcore and python-fasthtml (a web stack with compiled dependencies) as
-# requirements; 1.0.x has none and offers everything xla_utils uses.
+
+def install_requirement(name: str, setup_py: Path = ROOT / "setup.py") -> str:
+    """``name``'s requirement as setup.py's ``INSTALL_REQUIRES`` states it (its pin included).
+
+    Raises:
+        SystemExit: setup.py has no literal ``INSTALL_REQUIRES`` naming ``name``.
+    """
+    tree = ast.parse(setup_py.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "INSTALL_REQUIRES" for t in node.targets):
+            for req in ast.literal_eval(node.value):
+                if re.match(rf"{re.escape(name)}\b(?![-_.])", req, re.I):
+                    return req
+    raise SystemExit(f"{setup_py}: no {name} in INSTALL_REQUIRES")
+
+
+# Pure-Python wheels (py3-none-any) each target may lack, pinned as setup.py pins them
+# (fastprogress<1.1: 1.1 requires python-fasthtml, a web stack with compiled dependencies).
+PURE_PYTHON = [install_requirement("fastprogress"), install_requirement("cloudpickle")]
 DEPENDENCIES = {
-    "kaggle": ["fastprogress<1.1", "cloudpickle"],
-    "colab": ["fastprogress<1.1", "cloudpickle"],
+    "kaggle": PURE_PYTHON,
+    "colab": PURE_PYTHON,
     "none": [],
 }
 SOURCES = ("setup.py", "pyproject.toml", "README.md", "xla_utils")

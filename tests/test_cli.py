@@ -38,7 +38,9 @@ def src(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def built(src, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("built") / "cache"
-    assert main(["build", str(src), str(out), "--size", "24", "--variants", "3", "--quiet"]) == 0
+    # one image a shard (3 x 24 x 24 x 3 bytes): 12 shards
+    assert main(["build", str(src), str(out), "--size", "24", "--variants", "3", "--shard-size", "5184",
+                 "--quiet"]) == 0
     return out
 
 

@@ -65,6 +65,25 @@ def test_wheel_metadata_names_no_torch(wheel_dir):
     assert not [n for n in names if n.startswith(("tests/", "scripts/")) or n.endswith(".pyc")]
 
 
+def test_fastprogress_pin_installs_no_web_stack_and_matches_offline_wheels(wheel_dir):
+    """A fresh ``pip install`` of the wheel and the offline wheels take the same fastprogress,
+    and not 1.1+, whose METADATA requires fastcore and python-fasthtml (uvicorn, starlette)."""
+    from packaging.requirements import Requirement
+
+    whl = next(wheel_dir.glob("xla_utils-*.whl"))
+    with zipfile.ZipFile(whl) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    pins = [Requirement(r) for r in _requires(meta) if _dist_name(r) == "fastprogress"]
+    assert len(pins) == 1, _requires(meta)
+    spec = pins[0].specifier
+    assert not spec.contains("1.1.0") and not spec.contains("1.1.6"), spec  # require python-fasthtml
+    assert spec.contains("1.0.5") and spec.contains("1.0.3"), spec  # no requirements of their own
+    offline = _script().DEPENDENCIES
+    for target in ("kaggle", "colab"):
+        ours = [Requirement(r) for r in offline[target] if _dist_name(r) == "fastprogress"]
+        assert [r.specifier for r in ours] == [spec], (target, offline[target])
+
+
 def test_dependencies_cannot_drag_torch():
     """The install requirements, followed through what is installed here, never reach torch."""
     seen, todo = set(), ["xla_utils"]

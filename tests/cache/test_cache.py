@@ -80,7 +80,11 @@ def test_config_validates_and_sizes_shards():
     per_image = 4 * 224 * 224 * 3
     assert cfg.images_per_shard(10**6) == 256 * 2**20 // per_image  # size-bound
     assert CacheConfig(size=224, variants=4, codec="jpeg").images_per_shard(10**6) == 256 * 2**20 // (per_image // 8)
-    assert cfg.images_per_shard(100) == 7  # small data: at least 16 shards
+    # A build under 16 x MIN_SHARD_BYTES of pixels has fewer shards, of at least that much each:
+    # the issue's 40 test images (6 MiB of pixels at 224) are one shard, 10,000 are 16.
+    assert cfg.images_per_shard(100) == 100 and CacheConfig(size=224).images_per_shard(40) == 40
+    assert CacheConfig(size=224).images_per_shard(10_000) == 625  # 16 shards: every worker has one
+    assert CacheConfig(size=224).images_per_shard(500) == 250  # 75 MiB of pixels: 2 shards
     assert CacheConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.fingerprint() != CacheConfig(size=224, variants=4, seed=1).fingerprint()
 
@@ -100,12 +104,28 @@ def test_file_count_grows_with_bytes_not_samples(tmp_path):
     for n in (200, 800):
         r = build_cache(Arrays(n), tmp_path / f"n{n}", size=8, verbose=False)
         counts[n] = r.files
-    assert counts[200] == counts[800] == 16 + 2  # 16 shards + manifest + labels
+    assert counts[200] == counts[800] == 1 + 2  # one shard (little data) + manifest + labels
     r = build_cache(Arrays(800), tmp_path / "small_shards", size=8, shard_size=20 * 192, verbose=False)
     assert r.num_shards == 40 and r.files == 42  # bytes / shard_size
 
 
 # ----------------------------------------------------------------------------- round trips
+
+
+def test_a_small_test_folder_is_one_shard_and_reads_back(tmp_path):
+    """The issue's case: 40 test images (a flat folder, ~0.5 MiB of JPEGs) cached at 224 on every
+    core were 14 shards; the README promises a few large ones: now one, verified and read back."""
+    from xla_utils.data import CachedImageDataset
+
+    test = tmp_path / "test"
+    test.mkdir()
+    for i in range(40):
+        Image.fromarray(textured(i, 240, 256)).save(test / f"{i:03d}.jpg", quality=90)
+    r = build_cache(test, tmp_path / "c", size=224, unlabeled=True, workers=2, verbose=False)
+    assert r.num_shards == 1 and r.files == 3 and r.num_images == 40, r
+    assert verify_cache(tmp_path / "c").ok
+    ds = CachedImageDataset(tmp_path / "c")
+    assert len(ds) == 40 and ds.ids[:2] == ["000.jpg", "001.jpg"]
 
 
 def test_raw_round_trip_is_exact(tmp_path):
@@ -224,7 +244,8 @@ SLOW_BUILD = textwrap.dedent("""
             time.sleep(float(os.environ.get("DELAY", "0")))
             return np.random.default_rng(i).integers(0, 256, (40, 50, 3), dtype=np.uint8), i % 4
 
-    build_cache(Slow(), sys.argv[1], size=24, variants=2, workers=1, verbose=False)
+    build_cache(Slow(), sys.argv[1], size=24, variants=2, workers=1, shard_size=4 * 2 * 24 * 24 * 3,
+                verbose=False)  # 4 images a shard: 16 shards
 """)
 
 
@@ -260,7 +281,7 @@ def test_sigkill_mid_build_then_resume_is_byte_identical(tmp_path):
 
 def test_verify_catches_flipped_byte_and_missing_shard(folder, tmp_path):
     out = tmp_path / "c"
-    build_cache(folder, out, size=32, variants=2, verbose=False)
+    build_cache(folder, out, size=32, variants=2, shard_size=2 * 2 * 32 * 32 * 3, verbose=False)
     assert verify_cache(out).ok
     shard = out / "shard-00003.npy"
     data = bytearray(shard.read_bytes())
@@ -344,7 +365,8 @@ def test_small_images_can_be_skipped(bad_folder, tmp_path):
 def test_strict_stops_at_first_bad_file_and_keeps_finished_shards(bad_folder, tmp_path, workers):
     out = tmp_path / "c"
     with pytest.raises(BadImageError, match="cls/b_corrupt.jpg") as err:
-        build_cache(bad_folder, out, size=32, strict=True, workers=workers, verbose=False)
+        build_cache(bad_folder, out, size=32, strict=True, workers=workers, shard_size=32 * 32 * 3,
+                    verbose=False)  # one image a shard
     assert err.value.path == "cls/b_corrupt.jpg" and err.value.index == 1  # not c_truncated.jpg (index 2)
     m = read_manifest(out)
     kept = [s["index"] for s in m["shards"]]
@@ -354,7 +376,7 @@ def test_strict_stops_at_first_bad_file_and_keeps_finished_shards(bad_folder, tm
     problems = verify_cache(out).problems
     assert len(problems) == 1 and problems[0].startswith("incomplete build"), problems
     before = (out / "shard-00000.npy").read_bytes()
-    r = build_cache(bad_folder, out, size=32, verbose=False)  # rerun without strict resumes
+    r = build_cache(bad_folder, out, size=32, shard_size=32 * 32 * 3, verbose=False)  # resumes
     assert r.shards_reused == len(kept) and (out / "shard-00000.npy").read_bytes() == before
     assert verify_cache(out).ok
 
@@ -378,7 +400,7 @@ def test_strict_build_bar_is_titled_and_ends_its_line_before_the_error(bad_folde
                                                                       monkeypatch, capsys):
     monkeypatch.setenv("XLA_UTILS_PROGRESS", "redraw")  # a terminal's bar: one line redrawn
     with pytest.raises(BadImageError):
-        build_cache(bad_folder, tmp_path / "c", size=32, strict=True, workers=2)
+        build_cache(bad_folder, tmp_path / "c", size=32, strict=True, workers=2, shard_size=3072)
     out = capsys.readouterr().out
     assert "build_cache: " in out and "images on 2 workers |" in out, out
     assert out.endswith("\n"), repr(out[-200:])  # the traceback starts on a line of its own
@@ -674,7 +696,7 @@ def test_read_only_folder_reruns_a_complete_cache_and_refuses_clearly(folder, tm
     ro = tmp_path / "ro"
     first = build_cache(folder, ro / "complete", size=32, verbose=False)
     build_cache(folder, ro / "partial", size=32, verbose=False)
-    (ro / "partial" / "shard-00002.npy").unlink()  # an unfinished copy: needs writing to finish
+    (ro / "partial" / "shard-00000.npy").unlink()  # an unfinished copy: needs writing to finish
     before = _snapshot(ro)
     try:
         prefix = _read_only_command(kind, ro)
@@ -699,10 +721,10 @@ def test_read_only_folder_reruns_a_complete_cache_and_refuses_clearly(folder, tm
 
 def test_missing_shard_of_a_complete_cache_is_rebuilt_by_a_rerun(folder, tmp_path):
     out = tmp_path / "c"
-    build_cache(folder, out, size=32, verbose=False)
+    build_cache(folder, out, size=32, shard_size=2 * 32 * 32 * 3, verbose=False)  # 9 shards
     before = files(out)
     (out / "shard-00004.npy").unlink()
-    r = build_cache(folder, out, size=32, verbose=False)
+    r = build_cache(folder, out, size=32, shard_size=2 * 32 * 32 * 3, verbose=False)
     assert r.shards_built == 1 and r.shards_reused == r.num_shards - 1
     assert files(out) == before and verify_cache(out).ok
 

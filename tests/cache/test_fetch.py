@@ -38,7 +38,7 @@ def caches(gcs_emulator, tmp_path_factory):
     """(local folder, gs:// URL) of the same cache: 2 variants, 14 shards of 3 images (1 in the last)."""
     local = tmp_path_factory.mktemp("local") / "c"
     url = gcs_emulator()
-    kw = dict(size=8, variants=2, shard_size=4 * 2 * 8 * 8 * 3, workers=1, verbose=False)
+    kw = dict(size=8, variants=2, shard_size=3 * 2 * 8 * 8 * 3, workers=1, verbose=False)
     build_cache(Blobs(), local, **kw)
     build_cache(Blobs(), url, **kw)
     return local, url

@@ -71,7 +71,7 @@ def pictures(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(600)
 def test_ray_build_on_two_nodes_gives_the_local_bytes(ray_cluster, pictures, gcs_emulator, tmp_path):
-    cfg = CacheConfig(size=16, variants=2, seed=2)
+    cfg = CacheConfig(size=16, variants=2, seed=2, shard_size=TWO_A_SHARD)
     local = build_cache(pictures, tmp_path / "local", cfg, workers=2, verbose=False)
     on_ray = build_cache(pictures, tmp_path / "ray", cfg, engine="ray", ray_address=ray_cluster.address,
                          verbose=False)
@@ -109,15 +109,17 @@ def _same_as_local(local: Path, url: str) -> None:
 
 
 N_SLOW = 24  # images of the slowed-down builds below: 0.25 s each, so a build lasts several seconds
+TWO_A_SHARD = 2 * 2 * 16 * 16 * 3  # bytes of two images (2 variants at 16x16): shards of 2 images
 
 
 @pytest.mark.timeout(600)
 def test_a_killed_driver_is_rerun_to_the_same_bytes(ray_cluster, gcs_emulator, tmp_path):
-    cfg = CacheConfig(size=16, variants=2, seed=3)
+    cfg = CacheConfig(size=16, variants=2, seed=3, shard_size=TWO_A_SHARD)
     build_cache(SlowImages(N_SLOW), tmp_path / "local", cfg, workers=2, verbose=False)
     url = gcs_emulator()
     code = ("from xla_utils.cache import CacheConfig, build_cache; from slow_images import SlowImages; "
-            f"build_cache(SlowImages({N_SLOW}, delay=0.25), {url!r}, CacheConfig(size=16, variants=2, seed=3), "
+            f"build_cache(SlowImages({N_SLOW}, delay=0.25), {url!r}, "
+            f"CacheConfig(size=16, variants=2, seed=3, shard_size={TWO_A_SHARD}), "
             f"engine='ray', ray_address={ray_cluster.address!r}, verbose=False)")
     driver = subprocess.Popen([sys.executable, "-c", code], env=ray_cluster.env, start_new_session=True)
     deadline, m = time.monotonic() + 300, None
@@ -140,7 +142,7 @@ def test_a_node_killed_mid_build_changes_nothing(ray_cluster, gcs_emulator, tmp_
     """Kills the second node (SIGKILL to its whole process group: raylet, object store, workers) as
     soon as one of its tasks is loading an image; Ray redoes its tasks on the head node. Last in this
     module: the cluster keeps one node afterwards."""
-    cfg = CacheConfig(size=16, variants=2, seed=4)
+    cfg = CacheConfig(size=16, variants=2, seed=4, shard_size=TWO_A_SHARD)
     build_cache(SlowImages(N_SLOW), tmp_path / "local", cfg, workers=2, verbose=False)
     url, marks = gcs_emulator(), tmp_path / "marks"
     marks.mkdir()

@@ -73,7 +73,7 @@ def test_disk_filled_mid_build_stops_cleanly_and_resumes_byte_identical(tmpfs, t
     out = tmpfs / "cache"
     ballast = tmpfs / f"ballast-{uuid.uuid4().hex[:6]}"
     ballast.with_suffix(".flag").write_text("fill")
-    kw = dict(size=32, workers=1, verbose=False)  # 64 x 3,072 bytes in 16 shards of 4
+    kw = dict(size=32, workers=1, shard_size=4 * 3072, verbose=False)  # 64 x 3,072 bytes in 16 shards of 4
     with pytest.raises(DiskFullError) as e:
         build_cache(Pictures(ballast, fill_at=20), out, **kw)
     msg = str(e.value)

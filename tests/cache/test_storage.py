@@ -95,7 +95,7 @@ def test_store_publish_list_read_and_checked_download(kind, gcs_emulator, tmp_pa
 
 def test_build_into_gs_gives_the_local_bytes_and_cli_reads_it(images, gcs_emulator, tmp_path, capsys):
     url = gcs_emulator()
-    cfg = CacheConfig(size=24, variants=2, seed=3)
+    cfg = CacheConfig(size=24, variants=2, seed=3, shard_size=2 * 24 * 24 * 3)  # one image a shard
     local = build_cache(images, tmp_path / "local", cfg, workers=2, verbose=False)
     remote = build_cache(images, url, cfg, workers=2, verbose=False)
     assert remote.num_images == local.num_images == 16 and remote.path == url
@@ -153,7 +153,8 @@ SLOW_BUILD = textwrap.dedent("""
             time.sleep(float(os.environ.get("DELAY", "0")))
             return np.random.default_rng(i).integers(0, 256, (40, 50, 3), dtype=np.uint8), i % 4
 
-    build_cache(Slow(), sys.argv[1], size=24, variants=2, workers=1, verbose=False)
+    build_cache(Slow(), sys.argv[1], size=24, variants=2, workers=1, shard_size=3 * 2 * 24 * 24 * 3,
+                verbose=False)  # 16 shards of 3
 """)
 
 
@@ -195,7 +196,7 @@ def test_build_from_a_gs_folder_and_a_csv_of_urls_gives_the_local_bytes(images, 
         if p.is_file():
             st.write(p.relative_to(images).as_posix(), [p.read_bytes()])
     st.write("readme.txt", [b"not an image"])
-    cfg = CacheConfig(size=24, variants=2, seed=3)
+    cfg = CacheConfig(size=24, variants=2, seed=3, shard_size=2 * 24 * 24 * 3)  # one image a shard
     local = build_cache(images, tmp_path / "local", cfg, workers=2, verbose=False)
     url = gcs_emulator()
     r = build_cache(src, url, cfg, workers=2, verbose=False)  # gs:// -> gs://

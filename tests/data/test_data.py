@@ -37,7 +37,9 @@ class Arrays:
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cache") / "c"
-    build_cache(Arrays(N_IMAGES), out, size=SIZE, variants=VARIANTS, verbose=False)
+    # several shards (a small build is one by default): batches read across shard boundaries
+    build_cache(Arrays(N_IMAGES), out, size=SIZE, variants=VARIANTS, verbose=False,
+                shard_size=-(-N_IMAGES // 16) * VARIANTS * SIZE * SIZE * 3)
     return out
 
 

@@ -20,10 +20,11 @@ def _data():
     return torch.utils.data.TensorDataset(x, y)
 
 
-def _fit(ckdir, capsys, **kw):
+def _fit(ckdir, capsys, resume=None, **kw):
+    kw = {"epochs": 3, **kw}
     t = OneCycleTrainer(lambda: nn.Linear(8, 2), nn.CrossEntropyLoss(), _data(), batch_size=16,
-                        epochs=3, max_lr=1e-2, checkpoint_dir=ckdir, **kw)
-    h = t.fit()
+                        max_lr=1e-2, checkpoint_dir=ckdir, **kw)
+    h = t.fit(resume=resume)
     return t, h, capsys.readouterr().out
 
 
@@ -90,3 +91,30 @@ def test_a_missing_checkpoint_path_lists_what_is_there(tmp_path, capsys):
                          epochs=3, max_lr=1e-2, checkpoint_dir=ck)
     t2.fit(resume=ck / "epoch_002.pt")
     assert f"resuming from epoch_002-{h.run_id}.pt" in capsys.readouterr().out
+
+
+def test_resume_goes_on_as_its_run_and_a_complete_run_trains_nothing(tmp_path, capsys):
+    """A run stopped after epoch 3 of 6, resumed with resume="last": its bar counts the run's
+    epochs and the note names it; resumed once more when complete, nothing runs or is written."""
+    ck = tmp_path / "ck"
+    _, first, _ = _fit(ck, capsys, epochs=6, keep_checkpoints=6)
+    for e in (4, 5, 6):  # the run stopped during epoch 4
+        (ck / f"epoch_{e:03d}-{first.run_id}.pt").unlink()
+    t, resumed, out = _fit(ck, capsys, epochs=6, keep_checkpoints=6, resume="last")
+    assert "Epoch 4/6 |" in out and "Epoch 6/6 |" in out and "Epoch 1/" not in out, out
+    assert re.search(rf"holds 3 epoch checkpoint\(s\) of run {first.run_id}, resumed here "
+                     r"\([\d.]+ KiB\)\n", out), out
+    assert "earlier run" not in out
+    assert resumed.run_id == first.run_id and [e["epoch"] for e in resumed.epochs] == [1, 2, 3, 4, 5, 6]
+    assert resumed.epochs[:3] == first.epochs[:3]
+
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in ck.iterdir()}
+    again = t.fit(resume="last")
+    out = capsys.readouterr().out
+    assert (f"run {first.run_id} is already complete: epoch_006-{first.run_id}.pt holds epoch 6 "
+            "of 6. Nothing was trained and no file written") in out, out
+    assert "Epoch" not in out and "global batch" not in out and "resuming run" not in out, out
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in ck.iterdir()} == before
+    assert again.epochs == resumed.epochs and again.run_id == first.run_id
+    assert torch.equal(t.model.weight, torch.load(ck / f"epoch_006-{first.run_id}.pt",
+                                                  weights_only=False)["model"]["weight"])

@@ -41,6 +41,24 @@ def test_history_still_importable_from_trainer():
     assert trainer.History is History
 
 
+def test_history_as_a_cells_last_expression_shows_its_table():
+    """A notebook shows ``history`` (the last expression of a cell) through IPython's display
+    formatter: an HTML table, and as text the table ``print(history)`` gives, no field dump."""
+    from IPython.core.formatters import DisplayFormatter
+
+    h = _history([{"epoch": 1, "train_loss": 1.5, "val_loss": 1.2, "accuracy": 0.5},
+                  {"epoch": 2, "train_loss": 0.5, "val_loss": 0.7, "accuracy": 0.9}])
+    h.state_dict = {"w": torch.zeros(64, 64)}
+    h.best_epoch, h.best_score, h.monitor = 2, 0.9, "accuracy"
+    shown, _ = DisplayFormatter().format(h)
+    assert shown["text/plain"] == str(h)
+    assert "epoch  train_loss" in shown["text/plain"] and "tensor" not in shown["text/plain"]
+    page = shown["text/html"]
+    assert page.count("<tr>") == 3 and "<th>accuracy</th>" in page and "<td>0.9</td>" in page
+    assert "best epoch 2 (accuracy 0.9)" in page and "tensor" not in page
+    assert "(no epochs)" in _history([])._repr_html_()
+
+
 def test_to_csv_union_of_keys_and_atomic(tmp_path):
     h = _history([{"epoch": 1, "train_loss": 1.5, "lr_last": 1e-3},
                   {"epoch": 2, "train_loss": 0.5, "val_loss": 0.7, "accuracy": 0.9}])

@@ -156,8 +156,9 @@ def test_flat_curve_warns_and_is_not_confident():
         nn.init.zeros_(m.bias)
         return m
 
-    with pytest.warns(RuntimeWarning, match="flat"):
+    with pytest.warns(RuntimeWarning, match="flat") as seen:
         res = lr_find(make, nn.functional.cross_entropy, ds, 64, show_progress=False)
+    assert seen[0].filename == __file__  # the warning names the caller's line, not a wrapper's
     assert not res.confident and "flat" in res.warning
     assert "NOT CONFIDENT" in repr(res)
     # a learnable problem: no warning, confident
@@ -610,3 +611,47 @@ def test_optimizer_name_is_validated_before_any_launch():
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     with pytest.raises(ValueError, match="did you mean 'sgd'"):
         lr_find(model, torch.nn.CrossEntropyLoss(), data, 8, optimizer="sgdd", simulate=1)
+
+
+@pytest.mark.filterwarnings("ignore:LR finder:RuntimeWarning")  # 12 steps of a tiny model
+def test_a_notebook_sweep_leaves_cores_to_the_loader_and_says_what_it_will_take(tmp_path, capsys):
+    """lr_find in the notebook process (torch on the CPU) on a cache: torch's intra-op threads are
+    the cores left after the loader's threads while it sweeps (every core on top of the loader
+    oversubscribed a small host: 268 s against 53 s), the notebook's own setting is back after,
+    and a line measured after warm-up says what the whole sweep will take."""
+    import os
+
+    from xla_utils import CachedImageDataset, build_cache
+    from xla_utils.data import default_loader_threads
+    from xla_utils.train.lr_finder import sweep_threads
+
+    class Pics:
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return np.full((8, 8, 3), 4 * i, np.uint8), i % 2
+
+    build_cache(Pics(), tmp_path / "c", size=8, verbose=False)
+    cache = CachedImageDataset(tmp_path / "c")
+    cores = len(os.sched_getaffinity(0))
+    assert sweep_threads(cache, None) == max(1, cores - default_loader_threads())
+    assert sweep_threads(cache, 0) == cores and sweep_threads(_tensor_ds(), None) == cores
+    seen = []
+
+    def loss(out, y):
+        seen.append(torch.get_num_threads())
+        return nn.functional.cross_entropy(out, y)
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 3, 2))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)  # a notebook's default: every core
+        lr_find(model, loss, cache, batch_size=8, num_it=12)
+        assert set(seen) == {sweep_threads(cache, None)}, seen
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert re.search(r"lr_find: [\d.e+-]+ s per step after 3 warm-up steps: about \d+ s for all 12 "
+                     r"steps \(less if the loss diverges first\)\n", out), out

@@ -55,3 +55,50 @@ def test_three_typos_as_a_user_makes_them(tmp_path):
         CachedImageDataset(tmp_path / "cache" / "trian")
     assert re.match(rf"{re.escape(str(tmp_path / 'cache' / 'trian'))} does not exist; did you mean "
                     rf"{re.escape(str(tmp_path / 'cache' / 'train'))}\?", str(err.value))
+
+
+def test_every_name_a_user_types_gets_the_same_help(tmp_path):
+    """fit(epoch=2), build_cache("comp/Train") and string options typed with a slip of case or
+    space: keywords and paths get a did-you-mean, every string option is read after
+    .strip().lower() (accepted so) and a near miss is refused with its suggestion."""
+    from torch import nn
+
+    from xla_utils import CacheConfig, CachedImageDataset, OneCycleTrainer, build_cache
+    from xla_utils.cache import BuildError
+    from xla_utils.train.trainer import TrainerConfig
+
+    (tmp_path / "comp" / "train" / "a").mkdir(parents=True)
+    for i in range(2):
+        Image.fromarray(np.full((12, 12, 3), 60 * i, np.uint8)).save(
+            tmp_path / "comp" / "train" / "a" / f"{i}.png")
+    with pytest.raises(BuildError) as err:  # a case slip in the path
+        build_cache(tmp_path / "comp" / "Train", tmp_path / "cache", size=8)
+    assert f"did you mean {tmp_path / 'comp' / 'train'}?" in str(err.value)
+    with pytest.raises(BuildError, match=r"did you mean .*comp/train\?"):  # a near miss
+        build_cache(tmp_path / "comp" / "trian", tmp_path / "cache", size=8)
+    report = build_cache(tmp_path / "comp" / "train", tmp_path / "cache", size=8, verbose=False,
+                         engine=" Local", codec="RAW ", resize="Crop")
+    assert report.num_images == 2
+    assert CacheConfig(codec="JPEG ", small=" Skip", resample="Bicubic").codec == "jpeg"
+    with pytest.raises(ValueError, match=r"codec must be one of .* got 'jpg' \(did you mean 'jpeg'\?\)"):
+        CacheConfig(codec="jpg")
+
+    trainer = OneCycleTrainer(nn.Linear(2, 2), nn.CrossEntropyLoss(),
+                              CachedImageDataset(tmp_path / "cache"), batch_size=2)
+    with pytest.raises(TypeError) as err:
+        trainer.fit(epoch=2)
+    assert str(err.value).startswith("OneCycleTrainer.fit() got unexpected keyword argument "
+                                     "'epoch' (did you mean 'epochs'?)")
+    with pytest.raises(TypeError, match=r"'batchsize' \(did you mean 'batch_size'\?\)"):
+        trainer.predict(trainer.train_data, batchsize=2)
+
+    cfg = TrainerConfig(optimizer="adamW ", max_lr="Find", precision=" FP32", strategy="Spawn",
+                        on_nan="STOP", lr_scaling="Sqrt ", channels_last="AUTO",
+                        monitor="Val_Loss", metrics=["Accuracy"])
+    assert (cfg.optimizer, cfg.max_lr, cfg.precision, cfg.strategy, cfg.on_nan, cfg.lr_scaling,
+            cfg.channels_last, cfg.monitor, cfg.metrics) == (
+        "adamw", "find", "fp32", "spawn", "stop", "sqrt", "auto", "val_loss", ["accuracy"])
+    for kw, near in (({"max_lr": "fnd"}, "find"), ({"precision": "bf61"}, "bf16"),
+                     ({"strategy": "fsdp2"}, "fsdp"), ({"optimizer": "adamm"}, "adam")):
+        with pytest.raises(ValueError, match=rf"did you mean '{near}'\?"):
+            TrainerConfig(**kw)

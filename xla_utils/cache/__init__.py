@@ -30,7 +30,8 @@ reader :mod:`xla_utils.data` or the command line :mod:`xla_utils.cli`):
 from __future__ import annotations
 
 from .builder import BuildReport, DryRunEstimate, build_cache
-from .config import JPEG_RATIO_GUESS, MIN_SHARDS, CacheConfig, parse_bytes, parse_size
+from .config import (JPEG_RATIO_GUESS, MIN_SHARD_BYTES, MIN_SHARDS, CacheConfig, parse_bytes,
+                     parse_size)
 from .errors import BadImageError, BuildError
 from .format import FORMAT, FORMAT_VERSION, JPEG_MAGIC, LABELS, MANIFEST, read_manifest
 from .images import decode_source, make_variants
@@ -59,5 +60,6 @@ __all__ = [
     "LABELS",
     "JPEG_MAGIC",
     "MIN_SHARDS",
+    "MIN_SHARD_BYTES",
     "JPEG_RATIO_GUESS",
 ]

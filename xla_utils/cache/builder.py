@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..utils.suggest import unknown_keywords
+from ..utils.suggest import choice, unknown_keywords
 from ..utils.units import format_bytes
 from .config import CacheConfig
 from .errors import BuildError
@@ -186,6 +186,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             nearest option (``variants``) and lists them all.
     """
     cfg = _config_of(config, config_fields)
+    engine = choice(engine, ENGINES, "engine")
     workers = _checked_workers(engine, workers)
     out = Store(out)  # a URL whose protocol is not installed: ImportError naming the package
     src = resolve_source(source, labels, cfg, classes, unlabeled)

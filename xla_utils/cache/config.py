@@ -11,10 +11,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["CacheConfig", "parse_size", "parse_bytes", "RESAMPLE_FILTERS"]
+from ..utils.suggest import choice
 
-# Small data sets still get this many shards so that every core has work.
+__all__ = ["CacheConfig", "parse_size", "parse_bytes", "RESAMPLE_FILTERS", "MIN_SHARDS",
+           "MIN_SHARD_BYTES"]
+
+# A build whose shards would be smaller than shard_size is split into up to this many shards
+# so that every worker has one to build, but none holds under MIN_SHARD_BYTES of pixels:
+# a small folder (40 test images, 6 MiB of pixels at 224) is one shard, as a reader of a
+# few large shards expects, and a 1 GiB build still has 16.
 MIN_SHARDS = 16
+MIN_SHARD_BYTES = 32 * 2**20
 # Expected size of a q90 JPEG relative to raw pixels; fixes how many images a
 # JPEG shard holds so that shards come out near ``shard_size``.
 JPEG_RATIO_GUESS = 8
@@ -86,28 +93,31 @@ class CacheConfig:
         if self.augment is None:
             set_("augment", self.variants > 1)
         problems = []
+        for name, options in (("resize", ("crop", "stretch")), ("codec", ("raw", "jpeg")),
+                              ("resample", RESAMPLE_FILTERS), ("small", ("upscale", "skip"))):
+            try:  # any case and surrounding spaces, as every string option of xla_utils
+                value = choice(getattr(self, name), options, name)
+            except ValueError as exc:
+                problems.append(str(exc))
+                continue
+            if value in options:
+                set_(name, value)
+            else:  # not a string
+                problems.append(f"{name} must be one of {options}, got {value!r}")
         if not isinstance(self.variants, int) or self.variants < 1:
             problems.append(f"variants={self.variants!r} must be an int >= 1")
         elif self.variants > 1 and not self.augment:
             problems.append(f"variants={self.variants} with augment=False would store identical copies")
-        if self.resize not in ("crop", "stretch"):
-            problems.append(f"resize={self.resize!r} must be 'crop' or 'stretch'")
         if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
             problems.append(f"scale={self.scale!r} must be (min, max) with 0 < min <= max <= 1")
         if len(self.ratio) != 2 or not 0 < self.ratio[0] <= self.ratio[1]:
             problems.append(f"ratio={self.ratio!r} must be (min, max) with 0 < min <= max")
         if not 0 <= self.rotate <= 45:
             problems.append(f"rotate={self.rotate!r} must be between 0 and 45 degrees")
-        if self.codec not in ("raw", "jpeg"):
-            problems.append(f"codec={self.codec!r} must be 'raw' or 'jpeg'")
         if not 1 <= self.quality <= 100:
             problems.append(f"quality={self.quality!r} must be between 1 and 100")
         if self.shard_size < 1:
             problems.append(f"shard_size={self.shard_size!r} must be a positive number of bytes")
-        if self.resample not in RESAMPLE_FILTERS:
-            problems.append(f"resample={self.resample!r} must be one of {sorted(RESAMPLE_FILTERS)}")
-        if self.small not in ("upscale", "skip"):
-            problems.append(f"small={self.small!r} must be 'upscale' or 'skip'")
         if self.max_pixels < 1:
             problems.append(f"max_pixels={self.max_pixels!r} must be positive")
         if problems:
@@ -135,14 +145,15 @@ class CacheConfig:
     def images_per_shard(self, num_items: int) -> int:
         """Source items per shard for a source of ``num_items`` items.
 
-        ``shard_size`` bytes worth of images, but at least ``min(num_items, 16)`` shards
-        so that every core has work on small data sets.
+        ``shard_size`` bytes worth of images; a smaller build is split into at most
+        :data:`MIN_SHARDS` shards (work for every build worker) of at least
+        :data:`MIN_SHARD_BYTES` of pixels each, so a small folder is one shard.
         """
-        per_image = self.variants * self.sample_bytes
-        if self.codec == "jpeg":
-            per_image = max(1, per_image // JPEG_RATIO_GUESS)
+        pixels = self.variants * self.sample_bytes  # the decoding and resizing each image costs
+        per_image = max(1, pixels // JPEG_RATIO_GUESS) if self.codec == "jpeg" else pixels
         by_size = max(1, self.shard_size // per_image)
-        return max(1, min(by_size, math.ceil(num_items / MIN_SHARDS)))
+        shards = max(1, min(MIN_SHARDS, num_items * pixels // MIN_SHARD_BYTES))
+        return max(1, min(by_size, math.ceil(num_items / shards)))
 
 
 def parse_size(size: int | str | Sequence[int]) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..utils.suggest import by_similarity, closest
+from ..utils.suggest import by_similarity, similar_path
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "LABELS", "JPEG_MAGIC", "shard_name", "npy_header",
            "jpeg_shard_chunks", "read_jpeg_index", "manifest_text", "read_manifest", "parse_manifest",
@@ -223,17 +223,9 @@ def _caches_below(p: Path, near: str | None = None) -> str:
 def _nearest_parent(p: Path) -> str:
     """Where a missing path goes wrong: a close folder name at that level, the nearest
     existing folder and the caches inside it, closest to the missing name first."""
-    parent, missing, rest = p.absolute().parent, p.absolute().name, Path()
-    while not parent.is_dir() and parent != parent.parent:
-        parent, missing, rest = parent.parent, parent.name, Path(missing) / rest
-    try:
-        names = [d.name for d in parent.iterdir() if d.is_dir() and not d.name.startswith(".")]
-    except OSError:
-        names = []
-    close = closest(missing, names, n=1)
-    if close:  # the rest of the path too, where it exists below the close name
-        guess = parent / close[0] / rest if (parent / close[0] / rest).exists() else parent / close[0]
-    hint = f"; did you mean {guess}?" if close else ""
+    guess, parent = similar_path(p, folders_only=True)
+    hint = f"; did you mean {guess}?" if guess is not None else ""
+    missing = p.expanduser().absolute().relative_to(parent).parts[0]
     return f"{hint} (the nearest existing folder is {parent}{_caches_below(parent, missing)})"
 
 

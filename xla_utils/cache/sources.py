@@ -25,6 +25,7 @@ from .config import CacheConfig
 from .errors import BuildError
 from .images import decode_source
 from .storage import filesystem, is_url, retry
+from ..utils.suggest import similar_path
 
 __all__ = ["IMAGE_EXTENSIONS", "Source", "resolve_source", "load_item"]
 
@@ -96,7 +97,12 @@ def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: Cache
             return _csv_source(p, p.parent, cfg, classes, unlabeled)
         if p.is_dir():
             return _folder_source(p, classes, unlabeled)
-        raise BuildError(f"source {p} is neither a folder nor a CSV file (does it exist?)")
+        if not p.exists():
+            guess, parent = similar_path(p)
+            raise BuildError(f"source {p} does not exist"
+                             + (f"; did you mean {guess}?" if guess is not None else "")
+                             + f" (the nearest existing folder is {parent})")
+        raise BuildError(f"source {p} is neither a folder nor a CSV file")
     if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
         if labels_csv is not None:
             raise BuildError("labels=FILE.csv only applies to folder sources")
@@ -210,7 +216,9 @@ def _url_folder_source(url: str, classes: Sequence[str] | None, unlabeled: bool 
 def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[str] | None,
                 unlabeled: bool = False) -> Source:
     if not csv_path.is_file():
-        raise BuildError(f"labels CSV {csv_path} does not exist")
+        guess, _ = similar_path(csv_path)
+        raise BuildError(f"labels CSV {csv_path} does not exist"
+                         + (f"; did you mean {guess}?" if guess is not None else ""))
     with open(csv_path, newline="", encoding="utf-8-sig") as f:
         sample = f.read(4096)
         f.seek(0)

@@ -130,23 +130,34 @@ def prune_runs(directory: str | os.PathLike, keep: int, current: str | None = No
 
 
 def earlier_runs_note(directory: str | os.PathLike | None, keep_runs: int | None,
-                      show: bool = False) -> str | None:
+                      show: bool = False, current: str | None = None) -> str | None:
     """One line on what ``directory`` holds from earlier runs (files, runs, size) and how
-    to remove them, or None when it holds none. ``fit`` prints it (``show``) before a run."""
+    to remove them, or None when it holds none. ``fit`` prints it (``show``) before a run;
+    ``current`` is the run a resumed fit continues, named as such and not counted as an
+    earlier run."""
     runs = run_files(directory) if directory is not None else {}
     if not runs:
         return None
-    note = _runs_note(directory, runs, keep_runs)
+    note = _runs_note(directory, runs, keep_runs, current)
     if show:
         print(note, flush=True)
     return note
 
 
-def _runs_note(directory: Any, runs: dict[str, list[Path]], keep_runs: int | None) -> str:
+def _runs_note(directory: Any, runs: dict[str, list[Path]], keep_runs: int | None,
+               current: str | None = None) -> str:
+    own = runs.pop(current, []) if current is not None else []
+    head = f"checkpoint_dir {directory} holds "
+    if own:
+        head += (f"{len(own)} epoch checkpoint(s) of run {current}, resumed here "
+                 f"({format_bytes(sum(_size(p) for p in own))})")
+        if not runs:
+            return head
+        head += " and "
     files = [p for ps in runs.values() for p in ps]
     total = sum(_size(p) for p in files)
-    note = (f"checkpoint_dir {directory} holds {len(files)} epoch checkpoint(s) of {len(runs)} "
-            f"earlier run(s), {format_bytes(total)} (newest run {list(runs)[-1]})")
+    note = head + (f"{len(files)} epoch checkpoint(s) of {len(runs)} "
+                   f"earlier run(s), {format_bytes(total)} (newest run {list(runs)[-1]})")
     if keep_runs is None:
         return note + (f"; they are kept (keep_runs=None). keep_runs=N keeps only the newest N "
                        f"runs' files (this one included); to delete them now: "
@@ -286,10 +297,14 @@ def _ckpt_optimizer(ckpt: dict) -> str | None:
 
 
 def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Module,
-                  max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> None:
+                  max_lr: float | str | None, world: int | None, steps_per_epoch: int) -> str:
     """Compare a checkpoint with the new run before anything is loaded; refuse
-    (one error listing every difference) what would not continue exactly, and
-    say what was kept and what changed."""
+    (one error listing every difference) what would not continue exactly.
+
+    Returns:
+        The line ``fit`` prints: what was kept and what changed, or, when the checkpoint
+        holds the run's last epoch, that the run is already complete.
+    """
     old = dict(ckpt.get("config", {}))
     new = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"}
     fixed: list[str] = []
@@ -348,14 +363,20 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
     changed = [f"{k} {old[k]!r} -> {new[k]!r}" for k in new
                if k in old and k not in _RESUME_FIXED and k != "max_lr" and differs(old[k], new[k])]
     total = old.get("epochs", cfg.epochs)
-    print(f"resuming run {ckpt.get('run_id', '(unnamed)')} from {path.name} after epoch "
-          f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
-          + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
-          + f", optimizer {optimizer_label(cfg.optimizer)}, batch {cfg.batch_size} x "
-          f"{runtime.replicas_word(ckpt['world_size'], ckpt.get('device_type', 'xla'))}, "
-          "its schedule, "
-          "optimizer state and history"
-          + (f"; changed: {', '.join(changed)}" if changed else "") + ".", flush=True)
+    run = ckpt.get("run_id", "(unnamed)")
+    if ckpt["epoch"] >= total:
+        return (f"run {run} is already complete: {path.name} holds epoch {ckpt['epoch']} of "
+                f"{total}. Nothing was trained and no file written; fit() returns its history "
+                "and trainer.model takes its last epoch's weights. To train more, start a new "
+                "schedule from them: fit() without resume.")
+    return (f"resuming run {run} from {path.name} after epoch "
+            f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
+            + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
+            + f", optimizer {optimizer_label(cfg.optimizer)}, batch {cfg.batch_size} x "
+            f"{runtime.replicas_word(ckpt['world_size'], ckpt.get('device_type', 'xla'))}, "
+            "its schedule, "
+            "optimizer state and history"
+            + (f"; changed: {', '.join(changed)}" if changed else "") + ".")
 
 
 def check_extra(extra: Any) -> None:

@@ -25,6 +25,7 @@ from ..data import IMAGENET_MEAN, IMAGENET_STD
 from .history import check_monitor
 from .mixup import check_step_options
 from .optim import resolve_optimizer
+from ..utils.suggest import choice
 
 __all__ = ["TrainerConfig", "LR_SCALING", "ON_NAN"]
 
@@ -36,6 +37,9 @@ ON_NAN = ("stop", "continue")
 class TrainerConfig:
     """Hyper-parameters of :class:`~xla_utils.train.trainer.OneCycleTrainer` (all keyword arguments of it).
 
+    Every string option is read after ``.strip().lower()`` and stored so (``"AdamW "`` is
+    ``"adamw"``, ``max_lr="Find"`` is ``"find"``); a near miss is refused with a suggestion.
+
     Attributes:
         batch_size: Samples per core per step (global batch = batch_size x cores); default 32.
         eval_batch_size: Samples per core per batch of ``fit``'s per-epoch validation
@@ -43,8 +47,7 @@ class TrainerConfig:
         epochs: Passes over the training data. Default 1.
         max_lr: Peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``),
             or ``"find"`` to run the LR finder first. Default 1e-3.
-        optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` (any case; stored
-            lower-case) or a callable ``f(params, lr=..., weight_decay=...)``.
+        optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` or a callable ``f(params, lr=..., weight_decay=...)``.
             Default ``"adamw"``. An unknown name raises ``ValueError`` here.
         weight_decay: Default 0.0 (AdamW: decoupled).
         pct_start, div_factor, final_div_factor, moms: One-cycle shape (torch
@@ -167,6 +170,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
+        self._normalise_strings()
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (per core), got {self.batch_size!r}")
         ebs = self.eval_batch_size
@@ -189,6 +193,20 @@ class TrainerConfig:
         check_step_options(self)
         check_monitor(self.monitor, self.patience)
         _strategy.check_config(self)
+
+    def _normalise_strings(self) -> None:
+        """Every string option as :func:`~xla_utils.utils.suggest.choice` reads it (after
+        ``.strip().lower()``; a near miss refused with its suggestion), as ``optimizer``."""
+        self.max_lr = choice(self.max_lr, ("find",), "max_lr", "a positive number")
+        self.lr_scaling = choice(self.lr_scaling, LR_SCALING, "lr_scaling", "None")
+        self.precision = choice(self.precision, device_plan.PRECISIONS, "precision")
+        self.channels_last = choice(self.channels_last, ("auto",), "channels_last", "True/False")
+        self.on_nan = choice(self.on_nan, ON_NAN, "on_nan")
+        self.strategy = choice(self.strategy, _strategy.STRATEGIES, "strategy")
+        if isinstance(self.monitor, str):
+            self.monitor = self.monitor.strip().lower()
+        if self.metrics is not None and not isinstance(self.metrics, str):
+            self.metrics = [m.strip().lower() if isinstance(m, str) else m for m in self.metrics]
 
     def val_batch_size(self, samples: int, cores: int) -> int:
         """The per-epoch validation's batch per core for ``samples`` items over ``cores``:

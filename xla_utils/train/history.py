@@ -7,6 +7,7 @@ import History`` still works.
 from __future__ import annotations
 
 import csv
+import html
 import io
 import math
 import os
@@ -26,9 +27,10 @@ LOSS_MONITORS = ("val_loss", "train_loss")
 METRIC_MONITORS = ("accuracy", "f1")
 
 
-@dataclass
+@dataclass(repr=False)
 class History:
-    """What :meth:`OneCycleTrainer.fit` returns (``len``, indexing and ``str`` work too).
+    """What :meth:`OneCycleTrainer.fit` returns (``len``, indexing and ``str`` work too; as a
+    notebook cell's last expression it shows as its table: ``_repr_html_``, ``repr``).
 
     Attributes:
         epochs: One dict per epoch: ``epoch``, ``train_loss``, ``val_loss`` and
@@ -89,13 +91,19 @@ class History:
     def __len__(self) -> int:
         return len(self.epochs)
 
+    def _cells(self) -> tuple[list[str], list[list[str]]]:
+        """The table's header and its rows of formatted cells (no epochs: none)."""
+        if not self.epochs:
+            return [], []
+        keys = [k for k in self.epochs[-1] if k != "epoch"]
+        rows = [[str(e["epoch"])] + [_fmt(e.get(k)) for k in keys] for e in self.epochs]
+        return ["epoch"] + keys, rows
+
     def table(self) -> str:
         """The per-epoch history as an aligned text table."""
-        if not self.epochs:
+        head, rows = self._cells()
+        if not head:
             return "(no epochs)"
-        keys = [k for k in self.epochs[-1] if k != "epoch"]
-        head = ["epoch"] + keys
-        rows = [[str(e["epoch"])] + [_fmt(e.get(k)) for k in keys] for e in self.epochs]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
@@ -158,18 +166,45 @@ class History:
             plt.show()
         return fig
 
-    def __str__(self) -> str:
+    def _summary(self) -> str:
+        """The line above the table: replicas, batch, LR and backend."""
         from .. import runtime  # loaded already: the run that made this history imported it
 
         cores = runtime.replicas_word(self.world_size, self.device_type)
-        best = (f"\nbest epoch {self.best_epoch} ({self.monitor} {self.best_score:.4g})"
-                if self.best_epoch is not None and self.best_score is not None else "")
         return (f"{cores} x {self.global_batch // self.world_size} = {self.global_batch} global "
                 f"batch, max_lr {self.max_lr:.3g} (from {self.base_lr:.3g}: {self.lr_note}), "
-                f"backend {self.backend}\n"
-                + (f"{self.compile_cache}\n" if self.compile_cache and not
-                   self.compile_cache.startswith("compile cache off:") else "") + self.table()
-                + best + (f"\nSTOPPED: {self.stop_reason}" if self.stop_reason else ""))
+                f"backend {self.backend}")
+
+    def _notes(self) -> list[str]:
+        """The lines below the table: best epoch, early stop."""
+        out = []
+        if self.best_epoch is not None and self.best_score is not None:
+            out.append(f"best epoch {self.best_epoch} ({self.monitor} {self.best_score:.4g})")
+        if self.stop_reason:
+            out.append(f"STOPPED: {self.stop_reason}")
+        return out
+
+    def __str__(self) -> str:
+        cache = (f"{self.compile_cache}\n" if self.compile_cache and not
+                 self.compile_cache.startswith("compile cache off:") else "")
+        return "\n".join([self._summary() + "\n" + cache + self.table(), *self._notes()])
+
+    def __repr__(self) -> str:
+        # A notebook cell or the REPL shows the table, not the dataclass' fields (the weights
+        # alone would fill the screen).
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        """The history as a notebook shows it: the summary line, an HTML table, the notes."""
+        head, rows = self._cells()
+        esc = html.escape
+        table = ("<p>(no epochs)</p>" if not head else
+                 "<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head)
+                 + "</tr></thead><tbody>"
+                 + "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
+                           for r in rows) + "</tbody></table>")
+        notes = "".join(f"<p>{esc(n)}</p>" for n in self._notes())
+        return f"<div><p>{esc(self._summary())}</p>{table}{notes}</div>"
 
 
 _NOT_METRICS = {"epoch", "train_loss", "val_loss", "lr_max", "lr_last", "images_per_s",

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .strategy import MeshRun
 
 __all__ = ["default_train_step", "default_eval_step", "prepare_input", "input_preparer",
-           "replica_model", "loader",
+           "replica_model", "loader", "run_lr",
            "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
            "begin_epoch", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
            "epoch_line", "host_copy", "VAL_LOSS_EXPLODES",
@@ -273,10 +273,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     if strategy is not None:
         ws, model = strategy.devices, strategy.wrap(model)
     plan = DevicePlan.build(DeviceRequest(cfg.precision, cfg.channels_last, inputs), dev, model)
-    rule = cfg.scaling_rule
-    max_lr = scale_lr(base_lr, ws * k, rule) / scale_lr(1.0, lr_world, rule)
-    how = f"{rule} scaling" if lr_world == 1 else \
-        f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
+    max_lr, rule, how = run_lr(cfg, base_lr, lr_world, ws)
     runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data, dev.type, note))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
                          lr=max_lr / cfg.div_factor,
@@ -309,6 +306,17 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
                  autocast=plan.autocast, accum_steps=k, ema=ema,
                  mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan)
+
+
+def run_lr(cfg: TrainerConfig, base_lr: float, lr_world: int, world_size: int
+           ) -> tuple[float, str, str]:
+    """``(max_lr, rule, how)``: the peak LR of a run on ``world_size`` replicas (times
+    ``accum_steps``) from ``base_lr``, meant for ``lr_world``; its scaling rule, in words."""
+    rule = cfg.scaling_rule
+    max_lr = scale_lr(base_lr, world_size * cfg.accum_steps, rule) / scale_lr(1.0, lr_world, rule)
+    how = f"{rule} scaling" if lr_world == 1 else \
+        f"measured by lr_find for {lr_world} cores, {rule} scaling beyond"
+    return max_lr, rule, how
 
 
 def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how: str,

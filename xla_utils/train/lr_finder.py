@@ -24,6 +24,7 @@ import functools
 import math
 import os
 import random
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -40,6 +41,7 @@ from .lr_rules import (BETA, BUDGET_POWER, BUDGET_STEPS, DEFAULT_RULE, DESCENT_F
                        suggest_steep, suggest_valley)
 from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
 from ..utils.progress import progress_bar
+from ..utils.suggest import choice, keyword_help
 
 if TYPE_CHECKING:
     from .strategy import MeshRun, StrategyPlan
@@ -48,7 +50,7 @@ __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "R
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
            "suggest_slide", "suggest_budget", "suggest_descent", "sweep_length", "BETA", "NUM_IT",
            "MIN_NUM_IT", "FIT_SHARE", "SHORT_RUN", "SHORT_START_LR", "DESCENT_FACTOR",
-           "BUDGET_STEPS", "BUDGET_POWER"]
+           "BUDGET_STEPS", "BUDGET_POWER", "sweep_threads"]
 
 # fit(max_lr="find") lets the sweep cost at most this share of the planned run. A shortened
 # sweep starts at SHORT_START_LR (the decades below it rarely matter) and has at least
@@ -253,6 +255,7 @@ class _Config:
     device: DeviceRequest = DeviceRequest()
 
 
+@keyword_help
 def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
             data: Any, batch_size: int, optimizer: OptimizerSpec = "sgd",
@@ -320,8 +323,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     cfg = _Config(model=model, loss=loss, data=data, batch_size=batch_size, optimizer=optimizer,
                   weight_decay=weight_decay, start_lr=float(start_lr), end_lr=float(end_lr),
                   num_it=int(num_it), beta=float(beta), diverge_factor=float(diverge_factor),
-                  accum_steps=int(accum_steps), rule=rule, planned_steps=planned_steps,
-                  seed=int(seed), shuffle=shuffle, num_workers=num_workers, batch_tfm=batch_tfm,
+                  accum_steps=int(accum_steps), rule=choice(rule, RULES, "rule"),
+                  planned_steps=planned_steps, seed=int(seed), shuffle=shuffle, num_workers=num_workers, batch_tfm=batch_tfm,
                   show_progress=show_progress,
                   parent_pid=os.getpid(), compile_cache=compile_cache,
                   device=DeviceRequest(precision, channels_last, spec))
@@ -344,7 +347,7 @@ def _judged(res: LRFinderResult, cfg: _Config, note: str | None) -> LRFinderResu
         res.confident = False
         warnings.warn(f"LR finder: {res.warning}. The suggestion ({res.suggestion:.3g}, rule "
                       f"{res.rule}) is not trustworthy: look at result.plot() and pick max_lr "
-                      "yourself", RuntimeWarning, stacklevel=3)
+                      "yourself", RuntimeWarning, stacklevel=4)  # lr_find's caller
     return res
 
 
@@ -454,7 +457,7 @@ def _check_sweep(data: Any, batch_size: int, start_lr: float, end_lr: float, num
         raise ValueError(f"beta must be in [0, 1), got {beta!r}")
     if diverge_factor <= 1.0:
         raise ValueError(f"diverge_factor must be > 1, got {diverge_factor!r}")
-    if rule not in RULES:
+    if choice(rule, RULES, "rule") not in RULES:  # a string: any case, else a suggestion
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if len(data) < batch_size:
         raise ValueError(f"data has {len(data)} samples, fewer than one batch of {batch_size}: "
@@ -476,13 +479,41 @@ def _replica(cfg: _Config) -> LRFinderResult:
     in_process = os.getpid() == cfg.parent_pid
     saved = _CallerState.take(cfg.model if isinstance(cfg.model, torch.nn.Module) else None) \
         if in_process else None
+    threads = torch.get_num_threads()
     try:
+        if in_process:  # a forked replica may not resize torch's pool (forksafe)
+            torch.set_num_threads(sweep_threads(cfg.data, cfg.num_workers))
         runtime.enable_compile_cache(cfg.compile_cache)  # before anything compiles
         # (autograd after fork is handled by runtime.launch for every replica)
         return _sweep(cfg)
     finally:
+        if in_process:
+            torch.set_num_threads(threads)
         if saved is not None:
             saved.restore()
+
+
+def sweep_threads(data: Any, num_workers: int | None) -> int:
+    """torch's intra-op threads for a sweep in the calling process: the cores this process
+    may run on, less the loader's threads (a cache's ring: ``num_workers``, default
+    :func:`~xla_utils.data.default_loader_threads`), at least 1.
+
+    torch's default, every core, on top of the loader's threads oversubscribes a small host:
+    an OpenMP team whose threads wait for each other on a busy CPU spins instead of
+    computing (a ResNet-18 sweep on a loaded 2-core host: 268 s with 2 threads, 53 s with
+    1; docs/BENCHMARKS.md "LR finder: threads").
+    """
+    from ..data import CachedImageDataset, default_loader_threads
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if num_workers is not None:
+        loader = num_workers if isinstance(data, CachedImageDataset) else 0  # else processes
+    else:
+        loader = default_loader_threads() if isinstance(data, CachedImageDataset) else 0
+    return max(1, cores - loader)
 
 
 def _mesh_replica(plan: StrategyPlan, cfg: _Config) -> LRFinderResult:
@@ -549,6 +580,40 @@ class _CallerState:
                 b.copy_(self.tensors["b:" + name])
         for name, mod in m.named_modules():
             mod.training = self.training[name]
+
+
+class _StepClock:
+    """The sweep's time estimate, measured: after :data:`WARM_STEPS` steps (compilation,
+    first allocations) it times :data:`TIMED_STEPS` more and prints, once, what the whole
+    sweep will take at that pace.
+
+    Args:
+        num_it: The sweep's steps.
+        show: Print the estimate (the progress bar is shown).
+    """
+
+    WARM_STEPS, TIMED_STEPS = 3, 5  # past the loader ring's head start
+
+    def __init__(self, num_it: int, show: bool) -> None:
+        self.num_it, self.show = num_it, show
+        self.t0 = time.perf_counter()
+        self.ends: list[float] = []
+        self.estimate: float | None = None  # seconds for all num_it steps
+
+    def step_done(self, bar: Any = None) -> None:
+        """A step ended (its loss read or queued): estimate once enough are timed."""
+        self.ends.append(time.perf_counter())
+        n, warm, timed = len(self.ends), self.WARM_STEPS, self.TIMED_STEPS
+        if n != warm + timed or n >= self.num_it:
+            return
+        per_step = (self.ends[-1] - self.ends[warm - 1]) / timed
+        self.estimate = self.ends[-1] - self.t0 + per_step * (self.num_it - n)
+        if self.show:
+            if hasattr(bar, "close_line"):
+                bar.close_line()  # a redrawn bar line ends before this one
+            print(f"lr_find: {per_step:.3g} s per step after {warm} warm-up steps: about "
+                  f"{self.estimate:.0f} s for all {self.num_it} steps (less if the loss "
+                  "diverges first)", flush=True)
 
 
 def _micro_batches(cfg: _Config) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -646,6 +711,7 @@ def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
     pb = progress_bar(cfg.num_it, show=cfg.show_progress, console=runtime.text_progress(),
                       title=f"lr_find: {cfg.num_it} steps x {k} micro-batch{'es' if k > 1 else ''} "
                             f"on {where}")
+    clock = _StepClock(cfg.num_it, show=cfg.show_progress)
     try:
         for i in pb:
             before = runtime.xla_counters()["compiles"]
@@ -668,6 +734,7 @@ def _sweep(cfg: _Config, run: MeshRun | None = None) -> LRFinderResult:
             lrs.append(float(opt.param_groups[0]["lr"]))
             stop = pending is not None and record(pending.item() / k)
             compiles.append(runtime.xla_counters()["compiles"] - before)
+            clock.step_done(pb)
             pending = total
             if hasattr(pb, "comment") and smoothed:
                 pb.comment = f"lr {lrs[len(smoothed) - 1]:.2e}  loss {smoothed[-1]:.4f}"

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from .inputs import InputSpec
     from .mixup import MixConfig
 
-__all__ = ["FitPlan", "fit_replica", "fit_on_mesh", "epoch_record", "end_epoch", "save_final",
-           "inference_replica", "inference_on_mesh"]
+__all__ = ["FitPlan", "fit_replica", "fit_on_mesh", "completed_run", "epoch_record", "end_epoch",
+           "save_final", "inference_replica", "inference_on_mesh"]
 
 
 @dataclass
@@ -92,10 +92,12 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                             initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
     master_bar, progress_bar = runtime.progress_bars()
-    epochs = range(s.start_epoch, cfg.epochs)
+    epochs = range(cfg.epochs)  # the whole run's: a resumed run's bar says Epoch 4/6
     best = BestTracker.resume(cfg.monitor, cfg.patience, s.history) if cfg.monitor else None
     mb = master_bar(epochs) if runtime.is_master() else None
     for epoch in (mb if mb is not None else epochs):
+        if epoch < s.start_epoch:  # done before the checkpoint
+            continue
         pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
                           parent=mb) if mb is not None else None
         batches = s.batches(train_data, cfg, epoch, train=True)
@@ -134,6 +136,22 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
                    compile_cache=runtime.compile_cache_summary(cache, counters0,
                                                                runtime.xla_counters()),
                    ema_state_dict={} if s.ema is None else s.ema.state_dict())
+
+
+def completed_run(plan: FitPlan) -> History:
+    """The history of a run whose checkpoint (``plan.ckpt``) holds its last epoch, as its
+    fit returned it, read on the host: nothing is launched, trained or written."""
+    cfg, ckpt = plan.config, plan.ckpt
+    ws, history = ckpt["world_size"], list(ckpt["history"])
+    max_lr, rule, how = loop.run_lr(cfg, plan.base_lr, plan.lr_world, ws)
+    best = BestTracker.resume(cfg.monitor, cfg.patience, history) if cfg.monitor else None
+    return History(epochs=history, world_size=ws,
+                   global_batch=ws * cfg.batch_size * cfg.accum_steps, base_lr=plan.base_lr, max_lr=max_lr, lr_scaling=rule, lr_note=how,
+                   backend=runtime.backend(),
+                   state_dict={} if "sharded" in ckpt else dict(ckpt["model"]),
+                   monitor=cfg.monitor, best_epoch=best and best.best_epoch,
+                   best_score=best and best.best_score, run_id=plan.run_id,
+                   ema_state_dict=dict(ckpt.get("ema") or {}))
 
 
 def save_final(s: loop.Setup, final: dict[str, torch.Tensor], is_best: bool, *,

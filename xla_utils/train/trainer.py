@@ -44,12 +44,13 @@ from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_i
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .mixup import MixConfig, mix_config_for
-from .replica_loops import FitPlan, fit_on_mesh, fit_replica, inference_on_mesh, inference_replica
+from .replica_loops import (FitPlan, completed_run, fit_on_mesh, fit_replica, inference_on_mesh,
+                            inference_replica)
 from .schedule import OneCycleSchedule
 from ..simulate.live import live_or_launch
 from .steps import TrainerStepPlan
 from .submission import missing_note, training_multilabel
-from ..utils.suggest import unknown_keywords
+from ..utils.suggest import choice, keyword_help, unknown_keywords
 
 if TYPE_CHECKING:
     from ..diagnostics.device_check import DeviceCheckReport
@@ -163,6 +164,7 @@ class OneCycleTrainer:
             cores: The fit's ``cores`` the answer is for (mesh strategies): ``"all"``
                 (default) or 1.
         """
+        cores = _cores(cores)
         devices = _strategy.planned_world_size(cores, simulate)
         self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs, devices)
         return self.lr_finder_result
@@ -191,6 +193,7 @@ class OneCycleTrainer:
         unfreeze(self.model)
         self._lr_groups = None
 
+    @keyword_help
     def debug(self, steps: int = 5, simulate: int | None = None) -> DebugReport:
         """Run a few of the trainer's steps on ONE core and explain what XLA did.
 
@@ -228,6 +231,7 @@ class OneCycleTrainer:
         return TrainerStepPlan(self.config, train[0], self.train_step, self.loss, train[1],
                                self._mix_config(train), self._lr_groups)
 
+    @keyword_help
     def fit(self, *, cores: int | str = "all", simulate: int | None = None,
             max_lr: float | str | None = None, resume: str | os.PathLike | None = None,
             debug: bool = False, timeout: float | None = None, check: bool = False,
@@ -255,7 +259,10 @@ class OneCycleTrainer:
                 overrides below) first: anything the schedule or optimizer state depends on
                 (optimizer, batch size, epochs, pct_start, cores, ...) must match. The run
                 keeps the checkpoint's max_lr (as given to or found for it); a different
-                ``max_lr`` given here is refused.
+                ``max_lr`` given here is refused. It goes on as the same run (its run id,
+                its epoch numbers: ``Epoch 4/6``). A checkpoint of the run's last epoch is
+                a complete run: ``fit`` says so and returns its history, training nothing
+                and writing no file.
             debug: Deprecated: use :meth:`debug` (returns its report instead of training).
             timeout: Seconds after which the replicas are killed (default none).
             check: First run :meth:`check` and print its report; default False.
@@ -286,6 +293,8 @@ class OneCycleTrainer:
         """
         cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
                                final_div_factor=final_div_factor)
+        cores = _cores(cores)
+        max_lr = choice(max_lr, ("find",), "max_lr", "a positive number or None")
         runtime.prestart_simulation(simulate)
         device_plan.check_before_launch(cfg.precision, simulate=simulate, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
@@ -293,19 +302,27 @@ class OneCycleTrainer:
             raise ReadinessError(report)
         if debug:
             warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
-                          "the same DebugReport", DeprecationWarning, stacklevel=2)
+                          "the same DebugReport", DeprecationWarning, stacklevel=3)
             return self._debug(inputs["train"])
         fit_plan, plan = self._plan_fit(cfg, inputs, cores, simulate, max_lr, resume, lr_groups,
                                         checkpoint_extra, warn_if_trained)
-        if plan is None:
-            out = runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
-                                     timeout=timeout, sim_threads=True)
-        else:
-            out = _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
+        out = self._launch_fit(fit_plan, plan, cores, simulate, timeout)
         self._take_result(out, resumed=fit_plan.ckpt is not None)
         for w in out.warnings:
-            warnings.warn(w, RuntimeWarning, stacklevel=2)
+            warnings.warn(w, RuntimeWarning, stacklevel=3)  # fit's caller: past keyword_help
         return out
+
+    @staticmethod
+    def _launch_fit(fit_plan: FitPlan, plan: _strategy.StrategyPlan | None, cores: int | str,
+                    simulate: int | None, timeout: float | None) -> History:
+        """Run ``fit_plan`` on every core (``"spawn"``) or on the strategy's mesh; a complete
+        run (its checkpoint holds the last epoch) runs nothing: its history, as saved."""
+        if fit_plan.ckpt is not None and fit_plan.ckpt["epoch"] >= fit_plan.config.epochs:
+            return completed_run(fit_plan)  # said so by _plan_fit: no launch, no file written
+        if plan is None:
+            return runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
+                                      timeout=timeout, sim_threads=True)
+        return _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
 
     def _take_result(self, out: History, resumed: bool) -> None:
         """The trainer's model and EMA weights after a fit run (``out``), and the epochs its
@@ -351,21 +368,24 @@ class OneCycleTrainer:
         plan = None
         if cfg.strategy != "spawn":
             plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
-        ckpt = None
+        ckpt, run_id = None, time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
             # On a TPU the world is detected, not known (pod slices span hosts):
             # the replica compares cores and steps per epoch there.
             exact = cores == 1 or simulate is not None or runtime.backend() != "xla"
-            check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
-                         len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps)
+            print(check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
+                               len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps),
+                  flush=True)
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
+            run_id = ckpt.get("run_id") or run_id  # the same run goes on (its files, keep_runs)
         else:
             base_lr, lr_world = self._new_run_lr(cfg, max_lr, simulate, world, warn_if_trained)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
-        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-        earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True)
+        if ckpt is None or ckpt["epoch"] < cfg.epochs:  # a complete run trains nothing
+            earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True,
+                              current=None if ckpt is None else run_id)
         lr_groups = self._lr_groups if lr_groups is None else lr_groups
         note, self._model_note = self._model_note, ""  # said once, in the first run's first line
         return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
@@ -415,7 +435,7 @@ class OneCycleTrainer:
                 + (" (the model factory is called once, in OneCycleTrainer(...), not per fit)"
                    if self._from_factory else "")
                 + ". For a fresh start create a new OneCycleTrainer; to continue a run "
-                "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=4)
+                "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=5)
         if base_lr != "find":
             return base_lr, 1
         # Measure at the run's own global batch: k accumulated micro-batches of the per-core
@@ -431,6 +451,7 @@ class OneCycleTrainer:
         print(res.summary(), flush=True)  # says whether it is confident, and why not
         return base_lr, world * cfg.accum_steps
 
+    @keyword_help
     def predict(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                 batch_size: int | None = None, activation: str | None = "auto",
                 weights: str | os.PathLike | None = None) -> np.ndarray:
@@ -473,10 +494,12 @@ class OneCycleTrainer:
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
         runtime.prestart_simulation(simulate)
+        cores = _cores(cores)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         missing_note(data, show=True)  # images the cache build skipped get no row
         return self._launch_inference(plan, cores, simulate)
 
+    @keyword_help
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                  batch_size: int | None = None) -> dict[str, float]:
         """Validation metrics of the current model on a labelled dataset, on all cores.
@@ -492,6 +515,7 @@ class OneCycleTrainer:
         """
         require_labels(data, "data", action="evaluate")
         runtime.prestart_simulation(simulate)
+        cores = _cores(cores)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
         return self._launch_inference(plan, cores, simulate)
@@ -516,7 +540,8 @@ class OneCycleTrainer:
         bs = self.config.batch_size if batch_size is None else batch_size
         if not isinstance(bs, int) or bs < 1:
             raise ValueError(f"batch_size must be a positive int (per core), got {batch_size!r}")
-        if activation not in ("auto", "softmax", "sigmoid", None):
+        activation = choice(activation, ("auto", "softmax", "sigmoid"), "activation", "None")
+        if activation is not None and not isinstance(activation, str):
             raise ValueError(f"activation must be 'auto', 'softmax', 'sigmoid' or None, got {activation!r}")
         if activation == "auto":
             activation = "sigmoid" if training_multilabel(self) else "softmax"
@@ -536,6 +561,7 @@ class OneCycleTrainer:
                                   activation=activation, model=model, labelled=labelled, tta=tta,
                                   config=self.config, eval_step=self.eval_step, loss=self.loss)
 
+    @keyword_help
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
               timeout: float | None = None, devices: int | None = None
               ) -> "ReadinessReport | DeviceCheckReport":
@@ -627,3 +653,8 @@ class OneCycleTrainer:
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
         return loop.input_preparer(self.config, spec, train)
+
+
+def _cores(cores: int | str) -> int | str:
+    """``cores`` as the launch reads it: ``"all"`` in any case, or the number given."""
+    return choice(cores, ("all",), "cores", "1")
