@@ -374,8 +374,7 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
             + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
             + f", optimizer {optimizer_label(cfg.optimizer)}, batch {cfg.batch_size} x "
             f"{runtime.replicas_word(ckpt['world_size'], ckpt.get('device_type', 'xla'))}, "
-            "its schedule, "
-            "optimizer state and history"
+            "its schedule, optimizer state and history"
             + (f"; changed: {', '.join(changed)}" if changed else "") + ".")
 
 
