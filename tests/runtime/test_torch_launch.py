@@ -97,6 +97,28 @@ def test_launch_gives_fn_two_replicas_and_averaged_gradients(two_cpu_replicas):
     torch.testing.assert_close(out["weight"], here["weight"], rtol=1e-5, atol=1e-6)
 
 
+def _branch_job():
+    """rank 1's forward skips the branch: only rank 0 has its gradient."""
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD([*trunk.parameters(), *branch.parameters()], lr=0.1)
+    x = torch.ones(2, 4)
+    out = trunk(x) + (branch(x) if rt.rank() == 0 else 0)
+    out.sum().backward()
+    rt.optimizer_step(opt)
+    return {"branch_grad": branch.weight.grad.clone(), "trunk_grad": trunk.weight.grad.clone()}
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_optimizer_step_averages_a_gradient_only_one_replica_has(two_cpu_replicas):
+    """runtime.optimizer_step (a hand-written loop's): the replicas agree which parameters
+    have gradients first, so the one that skipped the branch reduces zeros, no mismatch."""
+    out = xla_utils.launch(_branch_job, timeout=60)
+    torch.testing.assert_close(out["trunk_grad"], torch.full((1, 4), 2.0))
+    torch.testing.assert_close(out["branch_grad"], torch.full((1, 4), 1.0))  # (2 + 0) / 2
+
+
 def _raise_on_rank_1():
     if rt.rank() == 1:
         raise ValueError("replica one fails")

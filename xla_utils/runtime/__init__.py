@@ -89,10 +89,11 @@ from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .torch_launch import CUDAInitializedError
+from .torch_world import gradient_reductions
 from .transfer import device_prefetch, to_device
-from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
-                    master_print, optimizer_step, rank, reduce_gradients, rendezvous, save,
-                    set_seed, sync, text_progress, world_size)
+from .world import (all_reduce, backend, data_parallel, device, graph_text, is_master, is_simulated,
+                    local_rank, master_print, no_sync, optimizer_step, rank, reduce_gradients,
+                    rendezvous, save, set_seed, sync, text_progress, world_size)
 from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_compile_flags,
                   load_xla, tpu_present, xla_available, xla_installed, xla_runtime_initialized)
 
@@ -146,6 +147,9 @@ INTERNAL_API = (
     "load_xla",
     "register_simulator",
     "reduce_gradients",  # a gradient scaler's step: average the gradients, then step it
+    "data_parallel",  # the trainer's model in DistributedDataParallel on torch replicas
+    "no_sync",  # its accumulation steps
+    "gradient_reductions",  # gradient buckets all-reduced so far (tests count them)
     "text_progress",
     "torch_devices",  # how many replicas the torch backend runs (no CUDA initialised)
     "TorchDevices",
