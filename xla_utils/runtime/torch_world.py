@@ -16,8 +16,10 @@ against :func:`xla_utils.runtime.optimizer_step` averages them after backward in
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 from typing import Any
 
 __all__ = ["active", "world_size", "rank", "local_rank", "all_reduce_sum", "host_sum",
@@ -138,6 +140,11 @@ def gradient_reductions() -> int:
     return _REDUCTIONS[0]
 
 
+# torch's advice, printed by DDP's C++ reducer on stderr once per process, when a forward
+# used every parameter: a trainer cannot know whether a later one will skip some.
+_DDP_ADVICE = b"find_unused_parameters=True was specified in DDP constructor"
+
+
 def data_parallel(model, device):
     """``model`` in torch's ``DistributedDataParallel`` over the process group, behind a
     forward that runs any step function of it: ``ddp(fn, *args)`` is ``fn(model, *args)``
@@ -146,10 +153,9 @@ def data_parallel(model, device):
 
     Buffers are not broadcast (each rank keeps its own batch-norm statistics, rank 0's are
     saved); parameters that one rank's forward skipped are reduced with zeros there
-    (``find_unused_parameters``); each reduced bucket is counted (:func:`gradient_reductions`).
+    (``find_unused_parameters``: a search of the step's graph, without torch's advice
+    against it on stderr); each reduced bucket is counted (:func:`gradient_reductions`).
     """
-    import warnings
-
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
@@ -162,15 +168,44 @@ def data_parallel(model, device):
         def forward(self, fn, *args):
             return fn(self.module, *args)
 
+    class _DDP(DistributedDataParallel):
+        advised = False
+
+        def forward(self, *args, **kwargs):
+            if self.advised or not (torch.is_grad_enabled() and self.require_backward_grad_sync):
+                return super().forward(*args, **kwargs)
+            self.advised = True  # the reducer's search (and advice) follows the first synced forward
+            with _stderr_without(_DDP_ADVICE):
+                return super().forward(*args, **kwargs)
+
     def counted(state, bucket):
         _REDUCTIONS[0] += 1
         return default_hooks.allreduce_hook(state, bucket)
 
-    # the graph search for skipped parameters costs little next to a step; its advice not to
-    # use it when nothing was skipped is not for the users of a trainer
-    warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified")
-    ddp = DistributedDataParallel(
-        _Step(model), device_ids=[device.index] if device.type == "cuda" else None,
-        broadcast_buffers=False, find_unused_parameters=True, gradient_as_bucket_view=True)
+    ddp = _DDP(_Step(model), device_ids=[device.index] if device.type == "cuda" else None,
+               broadcast_buffers=False, find_unused_parameters=True, gradient_as_bucket_view=True)
     ddp.register_comm_hook(None, counted)
     return ddp
+
+
+@contextlib.contextmanager
+def _stderr_without(text: bytes):
+    """File descriptor 2 goes to a temporary file inside the block; afterwards every line
+    of it that does not contain ``text`` is written to the real one (nothing else lost)."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = b"".join(line for line in tmp.read().splitlines(keepends=True)
+                            if text not in line)
+            if kept:
+                os.write(2, kept)
