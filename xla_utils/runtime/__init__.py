@@ -63,8 +63,9 @@ Layout
               ``child_env``; result or ``ReplicaError``; timeout): SPMD functions and
               scripts, a strategy's mesh run, the memory measurement.
 ``shardinfo`` per-device bytes read from XLA shardings (in a fresh process).
-``torch_launch``  the torch backend's job: one forked replica per GPU (or CPU device),
-              a file-store rendezvous, NCCL/gloo bound to loopback, the CUDA check.
+``torch_launch``  the torch backend's job: one replica per GPU (or CPU device), forked or,
+              after the notebook used CUDA, a fresh interpreter; a file-store
+              rendezvous, NCCL/gloo bound to loopback.
 ``launcher``  ``launch``: TPU jobs, torch jobs, simulated jobs (through the launcher
               :mod:`xla_utils.simulate` registers, :func:`.launcher.register_simulator`),
               or in-process.
@@ -88,7 +89,7 @@ from .launcher import (launch, launch_job, prestart_if_simulation_likely, presta
 from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
-from .torch_launch import CUDAInitializedError
+from .torch_launch import NotSendableError
 from .torch_world import gradient_reductions
 from .transfer import device_prefetch, to_device
 from .world import (all_reduce, backend, data_parallel, device, graph_text, is_master, is_simulated,
@@ -100,7 +101,7 @@ from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_
 __all__ = [
     "XLAUnavailableError",
     "RuntimeAlreadyInitializedError",
-    "CUDAInitializedError",
+    "NotSendableError",
     "ReplicaError",
     "xla_available",
     "fast_cpu_compile_flags",
