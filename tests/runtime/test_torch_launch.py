@@ -136,6 +136,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_replicas_after_the_notebook_queried_cuda_start_fresh_and_train_as_one(tmp_path):
