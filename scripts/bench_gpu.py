@@ -37,6 +37,16 @@ and comes first.
 A CPU smoke run (tests/test_bench_gpu.py)::
 
     python scripts/bench_gpu.py --models resnet18 --image 32 --batch 8 --images 64 --epochs 1 --workers 0
+
+``--gpus all`` measures scaling instead, per model: ``fit(cores=1)`` against
+``fit(cores="all")`` on the host's k GPUs at the same per-GPU ``--batch`` (images/s over
+epochs 2..; scaling efficiency = all / (k x one)), and the all-reduce time of one step's
+gradients (the model's parameters in float32, all-reduced by ``xla_utils.launch`` on the k
+replicas, median of 20 after 3 warm-up calls). On a one-GPU machine ``cores="all"`` is the
+same in-process run as ``cores=1``: its ratio shows what ``"all"`` costs there (nothing).
+``XLA_UTILS_CPU_REPLICAS=2`` rehearses it on the CPU::
+
+    XLA_UTILS_CPU_REPLICAS=2 python scripts/bench_gpu.py --gpus all --models resnet18 --image 32 --batch 8 --images 64 --epochs 1
 """
 from __future__ import annotations
 
@@ -202,7 +212,7 @@ def run_ceiling(name: str, ds, args, dev, precision: str) -> float:
     return steps * args.batch / (time.perf_counter() - t0)
 
 
-def run_fit(name: str, ds, args):
+def run_fit(name: str, ds, args, cores: int | str = 1):
     """``OneCycleTrainer.fit``; ``(images/s, the trainer)``."""
     import torch
 
@@ -212,7 +222,7 @@ def run_fit(name: str, ds, args):
     t = OneCycleTrainer(make_model(name), torch.nn.CrossEntropyLoss(), ds, batch_size=args.batch,
                         epochs=args.epochs, optimizer="sgd", max_lr=MAX_LR, flip=False,
                         num_workers=args.fit_workers)
-    h = t.fit(cores=1)  # beside the one-GPU hand loop, and CUDA is in use here already
+    h = t.fit(cores=cores)  # cores=1: beside the one-GPU hand loop
     images = [r["images_per_s"] * r["seconds"] for r in h.epochs]
     return rate(images, [r["seconds"] for r in h.epochs]), t
 
@@ -259,6 +269,44 @@ def bench_model(name: str, ds, args, dev, precision: str, rep: int) -> dict:
     return r
 
 
+def _allreduce_seconds(numel: int, reps: int = 20) -> dict:
+    """In every replica: the median seconds of an all-reduce of ``numel`` float32 values."""
+    import torch
+
+    from xla_utils import runtime
+
+    dev = runtime.device()
+    x = torch.ones(numel, device=dev)
+    seconds = []
+    for i in range(reps + 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        runtime.all_reduce(x)
+        sync(dev)
+        if i >= 3:
+            seconds.append(time.perf_counter() - t0)
+    return {"world": runtime.world_size(), "seconds": statistics.median(seconds)}
+
+
+def bench_scaling(name: str, ds, args, replicas: int) -> dict:
+    """``fit`` on one device and on all ``replicas`` at the same per-device batch, and the
+    all-reduce time of the model's gradients on all of them."""
+    import xla_utils
+
+    one = run_fit(name, ds, args, cores=1)[0]
+    every = run_fit(name, ds, args, cores="all")[0]
+    numel = sum(p.numel() for p in make_model(name).parameters())
+    reduce = xla_utils.launch(_allreduce_seconds, numel)
+    r = {"model": name, "replicas": replicas, "fit_1": one, "fit_all": every,
+         "efficiency": every / (replicas * one), "params": numel,
+         "allreduce_ms": 1e3 * reduce["seconds"], "allreduce_world": reduce["world"]}
+    print(f"{name}: fit cores=1 {one:,.0f} img/s | cores='all' ({replicas}) {every:,.0f} img/s "
+          f"| efficiency {r['efficiency']:.2f} | all-reduce of {numel / 1e6:.1f} M float32 "
+          f"{r['allreduce_ms']:.1f} ms on {reduce['world']} (load "
+          f"{'%.2f %.2f %.2f' % os.getloadavg()})", flush=True)
+    return r
+
+
 def build(args) -> Path:
     """The rendered cache: ``--cache`` when it already holds one, else built there (or in a
     temporary folder)."""
@@ -289,6 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--wheels", default=None,
                    help="a folder of wheels (fastprogress, cloudpickle) or packages to import from")
     p.add_argument("--json", default=None, help="write every figure there")
+    p.add_argument("--gpus", choices=("1", "all"), default="1",
+                   help="all: fit's scaling over every GPU (cores=1 against cores='all')")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.wheels:
@@ -303,8 +353,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{where}: torch {torch.__version__}, precision {precision}; {len(ds):,} images "
           f"{args.image}x{args.image}, batch {args.batch}, {args.epochs} epochs; hand loop "
           f"DataLoader with {args.workers} workers", flush=True)
-    results = [bench_model(m.strip(), ds, args, dev, precision, rep)
-               for rep in range(args.reps) for m in args.models.split(",")]
+    if args.gpus == "all":
+        from xla_utils.runtime import torch_devices
+
+        replicas = torch_devices().count
+        results = [bench_scaling(m.strip(), ds, args, replicas)
+                   for _ in range(args.reps) for m in args.models.split(",")]
+    else:
+        results = [bench_model(m.strip(), ds, args, dev, precision, rep)
+                   for rep in range(args.reps) for m in args.models.split(",")]
     summary = {"device": where, "torch": torch.__version__, "precision": precision,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "args": vars(args), "results": results}

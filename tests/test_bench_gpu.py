@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,3 +31,24 @@ def test_bench_gpu_smoke_on_the_cpu(tmp_path):
         assert math.isfinite(res[key]) and res[key] > 0, key
     assert res["predict_shape"] == res["hand_predict_shape"] == [32, 10]
     assert r["precision"] == "fp32" and r["device"].startswith("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.multicore
+def test_bench_gpu_scaling_rehearsed_on_two_cpu_replicas(tmp_path):
+    """``--gpus all`` with ``XLA_UTILS_CPU_REPLICAS=2``: fit on one replica and on both, the
+    scaling efficiency and the all-reduce time of the model's gradients on the two."""
+    out = tmp_path / "scaling.json"
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH="", XLA_UTILS_CPU_REPLICAS="2")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--gpus", "all",
+                        "--models", "mobilenet_v3_small", "--image", "32", "--batch", "8",
+                        "--images", "32", "--epochs", "1", "--cache", str(tmp_path / "cache"),
+                        "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "mobilenet_v3_small: fit cores=1 " in p.stdout and "efficiency" in p.stdout
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["replicas"] == res["allreduce_world"] == 2
+    for key in ("fit_1", "fit_all", "efficiency", "allreduce_ms"):
+        assert math.isfinite(res[key]) and res[key] > 0, key
+    assert res["params"] > 1e5

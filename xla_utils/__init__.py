@@ -6,8 +6,9 @@ public name is loaded from its module on first use. The one thing wired at impor
 (which sits below it and never imports it), so ``runtime.launch(fn, simulate=N)``
 works however ``runtime`` was imported. And ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` is set
 unless the user set it: a ``torch.cuda.is_available()`` in the notebook then asks NVML instead
-of starting the CUDA driver, which would make the notebook unable to fork GPU replicas
-(``fit`` on every GPU; Accelerate's ``notebook_launcher`` sets the same).
+of starting the CUDA driver, after which GPU replicas could not be forked and would start as
+fresh interpreters, a few seconds slower (``fit`` on every GPU; Accelerate's
+``notebook_launcher`` sets the same).
 """
 from __future__ import annotations
 

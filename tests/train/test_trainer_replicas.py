@@ -46,7 +46,8 @@ def test_two_replicas_train_as_one_with_the_global_batch(two_cpu_replicas, capfd
                             lr_scaling="none", seed=3)
         runs[cores] = t.fit(cores=cores, timeout=120)
     two, one = runs["all"], runs[1]
-    out = capfd.readouterr().out
+    out, err = capfd.readouterr()
+    assert "find_unused_parameters" not in err  # DDP's advice is not for a trainer's users
     assert "2 processes x 32 per process = 64 global batch; SGD, max_lr" in out
     assert "1 process x 64 per process = 64 global batch" in out
     assert (two.world_size, one.world_size, two.global_batch) == (2, 1, 64)
@@ -183,3 +184,73 @@ def test_fine_tune_on_two_replicas_as_on_one(two_cpu_replicas):
     assert out["all"].world_size == 2
     for k, v in out[1].state_dict.items():
         torch.testing.assert_close(out["all"].state_dict[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_accumulated_steps_reduce_gradients_once_per_optimizer_step(two_cpu_replicas, tmp_path):
+    """accum_steps=4 on two replicas: DistributedDataParallel's bucket all-reduces, counted
+    in each replica before every micro-batch, happen once per optimizer step (not per
+    micro-batch); the weights equal one replica's at the same global batch."""
+    train, _ = _digits(n_train=128)  # 2 x 8 x 4 = 64: 2 optimizer steps per epoch
+    log = tmp_path / "reductions"
+
+    def step(model, batch, loss_fn):
+        with open(log / f"rank{runtime.rank()}", "a") as f:
+            f.write(f"{runtime.gradient_reductions()}\n")
+        x, y = batch
+        return loss_fn(model(x), y)
+
+    out = {}
+    for cores, bs in (("all", 8), (1, 16)):
+        log.mkdir(exist_ok=True)
+        t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=bs, epochs=2,
+                            max_lr=0.1, optimizer="sgd", lr_scaling="none", accum_steps=4,
+                            train_step=step, seed=4)
+        out[cores] = t.fit(cores=cores, timeout=120)
+        if cores == "all":
+            counts = {r: [int(v) for v in (log / f"rank{r}").read_text().split()] for r in (0, 1)}
+    assert out["all"].world_size == 2 and out["all"].global_batch == 64
+    for r in (0, 1):  # 4 optimizer steps of 4 micro-batches; the small model is one bucket
+        assert counts[r] == [m // 4 for m in range(16)], (r, counts[r])
+    for k, v in out[1].state_dict.items():
+        torch.testing.assert_close(out["all"].state_dict[k], v, rtol=1e-5, atol=1e-6)
+
+
+class _Branchy(nn.Module):
+    """A trunk, and a branch that only some batches use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.branch = nn.Linear(64, 10), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.trunk(x)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(180)
+def test_a_branch_one_replica_skips_trains_without_a_hang(two_cpu_replicas):
+    """Replica 1 skips the branch on every other step, so at those steps only replica 0 has
+    its gradients: the reduction still matches (no hang, no size mismatch) and the branch
+    trains; the custom train_step reaches the model's attributes (it gets the plain model)."""
+    train, _ = _digits(n_train=128)
+    calls = {"n": 0}
+
+    def step(model, batch, loss_fn):
+        x, y = batch
+        calls["n"] += 1
+        out = model.trunk(x)
+        if runtime.rank() == 0 or calls["n"] % 2:
+            out = out + model.branch(x)
+        return loss_fn(out, y)
+
+    init = _Branchy()
+    t = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, batch_size=16,
+                        epochs=2, max_lr=0.1, optimizer="adamw", train_step=step)
+    h = t.fit(timeout=120)
+    assert h.world_size == 2 and len(h.epochs) == 2
+    for name in ("trunk.weight", "branch.weight"):
+        moved = (h.state_dict[name] - init.state_dict()[name]).abs().max()
+        assert torch.isfinite(moved) and moved > 1e-4, name

@@ -63,8 +63,9 @@ Layout
               ``child_env``; result or ``ReplicaError``; timeout): SPMD functions and
               scripts, a strategy's mesh run, the memory measurement.
 ``shardinfo`` per-device bytes read from XLA shardings (in a fresh process).
-``torch_launch``  the torch backend's job: one forked replica per GPU (or CPU device),
-              a file-store rendezvous, NCCL/gloo bound to loopback, the CUDA check.
+``torch_launch``  the torch backend's job: one replica per GPU (or CPU device), forked or,
+              after the notebook used CUDA, a fresh interpreter; a file-store
+              rendezvous, NCCL/gloo bound to loopback.
 ``launcher``  ``launch``: TPU jobs, torch jobs, simulated jobs (through the launcher
               :mod:`xla_utils.simulate` registers, :func:`.launcher.register_simulator`),
               or in-process.
@@ -88,18 +89,20 @@ from .launcher import (launch, launch_job, prestart_if_simulation_likely, presta
 from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
-from .torch_launch import CUDAInitializedError
+from .torch_launch import NotSendableError
+from .torch_world import gradient_reductions
 from .transfer import device_prefetch, to_device
-from .world import (all_reduce, backend, device, graph_text, is_master, is_simulated, local_rank,
-                    master_print, optimizer_step, rank, reduce_gradients, rendezvous,
-                    replica_noun, replicas_word, save, set_seed, sync, text_progress, world_size)
+from .world import (all_reduce, backend, data_parallel, device, graph_text, is_master, is_simulated,
+                    local_rank, master_print, no_sync, optimizer_step, rank, reduce_gradients,
+                    rendezvous, replica_noun, replicas_word, save, set_seed, sync, text_progress,
+                    world_size)
 from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_compile_flags,
                   load_xla, tpu_present, xla_available, xla_installed, xla_runtime_initialized)
 
 __all__ = [
     "XLAUnavailableError",
     "RuntimeAlreadyInitializedError",
-    "CUDAInitializedError",
+    "NotSendableError",
     "ReplicaError",
     "xla_available",
     "fast_cpu_compile_flags",
@@ -146,6 +149,9 @@ INTERNAL_API = (
     "load_xla",
     "register_simulator",
     "reduce_gradients",  # a gradient scaler's step: average the gradients, then step it
+    "data_parallel",  # the trainer's model in DistributedDataParallel on torch replicas
+    "no_sync",  # its accumulation steps
+    "gradient_reductions",  # gradient buckets all-reduced so far (tests count them)
     "text_progress",
     "replica_noun",
     "replicas_word",  # "8 cores", "2 GPUs", "2 processes": a run's replicas in its device's words

@@ -36,7 +36,7 @@ from ..env import child_pythonpath
 from .relay import OutputTail, forward_output
 from .replica import ReplicaError, dumps_cpu
 
-__all__ = ["run_fresh", "child_env", "fresh_child_main"]
+__all__ = ["run_fresh", "child_env", "fresh_child_main", "write_call", "read_call"]
 
 # This host's TPU variables: a child with XLA:CPU devices must not see them.
 _TPU_VARS = ("TPU_NUM_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS",
@@ -110,9 +110,7 @@ def run_fresh(fn: Callable[..., Any], args: Sequence[Any] = (), *, env: Mapping[
 
     with tempfile.TemporaryDirectory(prefix="xla_utils_fresh_") as d:
         folder = Path(d)
-        (folder / _WHERE).write_bytes(pickle.dumps((list(sys.path), os.getcwd())))
-        (folder / _JOB).write_bytes(cloudpickle.dumps((fn, tuple(args)),
-                                                      protocol=pickle.HIGHEST_PROTOCOL))
+        write_call(folder, cloudpickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL))
         rc, tail = _run_child(folder, dict(env), what, timeout, echo)
         out = folder / _OUT
         if not out.exists():
@@ -160,6 +158,22 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def write_call(folder: Path, call: bytes) -> None:
+    """Write what a fresh interpreter runs into ``folder``: ``call`` (the cloudpickled
+    ``(fn, args)``), this process's ``sys.path`` and working folder (:func:`read_call`)."""
+    (folder / _WHERE).write_bytes(pickle.dumps((list(sys.path), os.getcwd())))
+    (folder / _JOB).write_bytes(call)
+
+
+def read_call(folder: Path) -> tuple[Callable[..., Any], tuple]:
+    """In the fresh interpreter: take the caller's ``sys.path`` and working folder, then
+    unpickle the ``(fn, args)`` that :func:`write_call` wrote in ``folder``."""
+    path, cwd = pickle.loads((folder / _WHERE).read_bytes())
+    sys.path[:] = [p for p in path if p] + [p for p in sys.path if p not in path]
+    os.chdir(cwd)
+    return pickle.loads((folder / _JOB).read_bytes())
+
+
 def fresh_child_main(folder: str) -> None:
     """The child of :func:`run_fresh`: take the caller's ``sys.path`` and folder, run
     ``fn(*args)``, write ``("ok", result)`` or ``("error", (traceback, type))``, exit."""
@@ -167,10 +181,7 @@ def fresh_child_main(folder: str) -> None:
 
     d = Path(folder)
     try:
-        path, cwd = pickle.loads((d / _WHERE).read_bytes())
-        sys.path[:] = [p for p in path if p] + [p for p in sys.path if p not in path]
-        os.chdir(cwd)
-        fn, args = pickle.loads((d / _JOB).read_bytes())
+        fn, args = read_call(d)
         result: tuple[str, Any] = ("ok", dumps_cpu(fn(*args)))
     except SystemExit as exc:
         result = (("ok", pickle.dumps(None)) if exc.code in (None, 0) else

@@ -23,12 +23,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ..env.gpu import torch_devices
 from .replica import ReplicaError, job_main
 from .state import STATE
-from .torch_launch import check_cuda_fork, forks, torch_job_main
+from .fresh import write_call
+from .torch_launch import FreshStart, cuda_in_use, forks, sendable_call, torch_job_main
 from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_available,
                   xla_installed, xla_runtime_initialized)
 
@@ -82,10 +84,13 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
     lambdas and models work too). Either way the calling process stays free of
     XLA runtime state and can launch again later. Without a TPU and without
     ``simulate`` (or without torch_xla) the torch backend runs ``fn``: on a
-    machine with k > 1 GPUs in k replica processes forked from this one, one per
-    GPU, over torch.distributed (NCCL), world size k; this process must not have
-    initialised CUDA. ``XLA_UTILS_CPU_REPLICAS=N`` runs N CPU processes over gloo
-    instead (a rehearsal without GPUs). On one GPU or the CPU ``fn`` runs here,
+    machine with k > 1 GPUs in k replica processes, one per GPU, over
+    torch.distributed (NCCL), world size k: forked from this one, or, when this
+    process initialised CUDA or queried its driver (after which forked processes
+    cannot use CUDA), started as fresh interpreters that receive ``fn`` and ``args``
+    by value (cloudpickle; the first line says so and what it cost).
+    ``XLA_UTILS_CPU_REPLICAS=N`` runs N CPU processes over gloo instead (a rehearsal
+    without GPUs, started the same way). On one GPU or the CPU ``fn`` runs here,
     in-process, with world size 1.
 
     On a multi-host TPU pod slice run the same script on every host (e.g.
@@ -113,8 +118,9 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
             traceback; the other replicas are killed rather than left hanging.
         TimeoutError: ``timeout`` passed; every replica was killed.
         RuntimeAlreadyInitializedError: On a TPU, this process already
-            initialised the XLA runtime and can no longer fork replicas; on
-            several GPUs, it initialised CUDA (``CUDAInitializedError``).
+            initialised the XLA runtime and can no longer fork replicas.
+        NotSendableError: Replicas start as fresh interpreters and part of
+            ``fn`` or ``args`` cannot be pickled (named; nothing started).
         XLAUnavailableError: ``simulate`` without a working torch_xla.
     """
     return launch_job(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
@@ -172,14 +178,11 @@ def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulat
         return fn(*args)
     devices = torch_devices()
     if devices.count > 1:
-        import torch
-
-        cuda_initialized = devices.kind == "cuda" and torch.cuda.is_initialized()
-        if forks(cores, devices.count, devices.kind, cuda_initialized):
+        # CPU replicas take the GPU replicas' decision (fork, or fresh interpreters)
+        why = None if cores == 1 and devices.kind != "cuda" else cuda_in_use()
+        if forks(cores, devices.count, devices.kind, why is not None):
             n = 1 if cores == 1 else devices.count
-            if devices.kind == "cuda":
-                check_cuda_fork(cuda_initialized, n)
-            return _launch_torch(fn, args, n, devices.kind, timeout)
+            return _launch_torch(fn, args, n, devices.kind, timeout, why)
     # torch backend, in-process
     prev = STATE.local.backend, STATE.local.in_replica
     STATE.local.backend, STATE.local.in_replica = "torch", True
@@ -201,13 +204,20 @@ def _launch_tpu(fn, args, *, cores, timeout) -> Any:
     return run_forked_job(job_main, (fn, args, cores), timeout)
 
 
-def _launch_torch(fn, args, n: int, kind: str, timeout) -> Any:
-    """Fork one job process that forks ``n`` torch replicas (``kind``: ``"cuda"`` or
-    ``"cpu"``), meeting through a file store in a private folder; collect the result."""
+def _launch_torch(fn, args, n: int, kind: str, timeout, why: str | None) -> Any:
+    """Fork one job process that starts ``n`` torch replicas (``kind``: ``"cuda"`` or
+    ``"cpu"``), meeting through a file store in a private folder; collect the result.
+    The replicas are forked, or fresh interpreters when ``why`` says why they cannot be
+    (the call is pickled here first, so what cannot travel is refused before any start)."""
+    started = time.time()
     folder = tempfile.mkdtemp(prefix="xla_utils-dist-")  # mode 0700
     try:
+        fresh = None
+        if why is not None:
+            write_call(Path(folder), sendable_call(fn, args, why))
+            fresh = FreshStart(folder, why, started)
         return run_forked_job(torch_job_main,
-                              (fn, args, n, kind, os.path.join(folder, "store")), timeout)
+                              (fn, args, n, kind, os.path.join(folder, "store"), fresh), timeout)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

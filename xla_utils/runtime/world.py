@@ -20,8 +20,9 @@ from .state import STATE, SimGroup
 from .xla import load_xla, tpu_present, xla_available
 
 __all__ = ["backend", "text_progress", "is_simulated", "device", "world_size", "rank", "local_rank", "is_master",
-           "sync", "optimizer_step", "reduce_gradients", "all_reduce", "master_print", "rendezvous", "save",
-           "set_seed", "graph_text", "replica_noun", "replicas_word", "BARRIER_TIMEOUT_S"]
+           "sync", "optimizer_step", "reduce_gradients", "data_parallel", "no_sync", "all_reduce",
+           "master_print", "rendezvous", "save", "set_seed", "graph_text", "replica_noun",
+           "replicas_word", "BARRIER_TIMEOUT_S"]
 
 # Seconds a thread-simulated replica waits at a step boundary for the others. A
 # replica that is still compiling a large graph can legitimately lag, so this is
@@ -141,7 +142,7 @@ def sim_wait(sim: SimGroup) -> None:
         ) from None
 
 
-def optimizer_step(optimizer, barrier: bool = False) -> None:
+def optimizer_step(optimizer, barrier: bool = False, averaged: bool = False) -> None:
     """Average gradients over replicas, then ``optimizer.step()``.
 
     Args:
@@ -149,9 +150,11 @@ def optimizer_step(optimizer, barrier: bool = False) -> None:
         barrier: Also end the step (the single-core debug idiom
             ``xm.optimizer_step(opt, barrier=True)``); default False: call
             :func:`sync` yourself.
+        averaged: The gradients were averaged already (a model in
+            :func:`data_parallel`): step only.
     """
     if backend() != "xla":
-        if torch_world.active():
+        if torch_world.active() and not averaged:
             torch_world.reduce_gradients(optimizer)
         optimizer.step()
         return
@@ -161,6 +164,25 @@ def optimizer_step(optimizer, barrier: bool = False) -> None:
         sync()
     else:
         xm.optimizer_step(optimizer, barrier=barrier)
+
+
+def data_parallel(model):
+    """``model`` (on this replica's device) in torch's ``DistributedDataParallel`` when this
+    is a replica of a multi-replica torch launch, else None. Call it as ``ddp(fn, *args)``
+    for ``fn(model, *args)`` (a training step): gradients are averaged over the replicas as
+    backward produces them; pass ``averaged=True`` to :func:`optimizer_step`. See
+    :func:`xla_utils.runtime.torch_world.data_parallel`."""
+    if backend() == "xla" or not torch_world.active():
+        return None
+    return torch_world.data_parallel(model, device())
+
+
+def no_sync(ddp):
+    """The context in which a backward through ``ddp`` (from :func:`data_parallel`, or
+    None) accumulates gradients without averaging them (an accumulation step)."""
+    import contextlib
+
+    return contextlib.nullcontext() if ddp is None else ddp.no_sync()
 
 
 def reduce_gradients(optimizer) -> None:

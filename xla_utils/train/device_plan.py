@@ -247,15 +247,19 @@ class DevicePlan:
         """``loss.backward()``, scaled by the gradient scaler when there is one."""
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def step(self, opt: torch.optim.Optimizer, barrier: bool = False) -> None:
+    def step(self, opt: torch.optim.Optimizer, barrier: bool = False,
+             averaged: bool = False) -> None:
         """The optimizer step: :func:`xla_utils.runtime.optimizer_step`, or through the
         gradient scaler (which skips a step with inf/NaN gradients and then lowers its
-        scale: the skip is counted on the device, no host read)."""
+        scale: the skip is counted on the device, no host read). ``averaged``: the
+        gradients were averaged over the replicas during backward (DistributedDataParallel)."""
         if self.scaler is None:
-            runtime.optimizer_step(opt, barrier=barrier)
+            runtime.optimizer_step(opt, barrier=barrier, averaged=averaged)
             return
         before = self.scaler.scale(self._one)
-        runtime.reduce_gradients(opt)  # every replica then sees the same inf/NaN and skips
+        if not averaged:
+            runtime.reduce_gradients(opt)
+        # averaged gradients: every replica sees the same inf/NaN and skips the same steps
         self.scaler.step(opt)
         self.scaler.update()
         skipped = (self.scaler.scale(self._one) < before).to(torch.int64)

@@ -8,7 +8,11 @@
 
 Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
 over replicas; through the gradient scaler of an fp16 run) and one
-``runtime.sync()``. The loss is accumulated on the device and read only every
+``runtime.sync()``. On the replicas of a multi-replica torch launch (GPUs, or
+``XLA_UTILS_CPU_REPLICAS``) the forward goes through torch's DistributedDataParallel
+(``Setup.ddp``), which averages the gradients during backward, once per optimizer step
+(accumulation micro-batches run under ``no_sync()``); ``train_step`` still gets the plain
+model. The loss is accumulated on the device and read only every
 ``log_every`` steps (an fp16 run's skipped steps once per epoch); validation
 metrics are device sums reduced once per pass. Precision, memory layout and host
 buffers are the run's :class:`~xla_utils.train.device_plan.DevicePlan`. Every rank gets
@@ -17,6 +21,7 @@ shuffle; validation pads and masks), so after the first epoch nothing compiles a
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -164,6 +169,9 @@ class Setup:
             (``strategy="spawn"``: one replica per core).
         plan: The run's :class:`~xla_utils.train.device_plan.DevicePlan` (precision, layout,
             host buffers, gradient scaler).
+        ddp: ``model`` in torch's DistributedDataParallel on the replicas of a multi-replica
+            torch launch (:func:`xla_utils.runtime.data_parallel`: gradients averaged as
+            backward runs; the training forward goes through it), else None.
     """
 
     model: torch.nn.Module
@@ -186,6 +194,7 @@ class Setup:
     mix: DeviceMix | None = None
     mesh: MeshRun | None = None
     plan: DevicePlan | None = None
+    ddp: torch.nn.Module | None = None
 
     def batches(self, data, cfg: TrainerConfig, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
@@ -276,8 +285,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     max_lr, rule, how = run_lr(cfg, base_lr, lr_world, ws)
     runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data, dev.type, note))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
-                         lr=max_lr / cfg.div_factor,
-                         weight_decay=cfg.weight_decay)
+                         lr=max_lr / cfg.div_factor, weight_decay=cfg.weight_decay)
     steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True)) // k
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
                              pct_start=cfg.pct_start, div_factor=cfg.div_factor,
@@ -305,7 +313,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                  base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
                  autocast=plan.autocast, accum_steps=k, ema=ema,
-                 mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan)
+                 mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan,
+                 ddp=None if strategy is not None else runtime.data_parallel(model))
 
 
 def run_lr(cfg: TrainerConfig, base_lr: float, lr_world: int, world_size: int
@@ -467,11 +476,15 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfi
     if m % k == 0:
         lr = s.sched.apply(s.opt, step)
         s.opt.zero_grad(set_to_none=True)
-    with s.autocast:
-        loss = train_step(s.model, (x, y), loss_fn)
-    s.plan.backward(loss / k if k > 1 else loss)
-    if m % k == k - 1:
-        s.plan.step(s.opt)  # a step the fp16 scaler skips still advances the schedule
+    last = m % k == k - 1
+    with contextlib.nullcontext() if last else runtime.no_sync(s.ddp):  # average once a step
+        with s.autocast:
+            loss = (train_step(s.model, (x, y), loss_fn) if s.ddp is None else
+                    s.ddp(train_step, (x, y), loss_fn))  # train_step gets the plain model
+        s.plan.backward(loss / k if k > 1 else loss)
+    if last:
+        # a step the fp16 scaler skips still advances the schedule
+        s.plan.step(s.opt, averaged=s.ddp is not None)
         if s.ema is not None:
             s.ema.update(s.model)
     return loss, lr

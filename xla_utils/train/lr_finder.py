@@ -557,7 +557,8 @@ class _CallerState:
         return cls(
             py_rng=random.getstate(), np_rng=np.random.get_state(),
             torch_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            # is_initialized, not is_available: asking would start the driver (no fork after)
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
             module=module, device=dev, tensors=tensors, grads=grads, training=training)
 
     def restore(self) -> None:
