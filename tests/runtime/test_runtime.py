@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from helpers import cuda_gpu
 from xla_utils import runtime as rt
 
 
@@ -214,7 +215,7 @@ def test_torch_backend_in_process():
     # No TPU here and no simulate: plain torch, world size 1, in this process.
     out = rt.launch(lambda: (rt.backend(), rt.world_size(), rt.rank(), rt.device().type,
                              os.getpid()))
-    assert out == ("torch", 1, 0, "cuda" if torch.cuda.is_available() else "cpu", os.getpid())
+    assert out == ("torch", 1, 0, "cuda" if cuda_gpu() else "cpu", os.getpid())
     assert rt.all_reduce(3.0) == 3.0
     m = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -497,3 +498,25 @@ def test_replicas_are_named_by_their_device():
     assert [rt.replicas_word(n, "cuda") for n in (1, 2)] == ["1 GPU", "2 GPUs"]
     assert [rt.replicas_word(n, "cpu") for n in (1, 2)] == ["1 process", "2 processes"]
     assert [rt.replica_noun(t) for t in ("xla", "cuda", "cpu")] == ["core", "GPU", "process"]
+
+
+def test_device_where_no_gpu_exists_leaves_later_forks_able_to_use_cuda():
+    """``runtime.device()`` for an in-process run on torch's CUDA wheel where no GPU exists
+    answers "cpu" without asking the CUDA driver: asking it (torch.cuda.is_available() without
+    NVML) would make every later multi-replica launch of the process start fresh interpreters."""
+    from xla_utils.env.gpu import cuda_possible
+
+    if torch.version.cuda is None or cuda_possible():
+        pytest.skip("needs torch's CUDA wheel on a machine without an NVIDIA driver")
+    code = ("from xla_utils import runtime as rt\n"
+            "from xla_utils.runtime.torch_launch import cuda_in_use\n"
+            "import torch\n"
+            "print(rt.device().type, cuda_in_use() is None)\n"
+            "torch.cuda.is_available()\n"
+            "print(cuda_in_use() is None)\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_UTILS_CPU_REPLICAS"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # the device answered without poisoning; torch's own query then did (the probe sees it)
+    assert p.stdout.split() == ["cpu", "True", "False"], p.stdout

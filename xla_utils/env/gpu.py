@@ -14,11 +14,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GPUFacts", "NVIDIA_SMI_QUERY", "parse_nvidia_smi", "visible_gpus", "gpu_facts",
-           "cuda_facts", "CPU_REPLICAS_ENV", "TorchDevices", "torch_devices", "report_lines"]
+           "cuda_facts", "cuda_possible", "CPU_REPLICAS_ENV", "TorchDevices", "torch_devices",
+           "report_lines"]
+
+# The NVIDIA driver's device files on Linux (WSL2: the GPU paravirtualisation device).
+NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg")
 
 # ``XLA_UTILS_CPU_REPLICAS=N``: the torch backend behaves as a machine with N devices, N CPU
 # processes over gloo (rehearse a multi-GPU run, or test it, on a machine without GPUs).
@@ -132,6 +137,24 @@ def gpu_facts(timeout: float = 15.0) -> list[GPUFacts]:
     if p.returncode != 0:
         return []
     return visible_gpus(parse_nvidia_smi(p.stdout), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def cuda_possible() -> bool:
+    """Whether this process could use an NVIDIA GPU, answered without starting CUDA.
+
+    ``torch.cuda.is_available()`` on torch's CUDA wheels queries the driver where NVML does
+    not answer (a machine without a GPU, CI's included), which registers torch's fork handler:
+    every replica forked afterwards would have to start as a fresh interpreter instead. So:
+    False for a torch built without CUDA and, on Linux, where the driver's device files
+    (:data:`NVIDIA_DEVICE_FILES`) are absent; elsewhere True (then ask torch).
+    """
+    import torch
+
+    if torch.version.cuda is None:
+        return False
+    if sys.platform.startswith("linux"):
+        return any(os.path.exists(f) for f in NVIDIA_DEVICE_FILES)
+    return True
 
 
 def cuda_facts(dev: Any) -> GPUFacts:
