@@ -6,7 +6,7 @@ the host, then launches :func:`fit_replica` on every core (``strategy="spawn"``)
 :func:`fit_on_mesh` in the one SPMD process (``"spmd"``/``"fsdp"``) with a :class:`FitPlan`:
 everything a replica needs, and nothing of the trainer. ``predict`` / ``evaluate`` launch
 :func:`inference_replica` / :func:`inference_on_mesh` with a
-:class:`~xla_utils.train.loop.InferencePlan`. Each is built from :mod:`xla_utils.train.loop`'s steps
+:class:`~xla_utils.train.inference.InferencePlan`. Each is built from :mod:`xla_utils.train.loop`'s steps
 (set-up, one training epoch, evaluation, inference passes) and writes checkpoints
 through :mod:`xla_utils.train.checkpoint`.
 """
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import loop
+from . import inference, loop
 from .. import runtime
 from .checkpoint import save_checkpoint, sharded_meta
 from .history import BestTracker, History, epoch_files
@@ -226,31 +226,31 @@ def fit_on_mesh(mesh: StrategyPlan, plan: FitPlan) -> History:
     return fit_replica(plan, strategy=run)
 
 
-def inference_replica(plan: loop.InferencePlan) -> Any:
-    """One replica of ``predict`` / ``evaluate`` (see :func:`~xla_utils.train.loop.inference_pass`):
+def inference_replica(plan: inference.InferencePlan) -> Any:
+    """One replica of ``predict`` / ``evaluate`` (see :func:`~xla_utils.train.inference.inference_pass`):
     the predictions in dataset order (on the master), or the metrics."""
     runtime.enable_compile_cache(plan.config.compile_cache)  # before anything compiles
     ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
     model = (_resident.replica_model(plan.model, dev, rk) if _resident.in_live_job()
              else loop.replica_model(plan.model, dev)).eval()  # a live job keeps device copies
-    acc, targets = loop.inference_pass(model, plan, cfg=plan.config, eval_step=plan.eval_step,
+    acc, targets = inference.inference_pass(model, plan, cfg=plan.config, eval_step=plan.eval_step,
                                        world_size=ws, rank=rk, dev=dev)
     if plan.labelled:
-        return loop.inference_metrics(acc, targets, plan, cfg=plan.config, loss_fn=plan.loss,
+        return inference.inference_metrics(acc, targets, plan, cfg=plan.config, loss_fn=plan.loss,
                                       dev=dev)
-    return loop.gather_predictions(acc, plan, world_size=ws, rank=rk, dev=dev)
+    return inference.gather_predictions(acc, plan, world_size=ws, rank=rk, dev=dev)
 
 
-def inference_on_mesh(plan: StrategyPlan, iplan: loop.InferencePlan) -> Any:
+def inference_on_mesh(plan: StrategyPlan, iplan: inference.InferencePlan) -> Any:
     """``predict`` / ``evaluate`` in the SPMD process: global batches split over the mesh."""
     _, run = enter_mesh(plan, iplan.config.compile_cache)
     dev = runtime.device()
     model = run.wrap(loop.replica_model(iplan.model, None)).eval()
     iplan = dataclasses.replace(iplan, batch_size=iplan.batch_size * run.devices)
-    acc, targets = loop.inference_pass(model, iplan, cfg=iplan.config,
+    acc, targets = inference.inference_pass(model, iplan, cfg=iplan.config,
                                        eval_step=iplan.eval_step, world_size=1, rank=0,
                                        dev=dev, feed=run.feed)
     if iplan.labelled:
-        return loop.inference_metrics(acc, targets, iplan, cfg=iplan.config,
+        return inference.inference_metrics(acc, targets, iplan, cfg=iplan.config,
                                       loss_fn=iplan.loss, dev=dev)
-    return loop.gather_predictions(acc, iplan, world_size=1, rank=0, dev=dev)
+    return inference.gather_predictions(acc, iplan, world_size=1, rank=0, dev=dev)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from . import device_plan, loop
+from . import device_plan, inference, loop
 from .. import runtime
 from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
@@ -520,7 +520,7 @@ class OneCycleTrainer:
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
         return self._launch_inference(plan, cores, simulate)
 
-    def _launch_inference(self, plan: loop.InferencePlan, cores: int | str,
+    def _launch_inference(self, plan: inference.InferencePlan, cores: int | str,
                           simulate: int | None) -> Any:
         """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
         device_plan.check_before_launch(self.config.precision, simulate=simulate,
@@ -533,7 +533,7 @@ class OneCycleTrainer:
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
-                        ) -> loop.InferencePlan:
+                        ) -> inference.InferencePlan:
         """Every check that can fail, done here in the calling process (no device time)."""
         if data is None or len(data) == 0:
             raise ValueError("data is empty: nothing to predict")
@@ -552,11 +552,11 @@ class OneCycleTrainer:
                                                need_target=False))
             if why is not None:
                 raise ValueError(why)
-        views = loop.tta_views(data, tta, spec.shape, self.config.flip)
+        views = inference.tta_views(data, tta, spec.shape, self.config.flip)
         model = (with_weights(self.model, self.ema_state) if weights is None
                  else model_with_weights(self.model, weights))
         fed = spec.feed(data)
-        return loop.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
+        return inference.InferencePlan(data=fed if isinstance(data, CachedImageDataset) else AsPairs(fed),
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
                                   activation=activation, model=model, labelled=labelled, tta=tta,
                                   config=self.config, eval_step=self.eval_step, loss=self.loss)
