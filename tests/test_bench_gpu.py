@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_gpu_smoke_on_the_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH="")  # the script finds the checkout itself

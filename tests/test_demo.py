@@ -31,6 +31,7 @@ def test_demo_command_reaches_95_percent(tmp_path):
         assert len(list(cache.iterdir())) < 40
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 def test_demo_history_compiles_constant(tmp_path):
     from xla_utils.demo import run_demo

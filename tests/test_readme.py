@@ -309,6 +309,7 @@ def _fifteen_lines(tmp_path: Path) -> str:
     })
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_fifteen_lines_on_two_torch_replicas(tmp_path, monkeypatch, capfd):
@@ -329,6 +330,7 @@ def test_fifteen_lines_on_two_torch_replicas(tmp_path, monkeypatch, capfd):
     assert [r.split(",")[0] for r in rows[1:]] == [f"test_{i}.png" for i in range(5)]
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(600)
 def test_simulated_cores_blocks(tmp_path, capfd):

@@ -175,6 +175,7 @@ def _step_parameter_copies(tmp_path, variant: str) -> int:
     return len(re.findall(r" copy\(%p", step))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ema_update_adds_no_copies_to_the_step_graph(tmp_path):
     """The EMA's new values go to new buffers, with nothing aliased to its old ones: the

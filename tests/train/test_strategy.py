@@ -72,6 +72,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_same_loss_curve_over_20_steps(runs):
     curves = {s: [e["train_loss"] for e in h.epochs] for s, (h, _, _) in runs.items()}
     assert all(len(c) == 20 and all(map(math.isfinite, c)) for c in curves.values())
@@ -135,6 +136,7 @@ def test_sharded_dcp_under_spawn_or_another_mesh_is_refused_naming_both(runs, tm
         _trainer("spmd", tmp_path).fit(simulate=4, resume=dcp)
 
 
+@pytest.mark.slow
 def test_ema_under_fsdp_equals_spawn_compiles_once_and_resumes_from_the_dcp(tmp_path):
     """ema= on the mesh: the EMA copy is sharded like its parameters (see the set-up test),
     its weights equal spawn's, no compile after epoch 1, exact resume from the .dcp alone."""
@@ -334,6 +336,7 @@ def _resnet_data(n: int) -> TensorDataset:
     return TensorDataset(x, torch.tensor(d.target[:n]))
 
 
+@pytest.mark.slow
 def test_resnet18_one_short_epoch_under_fsdp():
     torchvision = pytest.importorskip("torchvision")
     from torchvision.models.resnet import BasicBlock
