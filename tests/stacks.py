@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["BOTH", "COLAB", "KAGGLE", "STACKS", "stack_of"]
+__all__ = ["BOTH", "COLAB", "KAGGLE", "STACKS", "current", "markdown", "stack_of"]
 
 STACKS = ("colab", "kaggle")
 
