@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import cuda_gpu
+from xla_utils.env.gpu import cuda_available
 from xla_utils.cache import build_cache
 from xla_utils.data import (IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, DistributedBatchSampler,
                             images_to_float, iterate_batches)
@@ -336,7 +336,7 @@ def test_batches_say_how_long_they_stay_valid(ds):
     assert not x.is_pinned() and x.dtype == torch.uint8 and y.dtype == torch.int64 and v.dtype == torch.bool
 
 
-@pytest.mark.skipif(not cuda_gpu(), reason="pinned memory needs CUDA")
+@pytest.mark.skipif(not cuda_available(), reason="pinned memory needs CUDA")
 def test_pinned_ring_batches_on_a_gpu_machine(ds):
     plain = [tuple(t.clone() for t in b) for b in iterate_batches(ds, 4, seed=3, num_workers=2)]
     pinned = [tuple(t.clone() for t in b) + (b[0].is_pinned(),)

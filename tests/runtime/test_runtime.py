@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from helpers import cuda_gpu
+from xla_utils.env.gpu import cuda_available
 from xla_utils import runtime as rt
 
 
@@ -215,7 +215,7 @@ def test_torch_backend_in_process():
     # No TPU here and no simulate: plain torch, world size 1, in this process.
     out = rt.launch(lambda: (rt.backend(), rt.world_size(), rt.rank(), rt.device().type,
                              os.getpid()))
-    assert out == ("torch", 1, 0, "cuda" if cuda_gpu() else "cpu", os.getpid())
+    assert out == ("torch", 1, 0, "cuda" if cuda_available() else "cpu", os.getpid())
     assert rt.all_reduce(3.0) == 3.0
     m = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

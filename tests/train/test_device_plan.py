@@ -16,11 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import cuda_gpu
 from xla_utils import OneCycleTrainer, lr_find
 from xla_utils.train.device_plan import (DevicePlan, DeviceRequest, PrecisionError, _forward_fails,
                                    check_before_launch, resolve_precision)
-from xla_utils.env.gpu import parse_nvidia_smi
+from xla_utils.env.gpu import cuda_available, parse_nvidia_smi
 from xla_utils.train.trainer import TrainerConfig
 
 # nvidia-smi rows of the GPUs users train on (Kaggle: T4 x2, P100; Colab: T4) and bigger ones
@@ -283,7 +282,7 @@ def test_plan_on_the_cpu_is_plain_fp32():
     assert plan.layout(x) is x
 
 
-@pytest.mark.skipif(not cuda_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 def test_plan_on_this_gpu():
     from xla_utils.env.gpu import cuda_facts
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GPUFacts", "NVIDIA_SMI_QUERY", "parse_nvidia_smi", "visible_gpus", "gpu_facts",
-           "cuda_facts", "cuda_possible", "CPU_REPLICAS_ENV", "TorchDevices", "torch_devices",
+           "cuda_facts", "cuda_possible", "cuda_available", "CPU_REPLICAS_ENV", "TorchDevices", "torch_devices",
            "report_lines"]
 
 # The NVIDIA driver's device files on Linux (WSL2: the GPU paravirtualisation device).
@@ -155,6 +155,14 @@ def cuda_possible() -> bool:
     if sys.platform.startswith("linux"):
         return any(os.path.exists(f) for f in NVIDIA_DEVICE_FILES)
     return True
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, asked only where :func:`cuda_possible` (so that a
+    machine without an NVIDIA driver never has its later forks poisoned by the question)."""
+    import torch
+
+    return cuda_possible() and torch.cuda.is_available()
 
 
 def cuda_facts(dev: Any) -> GPUFacts:

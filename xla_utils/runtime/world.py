@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import torch_world
-from ..env.gpu import CPU_REPLICAS_ENV, cuda_possible
+from ..env.gpu import CPU_REPLICAS_ENV, cuda_available
 from .state import STATE, SimGroup
 from .xla import load_xla, tpu_present, xla_available
 
@@ -63,8 +63,7 @@ def device():
         return STATE.torch_device
     if os.environ.get(CPU_REPLICAS_ENV):
         return torch.device("cpu")
-    # cuda_possible first: a driver query where no GPU exists would poison later forks
-    return torch.device("cuda" if cuda_possible() and torch.cuda.is_available() else "cpu")
+    return torch.device("cuda" if cuda_available() else "cpu")
 
 
 def replica_noun(device_type: str) -> str:
