@@ -66,8 +66,6 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]
-
-
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), modules=("runtime",))
 
 
