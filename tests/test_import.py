@@ -1,5 +1,6 @@
 """`import xla_utils` and environment detection must not import torch or torch_xla
-(importing torch_xla in a notebook before xmp.spawn is what breaks spawning)."""
+(importing torch_xla in a notebook before xmp.spawn is what breaks spawning), nor change the
+import system; the import graph; package faces only re-export."""
 from __future__ import annotations
 
 import ast
@@ -144,7 +145,7 @@ def _graph(import_time_only: bool) -> dict[str, set[str]]:
 
 def test_import_graph_has_no_cycle():
     graph = _graph(import_time_only=True)
-    assert "xla_utils.cache.format" in graph and "xla_utils.cache.format" in graph["xla_utils.data"]
+    assert "xla_utils.cache.format" in graph and "xla_utils.cache.format" in graph["xla_utils.data.dataset"]
     done: set[str] = set()
 
     def walk(m: str, path: list[str]) -> None:
@@ -169,7 +170,8 @@ def test_library_never_imports_its_cli():
 def test_cache_reader_imports_only_the_format_and_the_storage_room():
     graph = _graph(import_time_only=False)
     reader = {"xla_utils.cache.format", "xla_utils.cache.storage", "xla_utils.cache.fetch", "xla_utils.cache.config"}
-    cache_deps = {d for d in graph["xla_utils.data"] if d.startswith("xla_utils.cache")}
+    cache_deps = {d for m, deps in graph.items() if m == "xla_utils.data" or m.startswith("xla_utils.data.")
+                  for d in deps if d.startswith("xla_utils.cache")}
     assert cache_deps == reader
     # the format imports nothing of xla_utils but the typo helper, which imports nothing at all
     assert {d for d in graph["xla_utils.cache.format"]
@@ -282,42 +284,72 @@ def test_runtime_alone_gets_the_simulated_launcher_registered():
     assert proc.stdout.strip() == "[]"
 
 
-# --------------------------------------------------------------------------- old module paths
+# --------------------------------------------------------------------------- faces
 
 
-def test_old_module_paths_are_the_moved_modules(monkeypatch):
-    # issue 35 grouped the top level into packages; code and pickles written against the old
-    # paths (`from xla_utils.<old> import ...`) get the moved module itself
-    import importlib
-    import pickle
-
-    import xla_utils
-
-    assert xla_utils._MOVED, "the alias table is empty"
-    for old, package in xla_utils._MOVED.items():
-        assert not (PKG / f"{old}.py").exists(), old  # moved, not copied
-        new = importlib.import_module(f"xla_utils.{package}.{old}")
-        assert importlib.import_module(f"xla_utils.{old}") is new, old
-        assert getattr(xla_utils, old) is new and sys.modules[f"xla_utils.{old}"] is new
-        assert new.__spec__.name == new.__name__ == f"xla_utils.{package}.{old}"  # its own spec
-    old, package = next(iter(xla_utils._MOVED.items()))
-    marker = object()
-    monkeypatch.setattr(f"xla_utils.{old}.regroup_marker", marker, raising=False)
-    assert importlib.import_module(f"xla_utils.{package}.{old}").regroup_marker is marker
-    history = xla_utils._MOVED["history"]  # a pickle naming the old path loads the class
-    assert pickle.loads(b"cxla_utils.history\nHistory\n.") is \
-        importlib.import_module(f"xla_utils.{history}.history").History
-
-
-def test_old_module_paths_import_in_a_fresh_process():
-    # old paths spelled "@." here: the regrouping script rewrites old dotted names in text
-    code = ("import sys; import @.tpus as tp; assert tp is sys.modules['@.env.tpus']; "
-            "assert 'torch' not in sys.modules; "  # an old path imports no more than the new one
-            "import @.trainer, @.train.trainer as t; assert @.trainer is t; "
-            "from @.readiness import check; import @.readiness as r; "
-            "assert r is sys.modules['@.diagnostics.readiness'] and check is r.check; "
-            "print('ok')").replace("@.", "xla_utils.")
+def test_import_adds_no_finder_and_imports_no_torch_xla():
+    """``import xla_utils`` leaves the import system as it found it: no finder of its own in
+    ``sys.meta_path`` (no hook aliasing module paths), and torch_xla not imported."""
+    code = ("import json, sys; before = list(sys.meta_path); import xla_utils; "
+            "print(json.dumps({'added': [repr(f) for f in sys.meta_path if f not in before], "
+            "'removed': [repr(f) for f in before if f not in sys.meta_path], "
+            "'torch_xla': 'torch_xla' in sys.modules, 'file': xla_utils.__file__}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=_env(), cwd=str(REPO), timeout=300)
+                          env=_env(), cwd=str(REPO), timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "ok"
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["file"] == str(PKG / "__init__.py")  # this checkout's package was the one probed
+    assert data["added"] == [] and data["removed"] == [], data
+    assert data["torch_xla"] is False
+
+
+MAX_FACE_LINES = 200
+
+
+def face_faults(top: Path) -> list[str]:
+    """What makes a package's ``__init__.py`` under ``top`` more than a face: over
+    :data:`MAX_FACE_LINES` lines, a class, or any function but one lazy ``__getattr__``."""
+    faults = []
+    for path in sorted(top.rglob("__init__.py")):
+        text = path.read_text(encoding="utf-8")
+        shown = path.relative_to(top.parent)
+        if len(text.splitlines()) > MAX_FACE_LINES:
+            faults.append(f"{shown}: {len(text.splitlines())} lines (> {MAX_FACE_LINES}: move "
+                          "the code into a module of the package and re-export its names)")
+        tree = ast.parse(text)
+        functions = sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
+                           key=lambda n: n.lineno)
+        classes = sorted((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)), key=lambda n: n.lineno)
+        if len(functions) > 1 or [f for f in functions if f.name != "__getattr__"]:
+            named = ", ".join(f"{f.name}() (line {f.lineno})" for f in functions[:4])
+            more = f" and {len(functions) - 4} more" if len(functions) > 4 else ""
+            faults.append(f"{shown}: defines {named}{more} (a face defines at most one function, "
+                          "a lazy __getattr__)")
+        faults += [f"{shown}:{c.lineno}: defines class {c.name} (a face only re-exports)" for c in classes]
+    return faults
+
+
+def test_package_faces_only_re_export():
+    """Every package's ``__init__.py`` is a face: at most 200 lines, no class, and no function
+    but one lazy ``__getattr__`` (``utils.lazy``); the code lives in the package's modules."""
+    faces = sorted(PKG.rglob("__init__.py"))
+    assert PKG / "env" / "__init__.py" in faces and PKG / "data" / "__init__.py" in faces
+    faults = face_faults(PKG)
+    assert not faults, "\n".join(faults)
+
+
+def test_face_check_names_the_file_at_fault(tmp_path):
+    top = tmp_path / "pkg"
+    for rel, text in {"__init__.py": "def __getattr__(name):\n    raise AttributeError(name)\n",
+                      "ok/__init__.py": "from .mod import f\n__all__ = ['f']\n",
+                      "big/__init__.py": "x = 1\n" * (MAX_FACE_LINES + 1),
+                      "code/__init__.py": "def helper():\n    pass\n\nclass Thing:\n    pass\n"}.items():
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_text(text)
+    assert face_faults(top) == [
+        f"pkg/big/__init__.py: {MAX_FACE_LINES + 1} lines (> {MAX_FACE_LINES}: move the code into a "
+        "module of the package and re-export its names)",
+        "pkg/code/__init__.py: defines helper() (line 1) (a face defines at most one function, a "
+        "lazy __getattr__)",
+        "pkg/code/__init__.py:4: defines class Thing (a face only re-exports)",
+    ]

@@ -12,12 +12,8 @@ fresh interpreters, a few seconds slower (``fit`` on every GPU; Accelerate's
 """
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
 import os
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .utils.lazy import lazy_exports
 from .utils.version import __version__
@@ -70,64 +66,7 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["runtime", "__version__"]
-
-
-# Old module paths: each module that was directly under xla_utils/ before the top level was
-# grouped by domain (issue 35) -> the package it moved to. `xla_utils.<old>` (an import, a
-# `from` import, a pickle naming it, an attribute of this package) is the moved module
-# itself, the same object: patching one patches the other. See _MovedModules below.
-_MOVED = {old: package for package, olds in {
-    "data": ("transforms",),
-    "diagnostics": ("debug", "findings", "memory", "readiness"),
-    "env": ("libtpu_pairs", "tpus"),
-    "train": ("checkpoint", "config", "crossval", "device_plan", "ema", "finetune", "history",
-        "inputs", "loop", "lr_finder", "lr_rules", "mesh_tasks", "metrics", "mixup", "optim",
-        "replica_loops", "schedule", "steps", "strategy", "submission", "trainer"),
-    "utils": ("atomic", "progress", "suggest", "units", "version"),
-}.items() for old in olds}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Import hook: ``xla_utils.<old>`` is the module ``xla_utils.<package>.<old>``."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        head, _, old = fullname.partition(".")
-        if head != __name__ or old not in _MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        old = spec.name.partition(".")[2]
-        module = importlib.import_module(f"{__name__}.{_MOVED[old]}.{old}")
-        spec.loader_state = module.__spec__  # the import system sets the alias's spec next
-        return module
-
-    def exec_module(self, module: Any) -> None:
-        module.__spec__ = module.__spec__.loader_state  # keep the module's own spec
-
-
-# first: it answers only the old names, before any other finder (an editable install's finder
-# of another checkout) could find a stale copy of an old module
-sys.meta_path[:] = [_MovedModules()] + [f for f in sys.meta_path
-                                        if type(f).__qualname__ != "_MovedModules"]
-
-
-_load_export, _ = lazy_exports(__name__, _EXPORTS, globals())
-
-
-def __getattr__(name: str) -> Any:
-    """Load public name ``name`` from its module on first use (PEP 562)."""
-    if name in _EXPORTS:
-        return _load_export(name)
-    if name == "runtime":
-        return importlib.import_module(".runtime", __name__)
-    if name in _MOVED:  # an old module path (see _MovedModules)
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'xla_utils' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), modules=("runtime",))
 
 
 # Last, once the names above exist: registers simulated launches with runtime's launcher.

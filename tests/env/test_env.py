@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from xla_utils import env as xenv
+from xla_utils.env import detection
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -261,7 +262,7 @@ def test_accelerator_type_alone_is_not_a_tpu(tmp_path):
      ("v5p-16", ("v5p", 16)), ("bogus", None), ("", None)],
 )
 def test_parse_accelerator_type(raw, parsed):
-    assert xenv._parse_accelerator_type(raw) == parsed
+    assert detection._parse_accelerator_type(raw) == parsed
 
 
 # --------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_redraw_style_ends_every_bar_with_a_newline(monkeypatch, capsys):
 def test_a_piped_script_logs_whole_lines():
     """A script whose stdout is a pipe (a log file, `| tee`, a Kaggle log) gets "lines"
     bars, also from a replica it launches (the style travels in XLA_UTILS_OUTPUT)."""
-    code = ("import os\nfrom xla_utils import progress\n"
+    code = ("import os\nfrom xla_utils.utils import progress\n"
             "print('own:', progress.output_style(), 'replica:', progress.output_style(console=True))\n"
             f"exec(compile({_source(_bars)!r}, 'bars', 'exec'))\n_bars()\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -125,7 +125,7 @@ def _source(fn) -> str:
     import inspect
     import textwrap
 
-    return "from xla_utils import progress\n" + textwrap.dedent(inspect.getsource(fn))
+    return "from xla_utils.utils import progress\n" + textwrap.dedent(inspect.getsource(fn))
 
 
 _RUN = '''

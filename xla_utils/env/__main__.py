@@ -1,7 +1,7 @@
-"""``python -m xla_utils.env``: see :func:`xla_utils.env.main`."""
+"""``python -m xla_utils.env``: see :func:`xla_utils.env.cli.main`."""
 import sys
 
-from . import main
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -78,9 +78,6 @@ imports it. Progress bars are :mod:`xla_utils.utils.progress`.
 """
 from __future__ import annotations
 
-from typing import Callable
-
-from ..utils import progress as _progress
 from .compile_cache import (CompileCacheOption, check_compile_cache_option, compile_cache_summary,
                             default_compile_cache_root, enable_compile_cache)
 from .counters import xla_counters, xla_counters_report
@@ -96,6 +93,7 @@ from .world import (all_reduce, backend, data_parallel, device, graph_text, is_m
                     local_rank, master_print, no_sync, optimizer_step, rank, reduce_gradients,
                     rendezvous, replica_noun, replicas_word, save, set_seed, sync, text_progress,
                     world_size)
+from .world import progress_bars
 from .xla import (RuntimeAlreadyInitializedError, XLAUnavailableError, fast_cpu_compile_flags,
                   load_xla, tpu_present, xla_available, xla_installed, xla_runtime_initialized)
 
@@ -159,9 +157,3 @@ INTERNAL_API = (
     "TorchDevices",
     "CPU_REPLICAS_ENV",
 )
-
-
-def progress_bars() -> tuple[Callable, Callable]:
-    """``(master_bar, progress_bar)`` that can draw in the calling replica: console
-    bars in an XLA replica or a forked torch replica (see :mod:`xla_utils.utils.progress`)."""
-    return _progress.progress_bars(console=text_progress())

@@ -12,17 +12,18 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from . import torch_world
 from ..env.gpu import CPU_REPLICAS_ENV, cuda_available
+from ..utils import progress as _progress
 from .state import STATE, SimGroup
 from .xla import load_xla, tpu_present, xla_available
 
 __all__ = ["backend", "text_progress", "is_simulated", "device", "world_size", "rank", "local_rank", "is_master",
            "sync", "optimizer_step", "reduce_gradients", "data_parallel", "no_sync", "all_reduce",
            "master_print", "rendezvous", "save", "set_seed", "graph_text", "replica_noun",
-           "replicas_word", "BARRIER_TIMEOUT_S"]
+           "replicas_word", "progress_bars", "BARRIER_TIMEOUT_S"]
 
 # Seconds a thread-simulated replica waits at a step boundary for the others. A
 # replica that is still compiling a large graph can legitimately lag, so this is
@@ -44,6 +45,12 @@ def text_progress() -> bool:
     torch replica, whose output reaches the notebook through another process (widgets
     cannot)."""
     return backend() == "xla" or STATE.torch_device is not None
+
+
+def progress_bars() -> tuple[Callable, Callable]:
+    """``(master_bar, progress_bar)`` that can draw in the calling replica: console
+    bars in an XLA replica or a forked torch replica (see :mod:`xla_utils.utils.progress`)."""
+    return _progress.progress_bars(console=text_progress())
 
 
 def is_simulated() -> bool:

@@ -7,12 +7,13 @@ module; ``xla_utils.train.OneCycleTrainer`` imports ``xla_utils.train.trainer`` 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, Any]
+def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, Any],
+                 modules: Collection[str] = ()
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for the face of ``package``.
 
@@ -22,18 +23,24 @@ def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, 
             (``{"OneCycleTrainer": "trainer"}``).
         namespace: The face's ``globals()``: a name, once loaded, is kept there, so the
             next lookup does not come back here.
+        modules: Submodules of ``package`` that are public names themselves
+            (``xla_utils.runtime``), imported whole on first use.
 
     Returns:
-        The module-level ``__getattr__`` and ``__dir__`` of the face.
+        The module-level ``__getattr__`` (``AttributeError`` for any other name) and
+        ``__dir__`` (the face's ``__all__``, the exports and the modules) of the face.
     """
     def __getattr__(name: str) -> Any:
-        if name not in exports:
+        if name in modules:
+            value = importlib.import_module(f".{name}", package)
+        elif name in exports:
+            value = getattr(importlib.import_module(f".{exports[name]}", package), name)
+        else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f".{exports[name]}", package), name)
         namespace[name] = value
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(exports) | {k for k in namespace if not k.startswith("_")})
+        return sorted(set(namespace.get("__all__", ())) | set(exports) | set(modules))
 
     return __getattr__, __dir__
