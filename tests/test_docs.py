@@ -114,6 +114,59 @@ def test_markdown_files_named_in_sources_exist():
     assert missing == []
 
 
+def _section_after(md: str, heading: str) -> str:
+    """``heading`` (a markdown heading line) and the text under it, up to the next heading of
+    its level or higher."""
+    level = len(heading) - len(heading.lstrip("#"))
+    m = re.search(rf"^{re.escape(heading)}$.*?(?=^#{{1,{level}}} |\Z)", md, re.S | re.M)
+    return m.group(0) if m else ""
+
+
+def test_benchmarks_open_with_the_current_figures():
+    """docs/BENCHMARKS.md opens with one table of every benchmark's current figure: each row
+    has a date and a command, and links to the section of that run, which names its date."""
+    md = _text(ROOT / "docs" / "BENCHMARKS.md")
+    prose = _prose(md)
+    first_table = re.search(r"^\|.*\|\n\|[-| :]+\|\n(?:\|.*\|\n)+", prose, re.M)
+    assert first_table, "docs/BENCHMARKS.md has no table"
+    assert first_table.start() < prose.index("\n## ", prose.index("\n## ") + 1), \
+        "the first table is not in the file's first section"
+    header, _, *rows = first_table.group(0).strip().splitlines()
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[:2] == ["what", "figure"] and {"machine", "date", "command"} <= set(columns), columns
+    assert len(rows) >= 20, "fewer rows than benchmarks"
+    headings = {_slug(h): h for h in _headings(md)}
+    full_headings = {_slug(m.group(2).strip()): m.group(0).strip()
+                     for m in re.finditer(r"^(#{1,6})\s+(.*)$", prose, re.M)}
+    bad = []
+    for row in rows:
+        cells = dict(zip(columns, (c.strip() for c in row.strip().strip("|").split(" | "))))
+        what = cells.get("what", "")
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells.get("date", "")):
+            bad.append(f"{what}: date {cells.get('date')!r} is not YYYY-MM-DD")
+        if "`" not in cells.get("command", ""):
+            bad.append(f"{what}: no command")
+        link = re.match(r"\[[^\]]+\]\(([^)\s]+)\)", what)
+        if not link:
+            bad.append(f"{what}: no link to its section")
+            continue
+        path, _, anchor = link.group(1).partition("#")
+        if path:
+            target = (ROOT / "docs" / path)
+            if not target.is_file():
+                bad.append(f"{what}: {path} does not exist")
+                continue
+            text = _text(target)
+            if anchor and anchor not in {_slug(h) for h in _headings(text)}:
+                bad.append(f"{what}: no section #{anchor} in {path}")
+            continue
+        if anchor not in headings:
+            bad.append(f"{what}: no section #{anchor}")
+        elif cells.get("date") and cells["date"] not in _section_after(prose, full_headings[anchor]):
+            bad.append(f"{what}: its section #{anchor} does not name {cells['date']}")
+    assert bad == [], "docs/BENCHMARKS.md's table of current figures"
+
+
 def test_tpu_cache_ds_commands_and_options_exist():
     subs = _subcommands()
     all_options = set().union(*subs.values())

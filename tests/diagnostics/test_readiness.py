@@ -5,11 +5,14 @@ from __future__ import annotations
 import inspect
 import random
 import time
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+
+from helpers import digits_dataset, digits_tensors, tiny_mlp
 
 import xla_utils
 from xla_utils import Finding, ReadinessReport, runtime
@@ -19,19 +22,8 @@ from xla_utils.diagnostics.readiness import (CODES, TPU_CHIPS, ReadinessError, T
 
 STATIC_CODES = {"recompile", "host_sync", "cpu_fallback", "dynamic_shape", "f64", "f16", "padding"}
 
-
-def _digits(n: int = 16):
-    """The first n scikit-learn digits: float32 [n, 64] in 0..1 and int64 labels."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    return (torch.tensor(d.data[:n], dtype=torch.float32) / 16.0,
-            torch.tensor(d.target[:n], dtype=torch.int64))
-
-
-def _clean():
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
+_digits = partial(digits_tensors, 16)  # the first 16 digits: float32 [16, 64] in 0..1, int64 labels
+_clean = partial(tiny_mlp, hidden=(128, 256))  # a model with none of the problems
 
 
 class _Base(nn.Module):
@@ -390,15 +382,10 @@ def test_all_cores_can_launch_after_check():
 # ---------------------------------------------------------------------------
 # Trainer integration
 # ---------------------------------------------------------------------------
-def _digits_dataset(n: int = 256):
-    x, y = _digits(n)
-    return torch.utils.data.TensorDataset(x, y)
-
-
 def test_trainer_check_uses_its_batch_loss_and_loader():
     from xla_utils import OneCycleTrainer
 
-    t = OneCycleTrainer(_wide130(), nn.CrossEntropyLoss(), _digits_dataset(), batch_size=12,
+    t = OneCycleTrainer(_wide130(), nn.CrossEntropyLoss(), digits_dataset(256), batch_size=12,
                         optimizer="adam")
     r = t.check()
     assert r.batch_size == 12 and "padding" in r.codes
@@ -415,7 +402,7 @@ def test_trainer_check_and_debug_run_the_same_step_and_print_once(capsys):
     at the same steps by both, and each prints its report exactly once."""
     from xla_utils import OneCycleTrainer
 
-    t = OneCycleTrainer(NewLengthEveryCall(), nn.CrossEntropyLoss(), _digits_dataset(),
+    t = OneCycleTrainer(NewLengthEveryCall(), nn.CrossEntropyLoss(), digits_dataset(256),
                         batch_size=8, accum_steps=2)
     r = t.check(measure_loader=False)
     d = t.debug(steps=4)
@@ -492,7 +479,7 @@ def test_stock_resnet18_on_a_cache_is_ready_and_check_agrees_with_debug(tmp_path
 def test_fit_check_stops_before_training_on_errors(capsys):
     from xla_utils import OneCycleTrainer
 
-    t = OneCycleTrainer(ShapeEveryStep(), nn.CrossEntropyLoss(), _digits_dataset(), batch_size=16)
+    t = OneCycleTrainer(ShapeEveryStep(), nn.CrossEntropyLoss(), digits_dataset(256), batch_size=16)
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     with pytest.raises(ReadinessError, match="recompile") as info:
         t.fit(check=True, simulate=1)
@@ -504,7 +491,7 @@ def test_fit_check_stops_before_training_on_errors(capsys):
 def test_fit_check_passes_a_clean_model(capsys):
     from xla_utils import OneCycleTrainer
 
-    t = OneCycleTrainer(_clean(), nn.CrossEntropyLoss(), _digits_dataset(), batch_size=16,
+    t = OneCycleTrainer(_clean(), nn.CrossEntropyLoss(), digits_dataset(256), batch_size=16,
                         max_lr=1e-2, optimizer="sgd", epochs=2)
     h = t.fit(check=True, simulate=1)
     out = capsys.readouterr().out

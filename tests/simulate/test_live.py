@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digit_gray_images, tiny_cnn
+
 from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache
 from xla_utils.simulate.caller import _pid_exists
 from xla_utils.simulate.live import live_job_for
@@ -23,20 +25,14 @@ SIZE, CLASSES = 12, 5
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    items = [(np.repeat((im * 15).astype(np.uint8)[..., None], 3, axis=2), int(t) % CLASSES)
-             for im, t in zip(d.images[:40], d.target[:40])]
+    items = digit_gray_images(40, classes=CLASSES)
     root = tmp_path_factory.mktemp("live")
     build_cache(items, root / "c", size=SIZE, verbose=False)
     return CachedImageDataset(root / "c")
 
 
 def _trainer(data):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(4 * 10 * 10, CLASSES))
+    model = tiny_cnn(CLASSES, size=SIZE, seed=0)
     return OneCycleTrainer(model, nn.CrossEntropyLoss(), data, batch_size=8,
                            mean=(0.5,) * 3, std=(0.25,) * 3)
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digit_gray_images
+
 from xla_utils import CachedImageDataset, build_cache
 from xla_utils.simulate.resident import MIN_BYTES, CallPickler, load_call, resident_key
 
@@ -65,11 +67,7 @@ def test_tied_weights_stay_tied_and_the_store_keeps_only_the_last_call():
 
 
 def test_a_cache_is_kept_until_its_files_or_state_change(tmp_path):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    items = [(np.repeat((im * 15).astype(np.uint8)[..., None], 3, axis=2), int(t))
-             for im, t in zip(d.images[:20], d.target[:20])]
+    items = digit_gray_images(20)
     build_cache(items, tmp_path / "c", size=8, verbose=False)
     ds = CachedImageDataset(tmp_path / "c")
     key = resident_key(ds)

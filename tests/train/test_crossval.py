@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import pickle
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+
+from helpers import digit_images, tiny_cnn
 
 import xla_utils
 from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache, cross_validate
@@ -18,29 +21,16 @@ CLASSES = 5
 MEAN, STD = (0.5,) * 3, (0.25,) * 3
 
 
-def _digit_images(n: int, seed: int = 0):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    idx = np.random.default_rng(seed).permutation(len(d.images))[:n]
-    out = []
-    for i in idx:
-        g = (d.images[i] * 15).astype(np.uint8)
-        out.append((np.stack([g, np.roll(g, 1, axis=1), 255 - g], axis=-1), int(d.target[i]) % CLASSES))
-    return out
-
-
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("cv")
-    items = _digit_images(120 + 21)
+    items = digit_images(120 + 21, classes=CLASSES)
     build_cache(items[:120], root / "train", size=SIZE, verbose=False)
     build_cache([x for x, _ in items[120:]], root / "test", size=SIZE, unlabeled=True, verbose=False)
     return CachedImageDataset(root / "train"), CachedImageDataset(root / "test")
 
 
-def _model():
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 10 * 10, CLASSES))
+_model = partial(tiny_cnn, CLASSES, size=SIZE)  # a make_model: built in each replica
 
 
 def _make(train, val):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 import os
 import re
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+
+from helpers import pooled_cnn
 
 from xla_utils import OneCycleTrainer, lr_find
 from xla_utils.train.device_plan import (DevicePlan, DeviceRequest, PrecisionError, _forward_fails,
@@ -139,10 +142,7 @@ def _images(n: int = 32, size: int = 8):
     return torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
 
 
-def _cnn():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(4, 2))
+_cnn = partial(pooled_cnn, seed=0)
 
 
 def test_first_line_reports_precision_layout_and_buffers(capsys):

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digits_split, tiny_mlp
+
 from xla_utils import OneCycleTrainer, runtime
 from xla_utils.train.ema import DeviceEMA, ema_decay
 from xla_utils.train.trainer import TrainerConfig
@@ -81,22 +83,11 @@ def test_bad_decay_refused():
     assert TrainerConfig(ema=0.999).ema == 0.999
 
 
-def _digits(n_val=200):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target)
-    return (torch.utils.data.TensorDataset(x[n_val:800], y[n_val:800]),
-            torch.utils.data.TensorDataset(x[:n_val], y[:n_val]))
-
-
 @pytest.mark.multicore
 @pytest.mark.timeout(600)
 def test_trainer_ema_used_by_evaluate_saved_and_exact_on_resume(tmp_path):
-    train, val = _digits()
-    torch.manual_seed(0)
-    init = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    train, val = digits_split(n_val=200, n_train=600, shuffle=False)
+    init = tiny_mlp(seed=0)
     kw = dict(batch_size=16, epochs=3, max_lr=5e-3, ema=0.99, seed=2,
               checkpoint_dir=str(tmp_path / "full"), keep_checkpoints=3)
     t = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val, **kw)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digits_split
+
 from xla_utils import OneCycleTrainer
 from xla_utils.train.finetune import (even_mults, find_head, freeze, layer_group_lrs, layer_groups,
                                 load_pretrained, unfreeze)
@@ -25,18 +27,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc(self.body(x))
-
-
-def _digits(n_val: int = 360):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.int64)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    ds = torch.utils.data.TensorDataset
-    return ds(x[n_val:], y[n_val:]), ds(x[:n_val], y[:n_val])
 
 
 def test_heads_found_for_torchvision_timm_and_sequential():
@@ -109,7 +99,7 @@ def test_load_pretrained_skips_a_new_head_only(tmp_path):
 
 
 def test_fine_tune_refuses_bad_values_before_device_time():
-    train, val = _digits()
+    train, val = digits_split()
     t = OneCycleTrainer(Net(), nn.CrossEntropyLoss(), train, val)
     with pytest.raises(ValueError, match="epochs must be an int >= 1"):
         t.fine_tune(0)
@@ -127,7 +117,7 @@ def test_fine_tune_without_a_frozen_phase_and_the_trainer_untouched(recwarn):
     """freeze_epochs=0 runs the unfrozen phase alone (on the torch backend, in-process), as
     one fit with its own schedule: the trainer's configuration stays as it was, and no
     "already trained" warning comes from the phases."""
-    train, val = _digits()
+    train, val = digits_split()
     t = OneCycleTrainer(Net, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=3,
                         max_lr=1e-2, seed=0)
     t.fit(epochs=1)
@@ -146,7 +136,7 @@ def test_freeze_then_fine_tune_on_xla(simulate):
     """Frozen fit: body weights do not move, BatchNorm and head do, one graph. fine_tune:
     frozen then unfrozen phases, each with a constant compile count after its first epoch,
     and every parameter trainable again afterwards."""
-    train, val = _digits()
+    train, val = digits_split()
     torch.manual_seed(0)
     t = OneCycleTrainer(Net, nn.CrossEntropyLoss(), train, val, batch_size=32 // simulate,
                         epochs=2, max_lr=1e-2, seed=0)
@@ -179,7 +169,7 @@ def test_fine_tune_resumes_in_the_unfrozen_phase(tmp_path):
     and the history still holds the frozen epoch. A checkpoint of plain fit is refused."""
     import copy
 
-    train, val = _digits()
+    train, val = digits_split()
     torch.manual_seed(0)
     init = Net()
     kw = dict(batch_size=32, epochs=2, max_lr=1e-2, seed=0, keep_checkpoints=5)
@@ -218,7 +208,7 @@ def test_fine_tune_resumes_in_the_frozen_phase(tmp_path):
     ends at the uninterrupted run's weights."""
     import copy
 
-    train, val = _digits()
+    train, val = digits_split()
     torch.manual_seed(0)
     init = Net()
     kw = dict(batch_size=32, epochs=2, max_lr=1e-2, seed=0, keep_checkpoints=5)

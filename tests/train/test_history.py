@@ -9,25 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digits_split, tiny_mlp
+
 from xla_utils import OneCycleTrainer
 from xla_utils.train.history import BestTracker, History, check_monitor, write_csv_atomic
 from xla_utils.train.trainer import TrainerConfig
-
-
-def _digits_tensors(n_val: int = 360):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.int64)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    ds = torch.utils.data.TensorDataset
-    return ds(x[n_val:], y[n_val:]), ds(x[:n_val], y[:n_val])
-
-
-def _mlp():
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
 def _history(records):
@@ -118,13 +104,13 @@ def test_monitor_and_patience_refused_up_front():
     with pytest.raises(ValueError, match="patience must be an int >= 1"):
         TrainerConfig(monitor="val_loss", patience=0)
     check_monitor("top3", None)
-    train, val = _digits_tensors()
+    train, val = digits_split()
     with pytest.raises(ValueError, match="no val_data"):
-        OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, monitor="accuracy").fit()
+        OneCycleTrainer(tiny_mlp(), nn.CrossEntropyLoss(), train, monitor="accuracy").fit()
     with pytest.raises(ValueError, match="not among this run's validation metrics"):
-        OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, val, monitor="f1").fit()
+        OneCycleTrainer(tiny_mlp(), nn.CrossEntropyLoss(), train, val, monitor="f1").fit()
     with pytest.raises(ValueError, match="not among"):
-        OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, val, metrics=["accuracy"],
+        OneCycleTrainer(tiny_mlp(), nn.CrossEntropyLoss(), train, val, metrics=["accuracy"],
                         monitor="top5").fit()
 
 
@@ -147,9 +133,9 @@ def test_best_tracker_modes_and_patience():
 def test_best_epoch_kept_and_early_stop_on_xla(tmp_path, simulate):
     """A too-high LR late in the run: the best epoch's weights come back, best.pt holds
     them, history.csv has every epoch, the stop is recorded; no compile after epoch 1."""
-    train, val = _digits_tensors()
+    train, val = digits_split()
     ckpt = tmp_path / "ckpt"
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, batch_size=16 // simulate,
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, val, batch_size=16 // simulate,
                         epochs=6, max_lr=0.3, optimizer="sgd", lr_scaling="none", seed=2,
                         pct_start=0.9, monitor="val_loss", patience=1, checkpoint_dir=ckpt)
     h = t.fit(simulate=simulate)

@@ -11,6 +11,8 @@ import torch
 from PIL import Image
 from torch import nn
 
+from helpers import pooled_cnn
+
 from xla_utils import OneCycleTrainer, lr_find
 from xla_utils.data import images_to_float
 from xla_utils.train.inputs import HostFeed, InputRefused, inspect_inputs
@@ -44,15 +46,10 @@ def _samples(fmt: str) -> list:
     return [(a, int(b)) for a, b in zip(xs, y)]
 
 
-def _model() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(4, 2))
-
-
 def _trainer(fmt: str, **kw) -> OneCycleTrainer:
     torch.manual_seed(0)
     data = _samples(fmt)
-    return OneCycleTrainer(_model(), nn.CrossEntropyLoss(), data, data, batch_size=BS, epochs=1,
+    return OneCycleTrainer(pooled_cnn(), nn.CrossEntropyLoss(), data, data, batch_size=BS, epochs=1,
                            max_lr=1e-2, seed=1, log_every=1, num_workers=0, **kw)
 
 
@@ -112,7 +109,7 @@ class _Bomb:
 
 
 def _refused(data, match: str, ops=ALL_OPS) -> None:
-    t = OneCycleTrainer(_model(), nn.CrossEntropyLoss(), data, batch_size=BS, epochs=1)
+    t = OneCycleTrainer(pooled_cnn(), nn.CrossEntropyLoss(), data, batch_size=BS, epochs=1)
     calls = {"fit": lambda: t.fit(simulate=1), "predict": lambda: t.predict(data, simulate=1),
              "evaluate": lambda: t.evaluate(data, simulate=1),
              "lr_find": lambda: t.find_lr(simulate=1, num_it=3)}
@@ -147,8 +144,8 @@ def test_samples_the_trainer_cannot_feed_are_named_before_device_time(sample, ma
 
 
 def test_refusals_in_check_and_debug_come_before_device_time(no_launch):
-    t = OneCycleTrainer(_model(), nn.CrossEntropyLoss(), [("text", 1)] * N, batch_size=BS)
-    for call in (t.check, t.debug, lambda: lr_find(_model(), nn.CrossEntropyLoss(),
+    t = OneCycleTrainer(pooled_cnn(), nn.CrossEntropyLoss(), [("text", 1)] * N, batch_size=BS)
+    for call in (t.check, t.debug, lambda: lr_find(pooled_cnn(), nn.CrossEntropyLoss(),
                                                    [("text", 1)] * N, BS, simulate=1)):
         with pytest.raises(InputRefused, match="input is a str"):
             call()
@@ -163,7 +160,7 @@ def test_a_sample_without_target_is_refused_where_targets_are_needed(no_launch):
 
 def test_channels_that_do_not_match_mean_are_refused_with_the_fix(no_launch):
     grey = [(torch.zeros(1, 8, 8, dtype=torch.uint8), 0)] * N
-    t = OneCycleTrainer(_model(), nn.CrossEntropyLoss(), grey, batch_size=BS)
+    t = OneCycleTrainer(pooled_cnn(), nn.CrossEntropyLoss(), grey, batch_size=BS)
     with pytest.raises(ValueError, match=r"1-channel images.*mean/std have 3 values.*"
                                          r"mean=\(0.5,\), std=\(0.5,\)"):
         t.fit(simulate=1)
@@ -237,10 +234,10 @@ def test_standalone_check_and_debug_run_decide_the_layout_as_the_trainer_does():
 
     x, y = _images()
     chw = x.permute(0, 3, 1, 2).contiguous()
-    rep = xla_utils.check(_model(), (chw[:BS], y[:BS]), steps=3, verbose=False)
+    rep = xla_utils.check(pooled_cnn(), (chw[:BS], y[:BS]), steps=3, verbose=False)
     assert rep.inputs == ("inputs: uint8 [B,3,8,8] channels-first images (torch.Tensor), "
                           "normalised on the device") and not rep.errors
-    dbg = debug_run(_model(), nn.CrossEntropyLoss(), _samples("pil"), batch_size=BS, steps=3,
+    dbg = debug_run(pooled_cnn(), nn.CrossEntropyLoss(), _samples("pil"), batch_size=BS, steps=3,
                     print_report=False)
     assert "PIL.Image (mode RGB) converted on the host to uint8 [B,8,8,3]" in dbg.inputs
     assert len(dbg.losses) == 3 and all(np.isfinite(dbg.losses))

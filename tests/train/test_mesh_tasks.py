@@ -12,7 +12,8 @@ import torch
 from xla_utils import OneCycleTrainer, runtime
 from xla_utils.diagnostics.memory import llama_shapes
 
-from test_strategy import DEVICES, Net, _digits
+from helpers import digits_dataset
+from test_strategy import DEVICES, Net
 
 pytestmark = pytest.mark.skipif(not runtime.xla_available(), reason="needs torch_xla")
 
@@ -25,7 +26,7 @@ def _tiny_chip():
 
 
 def test_find_lr_sweeps_on_the_mesh_when_one_core_cannot_hold_the_model(capsys):
-    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(256), batch_size=8,
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(256), batch_size=8,
                          compile_cache=None, strategy="fsdp", fsdp_wrap=["Block"])
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     rng = torch.get_rng_state()
@@ -57,7 +58,7 @@ def test_find_lr_sweeps_on_the_mesh_when_one_core_cannot_hold_the_model(capsys):
 
 
 def test_fit_max_lr_find_uses_the_mesh_sweep(capsys):
-    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(128), batch_size=8,
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(128), batch_size=8,
                          epochs=1, compile_cache=None, strategy="spmd", lr_find_on_mesh=True)
     h = tr.fit(simulate=DEVICES, max_lr="find")
     res = tr.lr_finder_result
@@ -70,14 +71,14 @@ def test_fit_max_lr_find_uses_the_mesh_sweep(capsys):
     assert math.isfinite(h.epochs[0]["train_loss"])
     with pytest.raises(ValueError, match="on_mesh=True sweeps as a mesh run, but "
                                          "strategy='spawn'"):
-        OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64)).find_lr(on_mesh=True)
+        OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(64)).find_lr(on_mesh=True)
     with pytest.raises(ValueError, match="lr_find_on_mesh=True sweeps as a mesh run"):
-        OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), lr_find_on_mesh=True)
+        OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(64), lr_find_on_mesh=True)
 
 
 # ------------------------------------------------------------- check() and debug() on the mesh
 def test_check_and_debug_run_the_sharded_step_on_the_mesh():
-    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(128), batch_size=8,
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(128), batch_size=8,
                          compile_cache=None, strategy="fsdp", fsdp_wrap=["Block"])
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     r = tr.check(steps=4, tpu="v5e-8", measure_loader=False)
@@ -108,7 +109,7 @@ def test_check_on_the_mesh_finds_a_step_that_recompiles():
         n = len(x) // (1 + calls[0] % 2)
         return loss(model(x[:n]), y[:n])
 
-    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(128), batch_size=8,
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(128), batch_size=8,
                          compile_cache=None, strategy="spmd", train_step=ragged)
     r = tr.check(steps=4, measure_loader=False, devices=2)
     bad = [f for f in r.findings if f.code == "recompile" and "sharded step on 2" in f.message]

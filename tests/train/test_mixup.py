@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digits_dataset
+
 from xla_utils import OneCycleTrainer, runtime
 from xla_utils.train.mixup import beta_logit_johnk, mix_batch, sample_beta, sample_gamma, soft_targets
 from xla_utils.train.trainer import TrainerConfig
@@ -112,14 +114,6 @@ def test_label_smoothing_alone_equals_timm_targets():
                                timm_mixup.mixup_target(hot, 3, 1.0, 0.2, multi_label=True))
 
 
-def _images(n=64):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data[:n], dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    return torch.utils.data.TensorDataset(x, torch.tensor(d.target[:n]))
-
-
 def _net():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
@@ -131,7 +125,7 @@ def test_bad_values_refused_before_any_device_time():
         TrainerConfig(label_smoothing=1.0)
     with pytest.raises(ValueError, match="even batch_size"):
         TrainerConfig(cutmix=1.0, batch_size=15)
-    data = _images()
+    data = digits_dataset(64, shape=(1, 8, 8))
     with pytest.raises(ValueError, match="does not take"):
         OneCycleTrainer(_net(), nn.NLLLoss(), data, batch_size=8, mixup=0.2).fit()
     reg = torch.utils.data.TensorDataset(data.tensors[0], data.tensors[1].float())
@@ -215,7 +209,7 @@ def test_trainer_mix_over_chunks_compiles_once_and_resumes_exactly(tmp_path):
     a run resumed from epoch 1's checkpoint ends with the same weights."""
     import copy
 
-    data = _images(320)
+    data = digits_dataset(320, shape=(1, 8, 8))
     torch.manual_seed(0)
     init = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
                          nn.Linear(4 * 64, 10))

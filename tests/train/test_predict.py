@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digit_images, tiny_cnn
+
 from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache
 from xla_utils.data import images_to_float
 
@@ -13,35 +15,15 @@ SIZE = 12
 CLASSES = 5
 
 
-def _digit_images(n: int, seed: int = 0):
-    """(uint8 HxWx3 image, label) pairs from scikit-learn's digits, every image distinct."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    rng = np.random.default_rng(seed)
-    idx = rng.permutation(len(d.images))[:n]
-    out = []
-    for i in idx:
-        g = (d.images[i] * 15).astype(np.uint8)
-        img = np.stack([g, np.roll(g, 1, axis=1), 255 - g], axis=-1)  # asymmetric: flips matter
-        out.append((img, int(d.target[i]) % CLASSES))
-    return out
-
-
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("predict")
-    items = _digit_images(64 + 37)
+    items = digit_images(64 + 37, classes=CLASSES)
     build_cache(items[:64], root / "c64", size=SIZE, variants=2, scale=(0.6, 1.0), verbose=False)
     build_cache(items[64:], root / "c37", size=SIZE, variants=2, scale=(0.6, 1.0), verbose=False)
     build_cache([x for x, _ in items[64:]], root / "u37", size=SIZE, variants=2, scale=(0.6, 1.0),
                 unlabeled=True, verbose=False)
     return root
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 10 * 10, CLASSES))
 
 
 def _cpu_views(model, ds, views, mean=(0.5,) * 3, std=(0.25,) * 3):
@@ -59,7 +41,7 @@ def _cpu_views(model, ds, views, mean=(0.5,) * 3, std=(0.25,) * 3):
 
 
 def _trainer(train, **kw):
-    return OneCycleTrainer(_model(), nn.CrossEntropyLoss(), train, batch_size=4,
+    return OneCycleTrainer(tiny_cnn(CLASSES, size=SIZE, seed=0), nn.CrossEntropyLoss(), train, batch_size=4,
                            mean=(0.5,) * 3, std=(0.25,) * 3, **kw)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sklearn.datasets import load_digits
-from torch.utils.data import TensorDataset
+
+from helpers import digits_dataset, digits_rgb_uint8
 
 from xla_utils import OneCycleTrainer, runtime
 from xla_utils.train.checkpoint import ResumeError
@@ -21,12 +21,6 @@ from xla_utils.train.strategy import (StrategyPlan, check_global_batch, consolid
 pytestmark = pytest.mark.skipif(not runtime.xla_available(), reason="needs torch_xla")
 
 DEVICES = 8
-
-
-def _digits(n: int) -> TensorDataset:
-    d = load_digits()
-    x = torch.tensor(d.data[:n], dtype=torch.float32) / 16
-    return TensorDataset(x, torch.tensor(d.target[:n]))
 
 
 class Net(torch.nn.Module):
@@ -57,7 +51,7 @@ def _trainer(strategy: str, ckdir, **kw) -> OneCycleTrainer:
     # history's train_loss per epoch is the loss curve step by step.
     args = dict(batch_size=8, epochs=20, max_lr=3e-2, log_every=1, compile_cache=None,
                 strategy=strategy, checkpoint_dir=ckdir, keep_checkpoints=20, **extra)
-    return OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), **{**args, **kw})
+    return OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(64), **{**args, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +135,7 @@ def test_ema_under_fsdp_equals_spawn_compiles_once_and_resumes_from_the_dcp(tmp_
     """ema= on the mesh: the EMA copy is sharded like its parameters (see the set-up test),
     its weights equal spawn's, no compile after epoch 1, exact resume from the .dcp alone."""
     def run(strategy, d, **kw):
-        return _trainer(strategy, d, ema=0.9, epochs=4, val_data=_digits(40)).fit(
+        return _trainer(strategy, d, ema=0.9, epochs=4, val_data=digits_dataset(40)).fit(
             simulate=DEVICES, **kw)
 
     ref = run("spawn", tmp_path / "spawn")
@@ -176,7 +170,7 @@ def test_checkpoint_of_other_mesh_size_is_refused_naming_both(runs, tmp_path):
 
 def test_predict_under_fsdp_matches_the_plain_model(runs):
     tr = runs["fsdp"][2]
-    data = _digits(100)  # not a multiple of the global batch: the tail is padded and dropped
+    data = digits_dataset(100)  # not a multiple of the global batch: the tail is padded and dropped
     got = tr.predict(data, simulate=DEVICES, activation=None)
     with torch.no_grad():
         want = tr.model(data.tensors[0]).numpy()
@@ -329,20 +323,13 @@ def test_fsdp_setup_never_holds_the_model_whole_on_a_device():
     assert r["ema_same_specs"] == [True] * 18 and r["ema_bytes"] == r["after_wrap"]
 
 
-def _resnet_data(n: int) -> TensorDataset:
-    d = load_digits()
-    img = np.kron(d.images[:n], np.ones((4, 4))) * 255 / 16  # 32 x 32
-    x = torch.tensor(np.repeat(img[..., None], 3, axis=3).astype(np.uint8))  # [N, 32, 32, 3]
-    return TensorDataset(x, torch.tensor(d.target[:n]))
-
-
 @pytest.mark.slow
 def test_resnet18_one_short_epoch_under_fsdp():
     torchvision = pytest.importorskip("torchvision")
     from torchvision.models.resnet import BasicBlock
 
     tr = OneCycleTrainer(lambda: torchvision.models.resnet18(weights=None, num_classes=10),
-                         torch.nn.CrossEntropyLoss(), _resnet_data(64), _resnet_data(40),
+                         torch.nn.CrossEntropyLoss(), digits_rgb_uint8(64), digits_rgb_uint8(40),
                          batch_size=4, epochs=1, max_lr=1e-3, compile_cache=None,
                          strategy="fsdp", fsdp_wrap=[BasicBlock],
                          activation_checkpointing=True, flip=False)
@@ -356,7 +343,7 @@ def test_resnet18_one_short_epoch_under_fsdp():
 # ------------------------------------------------------------- lr_find on the mesh
 # ------------------------------------------------------------- bad input, no device time
 def test_bad_strategy_settings_are_refused_in_the_config():
-    data = _digits(64)
+    data = digits_dataset(64)
     with pytest.raises(ValueError, match="strategy must be one of"):
         OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), data, strategy="ddp")
     with pytest.raises(ValueError, match="fsdp_wrap applies to FSDP units.*strategy='fsdp'"):
@@ -368,7 +355,7 @@ def test_bad_strategy_settings_are_refused_in_the_config():
 
 
 def test_wrap_policy_matching_nothing_is_refused_before_device_time():
-    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), batch_size=8,
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(64), batch_size=8,
                          strategy="fsdp", fsdp_wrap=["DecoderLayer"], compile_cache=None)
     with pytest.raises(ValueError, match=r"fsdp_wrap names \['DecoderLayer'\].*'Block'"):
         tr.fit(simulate=DEVICES)
@@ -395,7 +382,7 @@ def test_fsdp_on_torch_xla_without_spmd_names_the_fix():
 
 @pytest.mark.skipif(runtime.tpu_present(), reason="a TPU host has the devices")
 def test_mesh_strategy_without_tpu_or_simulate_names_the_fix():
-    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), _digits(64), batch_size=8,
+    tr = OneCycleTrainer(Net, torch.nn.CrossEntropyLoss(), digits_dataset(64), batch_size=8,
                          strategy="fsdp", compile_cache=None)
     for run in (tr.fit, lambda: tr.find_lr(on_mesh=True)):
         with pytest.raises(ValueError, match="strategy='fsdp' needs the devices of a TPU.*"

@@ -1,31 +1,19 @@
 """OneCycleTrainer and debug_run on real XLA:CPU (simulated cores) and plain torch."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from helpers import digits_split, tiny_mlp
+
 from xla_utils import OneCycleSchedule, OneCycleTrainer, debug_run, runtime
 from xla_utils.train.trainer import ResumeError, TrainerConfig, scale_lr
 
-
-def _digits_tensors(n_val: int = 360):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.int64)
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(len(x), generator=g)
-    x, y = x[perm], y[perm]
-    train = torch.utils.data.TensorDataset(x[n_val:], y[n_val:])
-    val = torch.utils.data.TensorDataset(x[:n_val], y[:n_val])
-    return train, val
-
-
-def _mlp():
-    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+_mlp = partial(tiny_mlp, hidden=64)  # 64-64-10
 
 
 def test_config_validation_and_scaling():
@@ -43,7 +31,7 @@ def test_config_validation_and_scaling():
 
 
 def test_torch_backend_fit_learns_and_reports(capsys):
-    train, val = _digits_tensors()
+    train, val = digits_split()
     t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, batch_size=32, epochs=3,
                         max_lr=1e-2, optimizer="adam", seed=1)
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
@@ -69,7 +57,7 @@ def test_a_model_in_data_parallel_is_unwrapped_and_said(capsys):
     """A GPU habit: the model wrapped in nn.DataParallel (here on the CPU, as on a GPU). The
     trainer keeps the plain module, says so in the run's first line, and the weights it hands
     back carry no ``module.`` prefix."""
-    train, _ = _digits_tensors()
+    train, _ = digits_split()
     torch.manual_seed(0)
     net = _mlp()
     t = OneCycleTrainer(nn.DataParallel(net), nn.CrossEntropyLoss(), train, batch_size=64,
@@ -90,7 +78,7 @@ def test_a_model_in_data_parallel_is_unwrapped_and_said(capsys):
 @pytest.mark.timeout(300)
 def test_simulated_8_cores_equal_one_core_with_8x_batch():
     """Gradient averaging over 8 replicas of batch b == one replica with batch 8b."""
-    train, _ = _digits_tensors()
+    train, _ = digits_split()
     torch.manual_seed(0)
     init = _mlp()
     results = []
@@ -110,7 +98,7 @@ def test_simulated_8_cores_equal_one_core_with_8x_batch():
 def test_validation_batch_is_eval_batch_size():
     """Per-epoch validation runs at max(batch_size, 64) by default (or eval_batch_size),
     padded and masked: the same metrics as at the training batch size."""
-    train, val = _digits_tensors()
+    train, val = digits_split()
     with pytest.raises(ValueError, match="eval_batch_size must be a positive int"):
         TrainerConfig(eval_batch_size=0)
     assert TrainerConfig(batch_size=128).val_batch_size(1000, 1) == 128
@@ -148,7 +136,7 @@ def _copy(m):
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_compiles_constant_after_first_epoch_and_resume_exact(tmp_path):
-    train, val = _digits_tensors()
+    train, val = digits_split()
     torch.manual_seed(0)
     init = _mlp()
     kw = dict(batch_size=16, epochs=3, max_lr=5e-3, optimizer="adamw", weight_decay=1e-4,
@@ -172,7 +160,7 @@ def test_compiles_constant_after_first_epoch_and_resume_exact(tmp_path):
 
 
 def test_resume_refuses_other_world_size(tmp_path):
-    train, _ = _digits_tensors()
+    train, _ = digits_split()
     t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=64, epochs=2,
                         checkpoint_dir=str(tmp_path))
     h = t.fit()
@@ -186,7 +174,7 @@ def test_resume_refuses_other_world_size(tmp_path):
 @pytest.mark.multicore
 @pytest.mark.timeout(120)
 def test_exception_in_step_reaches_caller():
-    train, _ = _digits_tensors()
+    train, _ = digits_split()
     calls = {"n": 0}
 
     def bad_step(model, batch, loss_fn):
@@ -205,7 +193,7 @@ def test_exception_in_step_reaches_caller():
 
 @pytest.mark.timeout(120)
 def test_debug_run_one_execution_per_step():
-    train, _ = _digits_tensors()
+    train, _ = digits_split()
     rep = debug_run(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16, steps=5,
                     print_report=False)
     assert rep.backend == "xla" and rep.steps == 5
@@ -217,7 +205,7 @@ def test_debug_run_one_execution_per_step():
 
 
 def test_bf16_autocast_runs():
-    train, val = _digits_tensors()
+    train, val = digits_split()
     h = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=1,
                         max_lr=1e-2, bf16=True).fit()
     assert np.isfinite(h[0]["train_loss"]) and np.isfinite(h[0]["val_loss"])
@@ -254,7 +242,7 @@ def test_debug_run_after_in_process_fit_does_not_hang(tmp_path):
 # ----------------------------------------------- issue 18a: accum_steps, ema, mixup/cutmix
 def _digit_images(n_train: int = 320, n_val: int = 64):
     """Digits as float [1, 8, 8] images (cutmix needs images)."""
-    train, val = _digits_tensors()
+    train, val = digits_split()
     tx, ty = train.tensors
     vx, vy = val.tensors
     return (torch.utils.data.TensorDataset(tx[:n_train].view(-1, 1, 8, 8), ty[:n_train]),
@@ -276,7 +264,7 @@ def test_accum_steps_refused_when_bad():
 def test_accum_steps_equals_k_times_batch_on_one_core(capsys):
     """SGD without BatchNorm: 4 accumulated micro-batches of 16 == one batch of 64, and the
     LR is scaled by the global batch (linear rule: x4 for the accumulated run)."""
-    train, _ = _digits_tensors()
+    train, _ = digits_split()
     torch.manual_seed(0)
     init = _mlp()
     out = []

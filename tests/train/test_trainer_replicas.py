@@ -3,29 +3,21 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from helpers import digits_split, tiny_mlp
+
 from xla_utils import OneCycleTrainer, runtime
 from xla_utils.train.trainer import ResumeError
 
-
-def _digits(n_train: int = 64, n_val: int = 45):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data[:n_train + n_val], dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target[:n_train + n_val], dtype=torch.int64)
-    return (torch.utils.data.TensorDataset(x[:n_train], y[:n_train]),
-            torch.utils.data.TensorDataset(x[n_train:], y[n_train:]))
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+# the first 64 digits to train on, the next 45 to validate (not a multiple of 2 replicas)
+_digits = partial(digits_split, n_val=45, n_train=64, shuffle=False, val_first=False)
+_mlp = partial(tiny_mlp, seed=0)
 
 
 @pytest.fixture

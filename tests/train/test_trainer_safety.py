@@ -13,26 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import digits_split, tiny_mlp
+
 from xla_utils import OneCycleTrainer, debug_run, lr_find
 from xla_utils.train.optim import Adam, make_optimizer, resolve_optimizer
 from xla_utils.train.trainer import CheckpointError, ResumeError, TrainerConfig
-
-
-def _digits(n_val: int = 360, n_train: int | None = None):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.int64)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    end = None if n_train is None else n_val + n_train
-    return (torch.utils.data.TensorDataset(x[n_val:end], y[n_val:end]),
-            torch.utils.data.TensorDataset(x[:n_val], y[:n_val]))
-
-
-def _mlp(out: int = 10):
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, out))
 
 
 def _cache(tmp_path, n: int = 12, classes: int = 3, name: str = "cache"):
@@ -74,8 +59,8 @@ def _ckpts(d, run_id=None):
 
 # ----------------------------------------------------------------------------- 1: labels
 def test_out_of_range_label_in_tensor_dataset_is_named_before_training():
-    train, _ = _digits()
-    t = OneCycleTrainer(_mlp(3), nn.CrossEntropyLoss(), train, batch_size=32)
+    train, _ = digits_split()
+    t = OneCycleTrainer(tiny_mlp(3), nn.CrossEntropyLoss(), train, batch_size=32)
     before = copy.deepcopy(t.model.state_dict())
     with pytest.raises(ValueError) as info:
         t.fit()
@@ -89,16 +74,16 @@ def test_out_of_range_label_in_tensor_dataset_is_named_before_training():
 
 
 def test_out_of_range_label_found_by_scanning_a_dataset_without_label_array():
-    train, _ = _digits(n_train=200)
+    train, _ = digits_split(n_train=200)
     x, y = train.tensors
     y = y.clone() % 4
     y[150] = 7  # beyond the model's 4 outputs
     ds = _Pairs(x, y)
     with pytest.raises(ValueError, match=r"label 7 at sample 150 is outside the model's 4 outputs"):
-        OneCycleTrainer(_mlp(4), nn.CrossEntropyLoss(), ds, batch_size=16).fit()
+        OneCycleTrainer(tiny_mlp(4), nn.CrossEntropyLoss(), ds, batch_size=16).fit()
     # ignore_index of the loss is a legal target
     y[150] = -100
-    h = OneCycleTrainer(_mlp(4), nn.CrossEntropyLoss(), _Pairs(x, y), batch_size=64).fit()
+    h = OneCycleTrainer(tiny_mlp(4), nn.CrossEntropyLoss(), _Pairs(x, y), batch_size=64).fit()
     assert len(h) == 1
 
 
@@ -141,9 +126,9 @@ def _nan_after(n_calls: int):
 
 
 def test_nan_loss_stops_and_keeps_last_finite_epoch(tmp_path):
-    train, val = _digits(n_train=640)  # 10 steps of 64
+    train, val = digits_split(n_train=640)  # 10 steps of 64
     ck = tmp_path / "ck"
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=4,
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=4,
                         max_lr=1e-2, checkpoint_dir=str(ck), keep_checkpoints=1, log_every=3,
                         train_step=_nan_after(14))  # NaN from epoch 2, step 5
     with pytest.warns(RuntimeWarning, match=r"train_loss became nan in epoch 2 by step 6/10"):
@@ -161,8 +146,8 @@ def test_nan_loss_stops_and_keeps_last_finite_epoch(tmp_path):
 
 
 def test_nan_in_first_epoch_leaves_model_untouched_and_continue_mode_keeps_good_ckpt(tmp_path):
-    train, _ = _digits(n_train=640)
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=2,
+    train, _ = digits_split(n_train=640)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=2,
                         train_step=_nan_after(2), log_every=100)
     before = copy.deepcopy(t.model.state_dict())
     with pytest.warns(RuntimeWarning, match=r"epoch 1 by step 10/10.*is unchanged"):
@@ -172,7 +157,7 @@ def test_nan_in_first_epoch_leaves_model_untouched_and_continue_mode_keeps_good_
         assert torch.equal(t.model.state_dict()[k], v)
 
     ck = tmp_path / "ck"
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=3,
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=3,
                         checkpoint_dir=str(ck), keep_checkpoints=1, on_nan="continue",
                         train_step=_nan_after(12))
     with pytest.warns(RuntimeWarning, match="on_nan='continue'"):
@@ -191,7 +176,7 @@ def test_exploding_validation_loss_stops_and_keeps_the_last_good_epoch(tmp_path,
     """Epoch 2's validation loss blows up (not NaN): the run stops there as on a NaN,
     trainer.model keeps epoch 1's weights (as its checkpoint does), no checkpoint is
     written for epoch 2, and it is said once."""
-    train, val = _digits(n_train=640)
+    train, val = digits_split(n_train=640)
     calls = {"n": 0}
 
     def eval_step(model, batch):
@@ -200,7 +185,7 @@ def test_exploding_validation_loss_stops_and_keeps_the_last_good_epoch(tmp_path,
         return out * 1e4 if calls["n"] > 6 else out  # epoch 2's validation blows up
 
     ck = tmp_path / "ck"
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=3,
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=3,
                         eval_step=eval_step, checkpoint_dir=str(ck))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -224,9 +209,9 @@ def test_exploding_run_stops_or_goes_on_as_asked(simulate, capsys):
     """A tiny model at a huge max_lr: its epoch-1 losses end far above the untrained
     model's (finite, no NaN). on_nan="stop" ends the run there with the model untouched;
     on_nan="continue" trains every epoch and says so once."""
-    train, val = _digits(n_train=640)
+    train, val = digits_split(n_train=640)
     kw = dict(batch_size=64 if simulate is None else 32, epochs=3, max_lr=100.0, optimizer="sgd")
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, **kw)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, val, **kw)
     before = copy.deepcopy(t.model.state_dict())
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -239,7 +224,7 @@ def test_exploding_run_stops_or_goes_on_as_asked(simulate, capsys):
                                       for k, v in before.items())
     capsys.readouterr()
 
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, val, on_nan="continue", **kw)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, val, on_nan="continue", **kw)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         h = t.fit(simulate=simulate, timeout=240)
@@ -252,8 +237,8 @@ def test_exploding_run_stops_or_goes_on_as_asked(simulate, capsys):
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_simulated_cores_all_stop_at_the_same_nan_step():
-    train, _ = _digits(n_train=512)
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=32, epochs=3,
+    train, _ = digits_split(n_train=512)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=32, epochs=3,
                         max_lr=1e-2, log_every=2, train_step=_nan_after(0))
     with pytest.warns(RuntimeWarning, match=r"epoch 1 by step 2/8"):
         h = t.fit(simulate=2, timeout=240)
@@ -262,18 +247,18 @@ def test_simulated_cores_all_stop_at_the_same_nan_step():
 
 # ----------------------------------------------------------------------------- 4: rotation
 def test_rerun_into_same_dir_keeps_both_runs_newest_files(tmp_path):
-    train, _ = _digits(n_train=256)
+    train, _ = digits_split(n_train=256)
     ck = tmp_path / "ck"
     kw = dict(batch_size=64, checkpoint_dir=str(ck), seed=1)
-    first = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, epochs=5, **kw).fit()
-    second = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, epochs=2, **kw).fit()
+    first = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, epochs=5, **kw).fit()
+    second = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, epochs=2, **kw).fit()
     assert first.run_id != second.run_id
     assert _ckpts(ck, first.run_id) == [f"epoch_004-{first.run_id}.pt", f"epoch_005-{first.run_id}.pt"]
     assert _ckpts(ck, second.run_id) == [f"epoch_001-{second.run_id}.pt",
                                          f"epoch_002-{second.run_id}.pt"]
     # a legacy file of no run is never touched
     (ck / "epoch_009.pt").write_bytes(b"legacy")
-    third = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, epochs=3, keep_checkpoints=1,
+    third = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, epochs=3, keep_checkpoints=1,
                             **kw).fit()
     assert _ckpts(ck, third.run_id) == [f"epoch_003-{third.run_id}.pt"]
     assert (ck / "epoch_009.pt").exists() and len(_ckpts(ck)) == 6
@@ -288,13 +273,13 @@ def test_keep_checkpoints_and_on_nan_validated():
 
 # ----------------------------------------------------------------------------- 5: resume
 def test_resume_refuses_changed_schedule_listing_every_difference(tmp_path, capsys):
-    train, _ = _digits(n_train=256)
+    train, _ = digits_split(n_train=256)
     ck = tmp_path / "ck"
     base = dict(batch_size=64, epochs=3, max_lr=1e-2, optimizer="sgd", checkpoint_dir=str(ck))
-    h = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **base).fit()
+    h = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **base).fit()
     path = ck / f"epoch_002-{h.run_id}.pt"
 
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train,
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train,
                         **{**base, "epochs": 5, "optimizer": "adamw"})
     before = copy.deepcopy(t.model.state_dict())
     with pytest.raises(ResumeError) as info:
@@ -312,7 +297,7 @@ def test_resume_refuses_changed_schedule_listing_every_difference(tmp_path, caps
 
     # allowed changes are named; the schedule continues exactly
     capsys.readouterr()
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **{**base, "log_every": 3})
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **{**base, "log_every": 3})
     r = t.fit(resume=path)
     out = capsys.readouterr().out
     assert re.search(r"resuming run \S+ from epoch_002-\S+ after epoch 2 of 3: kept max_lr 0.01", out)
@@ -328,17 +313,17 @@ def test_resume_keeps_the_lr_given_to_or_found_by_the_interrupted_fit(tmp_path, 
     """fit(max_lr=X) stopped after epoch 1 of 2; a new trainer (configured max_lr left
     at its default) continues with fit(resume="last") at X, exactly; a different
     fit(max_lr=) is refused naming both. The same for a run whose LR lr_find found."""
-    train, _ = _digits(n_train=256)
+    train, _ = digits_split(n_train=256)
     for given in (2e-2, "find"):
         ck = tmp_path / str(given)
         kw = dict(batch_size=64, epochs=2, optimizer="sgd", checkpoint_dir=str(ck), seed=3)
-        full = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(max_lr=given)
+        full = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **kw).fit(max_lr=given)
         lr = full.base_lr
         # what a crash during epoch 2 leaves behind: epoch 1's checkpoint only
         (ck / f"epoch_002-{full.run_id}.pt").unlink()
         (ck / "final.pt").unlink()
         capsys.readouterr()
-        r = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(resume="last")
+        r = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **kw).fit(resume="last")
         out = capsys.readouterr().out
         assert f"after epoch 1 of 2: kept max_lr {lr:.3g} from the checkpoint (this " \
                "trainer's max_lr=0.001 applies to new runs only)" in out, out
@@ -347,33 +332,33 @@ def test_resume_keeps_the_lr_given_to_or_found_by_the_interrupted_fit(tmp_path, 
         assert r.epochs[1]["lr_last"] == pytest.approx(full.epochs[1]["lr_last"], rel=1e-12)
         for k, v in full.state_dict.items():
             torch.testing.assert_close(r.state_dict[k], v)
-        t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw)
+        t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **kw)
         with pytest.raises(ResumeError) as info:
             t.fit(resume=ck / f"epoch_001-{full.run_id}.pt", max_lr=lr * 3)
         assert f"max_lr: {lr:.6g} in the checkpoint, {lr * 3!r} now (given to fit(); leave " \
                "max_lr out to keep the checkpoint's)" in str(info.value)
     capsys.readouterr()
-    OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(
+    OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **kw).fit(
         resume=ck / f"epoch_001-{full.run_id}.pt", max_lr="find")
     assert "a resumed run does not sweep again" in capsys.readouterr().out
 
 
 def test_resume_last_and_directory_pick_newest_good_checkpoint(tmp_path, capsys):
-    train, _ = _digits(n_train=256)
+    train, _ = digits_split(n_train=256)
     ck = tmp_path / "ck"
     kw = dict(batch_size=64, epochs=3, checkpoint_dir=str(ck), keep_checkpoints=3)
-    h = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit()
+    h = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **kw).fit()
     newest = ck / f"epoch_003-{h.run_id}.pt"
     newest.write_bytes(newest.read_bytes()[:100])  # truncated: skipped
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **kw)
     r = t.fit(resume="last")
     assert f"resuming from {ck / f'epoch_002-{h.run_id}.pt'}" in capsys.readouterr().out
     assert [e["epoch"] for e in r.epochs] == [1, 2, 3]
     # the plain epoch name still finds this run's file
-    r2 = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **kw).fit(resume=ck / "epoch_001.pt")
+    r2 = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **kw).fit(resume=ck / "epoch_001.pt")
     assert [e["epoch"] for e in r2.epochs] == [1, 2, 3] and r2.epochs[:1] == h.epochs[:1]
     with pytest.raises(ValueError, match="resume='last' needs checkpoint_dir"):
-        OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64).fit(resume="last")
+        OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64).fit(resume="last")
 
 
 def test_fit_overrides_the_schedule_for_one_run_and_resume_passes_them_again(tmp_path):
@@ -382,12 +367,12 @@ def test_fit_overrides_the_schedule_for_one_run_and_resume_passes_them_again(tmp
     checkpoint_extra, so resuming needs the same overrides (and is refused without them)."""
     from xla_utils.train.schedule import OneCycleSchedule
 
-    train, _ = _digits(n_train=256)
+    train, _ = digits_split(n_train=256)
     ck = tmp_path / "ck"
     base = dict(batch_size=64, epochs=1, max_lr=1e-2, optimizer="sgd", checkpoint_dir=str(ck),
                 keep_checkpoints=3)
     over = dict(epochs=3, pct_start=0.5, div_factor=10.0, final_div_factor=100.0)
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **base)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **base)
     h = t.fit(**over, checkpoint_extra={"note": "run A"})
     assert [e["epoch"] for e in h.epochs] == [1, 2, 3]
     assert (t.config.epochs, t.config.pct_start, t.config.div_factor) == (1, 0.3, 25.0)
@@ -399,8 +384,8 @@ def test_fit_overrides_the_schedule_for_one_run_and_resume_passes_them_again(tmp
     assert {k: ckpt["config"][k] for k in over} == over and ckpt["note"] == "run A"
 
     with pytest.raises(ResumeError, match="epochs: 3 in the checkpoint, 1 now"):
-        OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **base).fit(resume=path)
-    r = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, **base).fit(resume=path, **over)
+        OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **base).fit(resume=path)
+    r = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, **base).fit(resume=path, **over)
     assert [e["epoch"] for e in r.epochs] == [1, 2, 3] and r.epochs[:2] == h.epochs[:2]
     for k, v in h.state_dict.items():
         torch.testing.assert_close(r.state_dict[k], v)
@@ -409,8 +394,8 @@ def test_fit_overrides_the_schedule_for_one_run_and_resume_passes_them_again(tmp
 def test_fit_lr_groups_reach_the_optimizer_and_bad_overrides_are_refused():
     from xla_utils.train.finetune import layer_group_lrs
 
-    train, _ = _digits(n_train=256)
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, max_lr=1e-2)
+    train, _ = digits_split(n_train=256)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64, max_lr=1e-2)
     first, last = t.model[0].weight.clone(), t.model[2].weight.clone()
     t.fit(lr_groups=layer_group_lrs([["2.weight", "2.bias"]], [1.0]))  # the last layer only
     assert torch.equal(t.model[0].weight, first) and not torch.equal(t.model[2].weight, last)
@@ -427,16 +412,16 @@ def test_fit_lr_groups_reach_the_optimizer_and_bad_overrides_are_refused():
 
 # ----------------------------------------------------------------------------- 6: corrupt
 def test_corrupt_checkpoints_name_the_file_and_the_newest_good_one(tmp_path):
-    train, _ = _digits(n_train=256)
+    train, _ = digits_split(n_train=256)
     ck = tmp_path / "ck"
-    h = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=2,
+    h = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=2,
                         checkpoint_dir=str(ck)).fit()
     good = ck / f"epoch_002-{h.run_id}.pt"
     truncated = ck / "epoch_003-copy.pt"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     empty = ck / "epoch_004-copy.pt"
     empty.write_bytes(b"")
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=2)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=2)
     for bad in (truncated, empty):
         with pytest.raises(CheckpointError) as info:
             t.fit(resume=bad)
@@ -458,30 +443,30 @@ def test_optimizer_names_are_case_insensitive_and_validated_early():
     assert TrainerConfig(optimizer="Adam").scaling_rule == "sqrt"
     opt = make_optimizer("AdamW", [nn.Parameter(torch.zeros(2))], lr=1e-3)
     assert isinstance(opt, Adam) and opt.param_groups[0]["decoupled"]
-    train, _ = _digits(n_train=64)
+    train, _ = digits_split(n_train=64)
     with pytest.raises(ValueError, match=r"unknown optimizer 'sgdd' \(did you mean 'sgd'\?\); "
                                          r"valid names .*'sgd', 'adam', 'adamw'"):
-        OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, optimizer="sgdd")
+        OneCycleTrainer(tiny_mlp(), nn.CrossEntropyLoss(), train, optimizer="sgdd")
     with pytest.raises(ValueError, match="unknown optimizer"):
-        debug_run(_mlp(), nn.CrossEntropyLoss(), train, optimizer="rmsprop", print_report=False)
+        debug_run(tiny_mlp(), nn.CrossEntropyLoss(), train, optimizer="rmsprop", print_report=False)
     with pytest.raises(TypeError, match="not an optimizer instance"):
         resolve_optimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
 
 
 @pytest.mark.filterwarnings("ignore:LR finder:RuntimeWarning")
 def test_uppercase_sgd_gets_linear_scaling_in_a_run(capsys):
-    train, _ = _digits(n_train=256)
-    h = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, optimizer="SGD",
+    train, _ = digits_split(n_train=256)
+    h = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64, optimizer="SGD",
                         max_lr=1e-2).fit()
     assert h.lr_scaling == "linear" and "(linear scaling)" in capsys.readouterr().out
-    res = lr_find(_mlp(), nn.CrossEntropyLoss(), train, batch_size=32, optimizer="SGD", num_it=5)
+    res = lr_find(tiny_mlp(), nn.CrossEntropyLoss(), train, batch_size=32, optimizer="SGD", num_it=5)
     assert res.optimizer == "SGD"
 
 
 # ----------------------------------------------------------------------------- 12: smaller ones
 def test_second_fit_says_it_continues_from_trained_weights():
-    train, _ = _digits(n_train=256)
-    t = OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=1)
+    train, _ = digits_split(n_train=256)
+    t = OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=64, epochs=1)
     with warnings.catch_warnings(record=True) as first:
         warnings.simplefilter("always")
         t.fit()
@@ -496,19 +481,19 @@ def test_second_fit_says_it_continues_from_trained_weights():
 
 
 def test_tiny_dataset_error_names_trainer_fix_not_drop_last():
-    train, _ = _digits(n_train=20)
+    train, _ = digits_split(n_train=20)
     with pytest.raises(ValueError) as info:
-        OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=32).fit()
+        OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=32).fit()
     msg = str(info.value)
     assert "train_data has 20 samples" in msg and "batch_size=20 or lower" in msg
     assert "drop_last" not in msg
     with pytest.raises(ValueError, match=r"32 per core x 2 cores = 64.*batch_size=10 or lower"):
-        OneCycleTrainer(_mlp, nn.CrossEntropyLoss(), train, batch_size=32).fit(simulate=2)
+        OneCycleTrainer(tiny_mlp, nn.CrossEntropyLoss(), train, batch_size=32).fit(simulate=2)
 
 
 def test_fit_debug_is_deprecated_in_favour_of_trainer_debug(monkeypatch):
-    train, _ = _digits(n_train=64)
-    t = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, batch_size=16)
+    train, _ = digits_split(n_train=64)
+    t = OneCycleTrainer(tiny_mlp(), nn.CrossEntropyLoss(), train, batch_size=16)
     monkeypatch.setattr(OneCycleTrainer, "_debug",
                         lambda self, spec, steps=5, simulate=None: ("report", steps))
     with pytest.warns(DeprecationWarning, match=r"trainer\.debug\(\)"):
@@ -517,6 +502,6 @@ def test_fit_debug_is_deprecated_in_favour_of_trainer_debug(monkeypatch):
         warnings.simplefilter("error")
         assert t.debug(steps=3) == ("report", 3)
     # debug() checks the inputs as fit() does, before any device time
-    t = OneCycleTrainer(_mlp(2), nn.CrossEntropyLoss(), train, batch_size=16)
+    t = OneCycleTrainer(tiny_mlp(2), nn.CrossEntropyLoss(), train, batch_size=16)
     with pytest.raises(ValueError, match="outside the model's 2 outputs"):
         t.debug()
