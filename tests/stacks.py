@@ -10,7 +10,12 @@ when it tests a module that imports torch_xla, torch.distributed, multiprocessin
 subprocess, or forks (the packages env/, runtime/, simulate/ and cache/runners.py): the
 stacks differ there (torch_xla 2.8/2.9 runtimes, torch 2.8/2.9 process groups, Python
 3.11/3.13 forking). Also on both: the installed wheel and import-time behaviour. Each form of
-multi-core program runs on both in its smallest program.
+multi-core program runs on both in its smallest program. The slow tests of those packages
+(``@pytest.mark.slow``: the same seams again through larger programs: Ray clusters, repeated
+collectives and launches, script runners) run on one stack, but for those whose subject is
+itself a difference between the stacks: forking after threads (Python 3.12's warning, torch's
+thread pools), the installed wheel on each Python, the notebook's CUDA query (torch's bad-fork
+flag), torch_xla's own runtime checks.
 
 A test runs on **one** stack when it reaches those only through ``xla_utils.runtime``'s
 public functions, which the both-stacks tests pin down on each stack (the trainer, the LR
@@ -55,6 +60,12 @@ COLAB: list[str] = [
     # torch_xla v2.9.0's own multi-core tests and examples run on torch_xla 2.9's stack; the
     # forms they use run on both in tests/simulate/test_forms.py's smaller programs
     "tests/simulate/test_torch_xla_corpus.py",
+    # the slow tests of the both-stacks packages: the same seams again, through larger programs
+    "tests/runtime/test_runtime.py::test_simulated_all_reduce_exact_20_times_after_a_caller_backward",
+    "tests/runtime/test_runtime.py::test_simulated_launch_leaves_torch_xla_to_the_zygote",
+    "tests/simulate/test_simulate.py::test_50_launches_after_caller_side_backward",
+    "tests/simulate/test_simulate.py::test_function_and_model_defined_in_main_work",
+    "tests/simulate/test_forms.py::test_spmd_script_gets_8_devices_and_an_8_way_sharding_via_cli",
     # the simulator's memory (simulate/footprint.py reaches no torch_xla): the estimate, and
     # torch_xla's DDP ResNet on 8 cores in 12 GiB (it takes turns on the corpus' memory lock)
     "tests/simulate/test_footprint.py",
@@ -79,6 +90,15 @@ KAGGLE: list[str] = [
     "tests/simulate/test_forms.py::test_mp_mnist_style_script_three_modes_agree",
     "tests/simulate/test_simulate.py::test_runner_idiom_script_8_cores_equals_1_core",
     "tests/simulate/test_simulate.py::test_launch_idiom_function_8_cores_equals_1_core",
+    # the slow tests of the both-stacks packages: the same seams again, through larger programs
+    "tests/cache/test_runners.py::test_ray_build_on_two_nodes_gives_the_local_bytes",
+    "tests/cache/test_runners.py::test_a_killed_driver_is_rerun_to_the_same_bytes",
+    "tests/cache/test_runners.py::test_a_node_killed_mid_build_changes_nothing",
+    "tests/simulate/test_simulate.py::test_torch_xla_launch_entry_point_via_run_script[4]",
+    "tests/simulate/test_simulate.py::test_run_script_exit_status_and_arguments",
+    "tests/simulate/test_simulate.py::test_runner_reports_replica_exception_with_status_1",
+    "tests/simulate/test_forms.py::test_spmd_script_via_run_script_4_devices",
+    "tests/simulate/test_forms.py::test_mixing_spmd_and_spawn_is_named",
     "tests/data/",
     "tests/train/",
     "tests/utils/",
