@@ -1,8 +1,9 @@
 """xla_utils.simulate on real XLA:CPU: unmodified torch_xla-idiom code on simulated cores.
 
-The idiom script is tests/fixtures/idiom_digits.py. XLA_UTILS_TEST_REPEATS (default 2)
-sets how many times in a row the 8-core runs are repeated; the issue's 10x was run
-locally with XLA_UTILS_TEST_REPEATS=10 (see docs/BENCHMARKS.md).
+The idiom script is tests/fixtures/idiom_digits.py. XLA_UTILS_TEST_REPEATS (default 1)
+sets how many times in a row the 8-core runs are repeated: CI runs each once (issue 42's
+budget); a change to the simulator is trusted after XLA_UTILS_TEST_REPEATS=5 locally (the
+issue's 10x was run with XLA_UTILS_TEST_REPEATS=10, see docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from xla_utils.simulate import caller as sim_caller
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SCRIPT = FIXTURES / "idiom_digits.py"
-REPEATS = int(os.environ.get("XLA_UTILS_TEST_REPEATS", "2"))
+REPEATS = int(os.environ.get("XLA_UTILS_TEST_REPEATS", "1"))
 ROOT = Path(__file__).resolve().parents[2]
 
 
