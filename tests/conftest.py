@@ -25,6 +25,13 @@ from xla_utils.runtime.xla import fast_cpu_compile_flags  # noqa: E402  (imports
 
 os.environ["XLA_FLAGS"] = fast_cpu_compile_flags(os.environ.get("XLA_FLAGS"))
 
+# torch_xla's import starts torch inductor's compile-worker pool (a second interpreter importing
+# torch: 4.0 s of CPU, measured on torch 2.8) in every process that imports it: each test
+# subprocess, zygote, notebook kernel and replica started fresh. One compile thread starts no
+# pool (inductor compiles in the process, as the tests' tiny torch.compile graphs need); the
+# simulator sets the same for its replicas (xla_utils.runtime.fresh.child_env).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 # The simulator records each program's peak memory per replica and refuses a later launch that
 # would not fit (xla_utils.simulate.footprint). The session keeps its records in a file of its
 # own: the user's ~/.cache record is left alone, and a figure from one test (or an earlier CI

@@ -56,7 +56,8 @@ def child_env(devices: int | str | None = None, extra: Mapping[str, str] | None 
 
     Args:
         devices: an int N: ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N`` with this host's TPU
-            variables removed; ``"tpu"``: ``PJRT_DEVICE=TPU`` (this host's chips);
+            variables removed and ``TORCHINDUCTOR_COMPILE_THREADS=1`` unless set (no inductor
+            worker pool per simulated replica); ``"tpu"``: ``PJRT_DEVICE=TPU`` (this host's chips);
             None (default): the device variables are left as they are (a process that
             sets its own).
         extra: variables set last (e.g. ``XLA_FLAGS``).
@@ -78,6 +79,10 @@ def child_env(devices: int | str | None = None, extra: Mapping[str, str] | None 
         for k in _TPU_VARS:
             env.pop(k, None)
         env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
+        # torch_xla's import would start inductor's compile-worker pool in each XLA:CPU child
+        # (an interpreter importing torch: ~4 s of CPU and its memory, per replica); one
+        # compile thread starts none. A value the user set wins.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env["PYTHONPATH"] = child_pythonpath()
     env.update(extra or {})
     return env

@@ -42,6 +42,8 @@ class _Zygote:
         # Replicas wait in the store in short slices; c10d logs a warning for each
         # slice that times out. Read once, when torch loads in the zygote.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # No inductor compile-worker pool in the zygote (its jobs fork from it): see child_env.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         self.owner = os.getpid()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "xla_utils.simulate", "--zygote", str(child.fileno())],
