@@ -39,7 +39,7 @@ from .optim import make_optimizer, optimizer_label
 from .schedule import OneCycleSchedule
 
 if TYPE_CHECKING:
-    from .config import TrainerConfig
+    from .config import DataSettings, TrainerConfig
     from .ema import DeviceEMA
     from .inputs import InputSpec
     from .mixup import DeviceMix, MixConfig
@@ -70,24 +70,24 @@ def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return model(x)
 
 
-def prepare_input(x: torch.Tensor, cfg: TrainerConfig, train: bool, inputs: InputSpec,
+def prepare_input(x: torch.Tensor, data: DataSettings, train: bool, inputs: InputSpec,
                   memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """Model input from a device batch of a dataset whose inputs are described by
     ``inputs`` (its :class:`~xla_utils.train.inputs.InputSpec`, decided once on the host):
-    uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
-    (and flipped when ``train and cfg.flip``) into ``memory_format`` (the run's
+    uint8 images in either layout are normalised with ``data.mean`` / ``data.std``
+    (and flipped when ``train and data.flip``) into ``memory_format`` (the run's
     :attr:`DevicePlan.memory_format <xla_utils.train.device_plan.DevicePlan.memory_format>`);
     other inputs are returned unchanged."""
-    return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip,
+    return inputs.prepare(x, data.mean, data.std, flip=train and data.flip,
                           memory_format=memory_format)
 
 
-def input_preparer(cfg: TrainerConfig, inputs: InputSpec, train: bool
+def input_preparer(data: DataSettings, inputs: InputSpec, train: bool
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> model input`` for batches of a dataset described by ``inputs``:
-    :func:`prepare_input` with ``cfg`` and ``train`` bound (what ``check``, ``debug`` and
-    ``find_lr`` are given)."""
-    return lambda x: prepare_input(x, cfg, train, inputs)
+    :func:`prepare_input` with ``data`` (the data settings) and ``train`` bound (what
+    ``check``, ``debug`` and ``find_lr`` are given)."""
+    return lambda x: prepare_input(x, data, train, inputs)
 
 
 def replica_model(model: torch.nn.Module, dev: torch.device | None,
@@ -106,24 +106,24 @@ def replica_model(model: torch.nn.Module, dev: torch.device | None,
     return model if dev is None else model.to(dev)
 
 
-def loader(data, cfg: TrainerConfig, *, world_size: int, rank: int, epoch: int, train: bool,
+def loader(data, settings: DataSettings, *, world_size: int, rank: int, epoch: int, train: bool,
            pin_memory: bool = False):
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
-    ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
-    ``cfg.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``."""
-    bs = cfg.batch_size if train else cfg.val_batch_size(len(data), world_size)
+    ``settings.batch_size`` for training (ragged tail dropped), padded and masked ones of
+    ``settings.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``."""
+    bs = settings.batch_size if train else settings.val_batch_size(len(data), world_size)
     return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
-                           seed=cfg.seed, epoch=epoch, drop_last=train,
-                           num_workers=cfg.num_workers, pin_memory=pin_memory)
+                           seed=settings.seed, epoch=epoch, drop_last=train,
+                           num_workers=settings.num_workers, pin_memory=pin_memory)
 
 
-def loader_words(data, cfg: Any) -> str:
+def loader_words(data, settings: DataSettings) -> str:
     """How ``data`` is loaded, for the run's first line: ``"4 loader threads"`` (a cache)
     or ``"DataLoader with 0 worker processes"``."""
     if isinstance(data, CachedImageDataset):
-        n = cfg.num_workers if cfg.num_workers is not None else default_loader_threads()
+        n = settings.num_workers if settings.num_workers is not None else default_loader_threads()
         return f"{n} loader thread{'s' if n != 1 else ''}"
-    n = cfg.num_workers or 0
+    n = settings.num_workers or 0
     return f"DataLoader with {n} worker process{'es' if n != 1 else ''}"
 
 
@@ -194,11 +194,11 @@ class Setup:
     plan: DevicePlan | None = None
     ddp: torch.nn.Module | None = None
 
-    def batches(self, data, cfg: TrainerConfig, epoch: int, train: bool):
+    def batches(self, data, settings: DataSettings, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
         if self.mesh is not None:
-            return self.mesh.loader(data, cfg, epoch, train)
-        return loader(data, cfg, world_size=self.world_size, rank=self.rank, epoch=epoch,
+            return self.mesh.loader(data, settings, epoch, train)
+        return loader(data, settings, world_size=self.world_size, rank=self.rank, epoch=epoch,
                       train=train, pin_memory=self.plan is not None and self.plan.pinned)
 
     def feed(self, batches: Iterable):
@@ -284,7 +284,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data, dev.type, note))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
                          lr=max_lr / cfg.div_factor, weight_decay=cfg.weight_decay)
-    steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True)) // k
+    steps_per_epoch = len(loader(train_data, cfg.data, world_size=ws, rank=rk, epoch=0, train=True)) // k
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
                              pct_start=cfg.pct_start, div_factor=cfg.div_factor,
                              final_div_factor=cfg.final_div_factor, moms=cfg.moms)
@@ -337,7 +337,7 @@ def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how:
             + (f" x {k} accumulated" if k > 1 else "") + f" = "
             f"{ws * cfg.batch_size * k} global batch; {optimizer_label(cfg.optimizer)}, max_lr "
             f"{base_lr:.3g} x {max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
-            + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else "")
+            + (f"; {plan.words}, {loader_words(train_data, cfg.data)}" if plan.words else "")
             + (f"; {note}" if note else ""))
 
 
@@ -467,7 +467,7 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfi
     k, lr = s.accum_steps, None
     if s.mix is not None:
         s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
-    x = prepare_input(x, cfg, True, inputs, s.plan.memory_format)
+    x = prepare_input(x, cfg.data, True, inputs, s.plan.memory_format)
     if s.mix is not None:
         x, y = s.mix(x, y)
         x = s.plan.layout(x)
@@ -498,12 +498,12 @@ def _kept(s: Setup, epoch: int, kept_finite: bool) -> str:
     return "is unchanged (no epoch ended good)"
 
 
-def _fix(cfg: TrainerConfig, s: Setup) -> str:
+def _fix(s: Setup) -> str:
     return (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
             "fit(max_lr='find') pick it; check inputs, targets and the loss for "
             "inf/NaN (log of 0, division by 0)"
             + (f"; with {s.plan.precision} autocast try precision='fp32'"
-               + (" and bf16=False" if cfg.bf16 else "") if s.plan.precision != "fp32" else "")
+               if s.plan.precision != "fp32" else "")
             + ".")
 
 
@@ -518,7 +518,7 @@ def divergence_message(cfg: TrainerConfig, value: float, epoch: int, step: int, 
                 "no checkpoint was written for it. ")
     else:
         msg += "Training goes on (on_nan='continue'); no checkpoint is written for non-finite epochs. "
-    return msg + _fix(cfg, s)
+    return msg + _fix(s)
 
 
 def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torch.Tensor,
@@ -556,7 +556,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, l
     with torch.no_grad():
         for x, y, valid in (feed or runtime.device_prefetch)(batches):
             with autocast:
-                out = eval_step(model, (prepare_input(x, cfg, False, inputs, memory_format), y))
+                out = eval_step(model, (prepare_input(x, cfg.data, False, inputs, memory_format), y))
             if acc is None:
                 acc = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
             acc.update(out, y, valid)
@@ -601,11 +601,11 @@ def explosion(record: dict[str, Any], state: TrainState, cfg: TrainerConfig, s: 
                 f"untrained model's counts as diverged, as a NaN does); trainer.model "
                 f"{_kept(s, epoch, state.finite_state is not None)}; no checkpoint was written "
                 f"for epoch {epoch + 1}. ")
-        state.stop_reason = msg + _fix(cfg, s)
+        state.stop_reason = msg + _fix(s)
     else:
         msg += "Training goes on (on_nan='continue'). "
-        runtime.master_print(msg + _fix(cfg, s))
-    state.warnings.append(msg + _fix(cfg, s))
+        runtime.master_print(msg + _fix(s))
+    state.warnings.append(msg + _fix(s))
 
 
 def epoch_line(r: dict[str, Any]) -> str:

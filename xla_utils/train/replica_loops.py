@@ -100,7 +100,7 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
             continue
         pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
                           parent=mb) if mb is not None else None
-        batches = s.batches(train_data, cfg, epoch, train=True)
+        batches = s.batches(train_data, cfg.data, epoch, train=True)
         res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
                                    train_step=plan.train_step, loss_fn=plan.loss,
                                    inputs=spec, progress=pb)
@@ -175,7 +175,7 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     :func:`loop.explosion`)."""
     record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
     if val is not None:
-        metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
+        metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg.data, epoch, train=False),
                                 cfg=cfg, loss_fn=loss_fn, eval_step=eval_step,
                                 autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
                                 memory_format=s.plan.memory_format)
