@@ -39,7 +39,7 @@ from .optim import make_optimizer, optimizer_label
 from .schedule import OneCycleSchedule
 
 if TYPE_CHECKING:
-    from .config import DataSettings, TrainerConfig
+    from .config import DataSettings, DiagnosticsSettings, TrainerConfig
     from .ema import DeviceEMA
     from .inputs import InputSpec
     from .mixup import DeviceMix, MixConfig
@@ -388,7 +388,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         The epoch's :class:`EpochResult`.
     """
     spe, k = s.steps_per_epoch, s.accum_steps
-    begin_epoch(s, cfg, epoch)
+    begin_epoch(s, cfg.data, epoch)
     t0 = time.perf_counter()
     to_host0 = runtime.xla_counters()["to_host"]
     # Device data, not torch.zeros(device=xla): a zeros *op* would make each
@@ -398,7 +398,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     train_loss = math.nan
     it = s.feed(batches)
     for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
-        loss, lr = micro_step(s, state.step, m, x, y, cfg=cfg, train_step=train_step,
+        loss, lr = micro_step(s, state.step, m, x, y, data=cfg.data, train_step=train_step,
                               loss_fn=loss_fn, inputs=inputs)
         lr_last = lr_last if lr is None else lr
         i, last = divmod(m, k)[0], m % k == k - 1  # i: optimizer step in the epoch
@@ -419,7 +419,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                                     f"{seen / (time.perf_counter() - t0):.0f} img/s")
             if not math.isfinite(train_loss) and not state.diverged:
                 state.diverged = True
-                msg = divergence_message(cfg, train_loss, epoch, i + 1, s, lr_last,
+                msg = divergence_message(cfg.diagnostics, train_loss, epoch, i + 1, s, lr_last,
                                          state.finite_state is not None)
                 state.warnings.append(msg)  # fit() warns with it once the run returns
                 if cfg.on_nan == "stop":
@@ -440,21 +440,22 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                        seconds=time.perf_counter() - t0, skipped_steps=skipped)
 
 
-def begin_epoch(s: Setup, cfg: TrainerConfig, epoch: int) -> None:
+def begin_epoch(s: Setup, data: DataSettings, epoch: int) -> None:
     """What every epoch starts with in every replica: its RNG seeds (data order, device
-    RNG: flips, dropout), its mixing draws (exact resume) and train mode."""
-    runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
+    RNG: flips, dropout; from ``data.seed``), its mixing draws (exact resume) and train mode."""
+    runtime.set_seed(data.seed * 1_000_003 + epoch * 1_009 + s.rank)
     if s.mix is not None:
         s.mix.start_epoch()  # this epoch's draws come from this epoch's seed (exact resume)
     s.model.train()
 
 
-def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfig,
+def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSettings,
                train_step: Callable,
                loss_fn: Callable, inputs: InputSpec | None) -> tuple[torch.Tensor, float | None]:
     """Micro-batch ``m`` (0-based, counted from the epoch's start) of the run's optimizer step
     ``step``, as ``fit`` runs it, up to the step boundary (the caller calls
-    ``runtime.sync()``): mixing, the input's device preparation, at a step's first
+    ``runtime.sync()``): mixing, the input's device preparation (``data``: the
+    normalisation and flip settings), at a step's first
     micro-batch the one-cycle LR and momentum and ``zero_grad``, forward and backward under
     the run's autocast, and at its last micro-batch the optimizer step and the EMA update.
     :meth:`OneCycleTrainer.check <xla_utils.train.trainer.OneCycleTrainer.check>` and ``debug()``
@@ -467,7 +468,7 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfi
     k, lr = s.accum_steps, None
     if s.mix is not None:
         s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
-    x = prepare_input(x, cfg.data, True, inputs, s.plan.memory_format)
+    x = prepare_input(x, data, True, inputs, s.plan.memory_format)
     if s.mix is not None:
         x, y = s.mix(x, y)
         x = s.plan.layout(x)
@@ -507,13 +508,13 @@ def _fix(s: Setup) -> str:
             + ".")
 
 
-def divergence_message(cfg: TrainerConfig, value: float, epoch: int, step: int, s: Setup, lr: float,
-                       kept_finite: bool) -> str:
+def divergence_message(diag: DiagnosticsSettings, value: float, epoch: int, step: int, s: Setup,
+                       lr: float, kept_finite: bool) -> str:
     """The warning for a non-finite training loss read at ``step`` of ``epoch``
-    (0-based), saying what happens next and how to fix it."""
+    (0-based), saying what happens next (``diag.on_nan``) and how to fix it."""
     msg = (f"train_loss became {value} in epoch {epoch + 1} by step {step}/{s.steps_per_epoch} "
            f"(LR then {lr:.3g}; peak max_lr {s.max_lr:.3g} from max_lr {s.base_lr:.3g}). ")
-    if cfg.on_nan == "stop":
+    if diag.on_nan == "stop":
         msg += (f"Training stopped (on_nan='stop'); trainer.model {_kept(s, epoch, kept_finite)}; "
                 "no checkpoint was written for it. ")
     else:
@@ -581,11 +582,11 @@ def exploded(key: str, value: float | None, initial: float | None, epoch: int) -
     return None
 
 
-def explosion(record: dict[str, Any], state: TrainState, cfg: TrainerConfig, s: Setup,
+def explosion(record: dict[str, Any], state: TrainState, diag: DiagnosticsSettings, s: Setup,
               epoch: int) -> None:
     """At the end of epoch ``epoch`` (0-based, its ``record`` complete): when its training or
     validation loss exploded (:func:`exploded`), record one message per run in
-    ``state.warnings`` and, with ``cfg.on_nan == "stop"``, in ``state.stop_reason``: the
+    ``state.warnings`` and, with ``diag.on_nan == "stop"``, in ``state.stop_reason``: the
     caller then stops before this epoch's checkpoint and host copy, so the run keeps the
     last good epoch's weights, as on a NaN. With ``"continue"`` it says so now and goes on."""
     if state.diverged or state.exploded:
@@ -596,7 +597,7 @@ def explosion(record: dict[str, Any], state: TrainState, cfg: TrainerConfig, s: 
         return
     state.exploded = True
     msg = "; ".join(whys) + ": training is diverging. "
-    if cfg.on_nan == "stop":
+    if diag.on_nan == "stop":
         msg += (f"Training stopped (on_nan='stop': a loss above {VAL_LOSS_EXPLODES:g}x the "
                 f"untrained model's counts as diverged, as a NaN does); trainer.model "
                 f"{_kept(s, epoch, state.finite_state is not None)}; no checkpoint was written "
