@@ -382,8 +382,7 @@ def check_option_names(where: str, options: Mapping[str, Any]) -> None:
     Raises:
         TypeError: each unknown keyword with the nearest option and the group it is in
             (``'batchsize' (did you mean 'batch_size'?) in the data group
-            (config.data.batch_size)``), then
-            every option by group.
+            (config.data.batch_size)``), then every option by group.
     """
     known = [*OPTION_GROUPS, *GROUPS, "bf16"]
     unknown = [k for k in options if k not in known]
@@ -392,9 +391,9 @@ def check_option_names(where: str, options: Mapping[str, Any]) -> None:
     parts = []
     for k in unknown:
         near = closest(k, OPTION_GROUPS, n=1)
-        group = f" in the {OPTION_GROUPS[near[0]]} group (config.{OPTION_GROUPS[near[0]]}." \
-                f"{near[0]})" if near else ""
-        parts.append(f"{k!r}{did_you_mean(k, OPTION_GROUPS)}{group}")
+        attr = OPTION_GROUPS[near[0]] if near else ""
+        where_near = f" in the {attr} group (config.{attr}.{near[0]})" if near else ""
+        parts.append(f"{k!r}{did_you_mean(k, OPTION_GROUPS)}{where_near}")
     by_group = "; ".join(f"{attr}: {', '.join(f.name for f in dataclasses.fields(cls))}"
                          for attr, cls in GROUPS.items())
     s = "s" if len(parts) > 1 else ""
@@ -470,10 +469,10 @@ class TrainerConfig:
             elif mine:
                 group = dataclasses.replace(group, **mine)
             setattr(self, attr, group)
-        self.__post_init__()
+        self._check_across_groups()
 
-    def __post_init__(self) -> None:
-        """The rules that span two groups."""
+    def _check_across_groups(self) -> None:
+        """The rule that spans two groups."""
         bs = self.data.batch_size
         if self.augment.mixes and bs % 2:
             raise ValueError(f"mixup/cutmix pair each sample with the batch's reverse and need an even "
