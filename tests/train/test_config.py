@@ -71,7 +71,7 @@ def test_trainer_config_has_its_groups_at_the_top():
 
 def test_the_table_covers_every_old_option():
     assert len(OLD_OPTIONS) == 37
-    assert set(OLD_OPTIONS) == set(OPTION_GROUPS) | {"bf16"}
+    assert set(OLD_OPTIONS) - {"bf16"} <= set(OPTION_GROUPS)  # new options may join the groups
 
 
 @pytest.mark.parametrize("name", list(OLD_OPTIONS))
