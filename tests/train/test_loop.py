@@ -34,7 +34,8 @@ def test_set_up_train_one_epoch_and_evaluate_on_the_torch_backend():
                                    train_step=loop.default_train_step, loss_fn=nn.CrossEntropyLoss(),
                                    inputs=spec)
         val = loop.evaluate(s.model, loop.loader(data, cfg.data, world_size=1, rank=0, epoch=0, train=False),
-                            cfg=cfg, loss_fn=nn.CrossEntropyLoss(), eval_step=loop.default_eval_step,
+                            data=cfg.data, diag=cfg.diagnostics, loss_fn=nn.CrossEntropyLoss(),
+                            eval_step=loop.default_eval_step,
                             autocast=s.autocast, dev=s.device, inputs=spec)
         return s, state, res, val
 

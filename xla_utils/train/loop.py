@@ -531,8 +531,9 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
     return MetricAccumulator(resolved, loss_fn, dev)
 
 
-def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, loss_fn: Callable,
-             eval_step: Callable, autocast: Any, dev: torch.device,
+def evaluate(model: torch.nn.Module, batches: Iterable, *, data: DataSettings,
+             diag: DiagnosticsSettings, loss_fn: Callable, eval_step: Callable, autocast: Any,
+             dev: torch.device,
              inputs: InputSpec, feed: Callable | None = None,
              memory_format: torch.memory_format = torch.contiguous_format) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
@@ -541,7 +542,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, l
     Args:
         model: The replica's model (set to eval mode here).
         batches: This rank's padded host batches ``(x, y, valid)``.
-        cfg: The trainer's configuration (``metrics``, normalisation).
+        data, diag: The run's data settings (normalisation) and diagnostics (``metrics``).
         loss_fn, eval_step: The trainer's loss and ``eval_step``.
         autocast: The autocast context of the run.
         dev: The replica's device.
@@ -557,9 +558,9 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, l
     with torch.no_grad():
         for x, y, valid in (feed or runtime.device_prefetch)(batches):
             with autocast:
-                out = eval_step(model, (prepare_input(x, cfg.data, False, inputs, memory_format), y))
+                out = eval_step(model, (prepare_input(x, data, False, inputs, memory_format), y))
             if acc is None:
-                acc = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
+                acc = metric_accumulator(diag.metrics, loss_fn, out, y, dev)
             acc.update(out, y, valid)
             runtime.sync()
     if acc is None:

@@ -177,7 +177,8 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
     if val is not None:
         metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg.data, epoch, train=False),
-                                cfg=cfg, loss_fn=loss_fn, eval_step=eval_step,
+                                data=cfg.data, diag=cfg.diagnostics, loss_fn=loss_fn,
+                                eval_step=eval_step,
                                 autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
                                 memory_format=s.plan.memory_format)
         record.update({"val_loss": metrics.pop("loss")}, **metrics)
