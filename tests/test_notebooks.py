@@ -274,9 +274,9 @@ def _known_options() -> set[str]:
     from xla_utils import cli, data
     from xla_utils.train import crossval, finetune, submission
     from xla_utils.diagnostics import debug, memory, readiness
-    from xla_utils.train.trainer import TrainerConfig
+    from xla_utils.train.config import OPTION_GROUPS
 
-    names = {f.name for f in dataclasses.fields(TrainerConfig)}
+    names = set(OPTION_GROUPS)
     names |= {f.name for f in dataclasses.fields(xla_utils.CacheConfig)}
     funcs = [getattr(xla_utils, n) for n in xla_utils.__all__ if callable(getattr(xla_utils, n, None))]
     funcs += [getattr(xla_utils.OneCycleTrainer, n) for n in dir(xla_utils.OneCycleTrainer)

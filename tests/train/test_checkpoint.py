@@ -118,3 +118,35 @@ def test_resume_goes_on_as_its_run_and_a_complete_run_trains_nothing(tmp_path, c
     assert again.epochs == resumed.epochs and again.run_id == first.run_id
     assert torch.equal(t.model.weight, torch.load(ck / f"epoch_006-{first.run_id}.pt",
                                                   weights_only=False)["model"]["weight"])
+
+
+def test_a_checkpoint_of_the_flat_settings_resumes(tmp_path, capsys):
+    """Checkpoints store the options flat, as before the settings were grouped (37 fields,
+    ``bf16`` among them): such a file resumes, and its values are still compared."""
+    ck = tmp_path / "ck"
+    _, first, _ = _fit(ck, capsys, epochs=2)
+    path = ck / f"epoch_001-{first.run_id}.pt"
+    state = torch.load(path, weights_only=False)
+    old = {"batch_size": 16, "eval_batch_size": None, "epochs": 2, "max_lr": 1e-2,
+           "weight_decay": 0.0, "pct_start": 0.3, "div_factor": 25.0, "final_div_factor": 1e4,
+           "moms": (0.95, 0.85, 0.95), "lr_scaling": None, "bf16": False, "precision": "auto",
+           "channels_last": "auto", "metrics": None, "checkpoint_dir": ck, "keep_checkpoints": 2,
+           "keep_runs": None, "seed": 0, "flip": True, "mean": (0.485, 0.456, 0.406),
+           "std": (0.229, 0.224, 0.225), "log_every": 20, "num_workers": None, "on_nan": "stop",
+           "compile_cache": "auto", "accum_steps": 1, "ema": None, "mixup": 0.0, "cutmix": 0.0,
+           "label_smoothing": 0.0, "monitor": None, "patience": None, "strategy": "spawn",
+           "fsdp_wrap": None, "activation_checkpointing": False, "lr_find_on_mesh": None}
+    assert set(state["config"]) == set(old) - {"bf16"}  # the same layout, less the alias
+    (ck / f"epoch_002-{first.run_id}.pt").unlink()
+    for batch, ok in ((32, False), (16, True)):
+        state["config"] = {**old, "batch_size": batch}
+        torch.save(state, path)
+        if not ok:
+            with pytest.raises(ValueError, match="batch_size: 32 in the checkpoint, 16 now"):
+                _fit(ck, capsys, epochs=2, resume=path)
+            continue
+        _, resumed, out = _fit(ck, capsys, epochs=2, resume=path)
+        assert f"resuming run {first.run_id} from {path.name} after epoch 1 of 2" in out, out
+        assert "changed:" not in out, out
+        assert [e["epoch"] for e in resumed.epochs] == [1, 2]
+        assert resumed.epochs[:1] == first.epochs[:1]

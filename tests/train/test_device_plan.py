@@ -58,7 +58,7 @@ def test_precision_on_xla_and_cpu():
     with pytest.raises(PrecisionError, match="TPU.*bfloat16"):
         resolve_precision("fp16", "xla")
     assert resolve_precision("auto", "cpu") == "fp32"
-    assert resolve_precision("bf16", "cpu") == "bf16"  # bf16=True on the CPU autocasts, as before
+    assert resolve_precision("bf16", "cpu") == "bf16"  # precision="bf16" on the CPU autocasts
     with pytest.raises(ValueError, match="needs the compute capability"):
         resolve_precision("auto", "cuda")
     with pytest.raises(ValueError, match="precision must be one of"):
@@ -67,12 +67,12 @@ def test_precision_on_xla_and_cpu():
 
 def test_config_precision_fields():
     assert TrainerConfig().precision == "auto" and TrainerConfig().channels_last == "auto"
-    c = TrainerConfig(bf16=True)
-    assert (c.precision, c.bf16) == ("bf16", True)  # bf16=True is precision="bf16"
-    c = TrainerConfig(precision="bf16")
-    assert (c.precision, c.bf16) == ("bf16", True)  # what the TPU-side checks read
+    with pytest.warns(DeprecationWarning, match=r"bf16=True is deprecated: use precision='bf16'"):
+        c = TrainerConfig(bf16=True)
+    assert c.optim.precision == "bf16"  # bf16=True is precision="bf16"
     assert TrainerConfig(precision="fp16", channels_last=False).precision == "fp16"
-    with pytest.raises(ValueError, match="bf16=True and precision='fp16' disagree"):
+    with pytest.raises(ValueError, match="bf16=True and precision='fp16' disagree"), \
+            pytest.warns(DeprecationWarning):
         TrainerConfig(bf16=True, precision="fp16")
     with pytest.raises(ValueError, match="precision must be one of"):
         TrainerConfig(precision="mixed")
@@ -127,8 +127,9 @@ def test_bf16_is_refused_on_a_t4_host_before_cuda_is_touched(tmp_path, monkeypat
         check_before_launch("bf16")
     for fine in ("auto", "fp16", "fp32"):
         check_before_launch(fine)  # nvidia-smi is not even asked: only bf16 can be refused
-    t = OneCycleTrainer(Counting(), nn.CrossEntropyLoss(), _pairs(), batch_size=16, bf16=True)
-    with pytest.raises(PrecisionError, match="bf16=True"):
+    t = OneCycleTrainer(Counting(), nn.CrossEntropyLoss(), _pairs(), batch_size=16,
+                        precision="bf16")
+    with pytest.raises(PrecisionError, match="precision='bf16' on"):
         t.fit()
     assert t.model.calls == 0
 

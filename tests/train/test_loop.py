@@ -29,12 +29,13 @@ def test_set_up_train_one_epoch_and_evaluate_on_the_torch_backend():
     def job():
         s = loop.set_up(model, cfg, data, base_lr=1e-2, lr_world=1, ckpt=None)
         state = loop.TrainState(step=0, initial_loss=None)
-        batches = loop.loader(data, cfg, world_size=s.world_size, rank=s.rank, epoch=0, train=True)
+        batches = loop.loader(data, cfg.data, world_size=s.world_size, rank=s.rank, epoch=0, train=True)
         res = loop.train_one_epoch(0, s, state, batches, cfg=cfg,
                                    train_step=loop.default_train_step, loss_fn=nn.CrossEntropyLoss(),
                                    inputs=spec)
-        val = loop.evaluate(s.model, loop.loader(data, cfg, world_size=1, rank=0, epoch=0, train=False),
-                            cfg=cfg, loss_fn=nn.CrossEntropyLoss(), eval_step=loop.default_eval_step,
+        val = loop.evaluate(s.model, loop.loader(data, cfg.data, world_size=1, rank=0, epoch=0, train=False),
+                            data=cfg.data, diag=cfg.diagnostics, loss_fn=nn.CrossEntropyLoss(),
+                            eval_step=loop.default_eval_step,
                             autocast=s.autocast, dev=s.device, inputs=spec)
         return s, state, res, val
 

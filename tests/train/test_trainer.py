@@ -21,7 +21,7 @@ def test_config_validation_and_scaling():
         TrainerConfig(batch_size=0)
     with pytest.raises(ValueError, match="lr_scaling"):
         TrainerConfig(lr_scaling="cubic")
-    with pytest.raises(TypeError, match="options are"):
+    with pytest.raises(TypeError, match="options, by group: data: batch_size"):
         OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), [], batchsize=3)
     assert scale_lr(1e-3, 8, "linear") == pytest.approx(8e-3)
     assert scale_lr(1e-3, 4, "sqrt") == pytest.approx(2e-3)
@@ -101,11 +101,11 @@ def test_validation_batch_is_eval_batch_size():
     train, val = digits_split()
     with pytest.raises(ValueError, match="eval_batch_size must be a positive int"):
         TrainerConfig(eval_batch_size=0)
-    assert TrainerConfig(batch_size=128).val_batch_size(1000, 1) == 128
-    assert TrainerConfig(batch_size=8).val_batch_size(1000, 8) == 64
-    assert TrainerConfig(batch_size=8).val_batch_size(100, 8) == 13  # one batch per core covers it
-    assert TrainerConfig(batch_size=8).val_batch_size(20, 8) == 8  # never below batch_size
-    assert TrainerConfig(batch_size=8, eval_batch_size=4).val_batch_size(1000, 8) == 4
+    assert TrainerConfig(batch_size=128).data.val_batch_size(1000, 1) == 128
+    assert TrainerConfig(batch_size=8).data.val_batch_size(1000, 8) == 64
+    assert TrainerConfig(batch_size=8).data.val_batch_size(100, 8) == 13  # one batch per core covers it
+    assert TrainerConfig(batch_size=8).data.val_batch_size(20, 8) == 8  # never below batch_size
+    assert TrainerConfig(batch_size=8, eval_batch_size=4).data.val_batch_size(1000, 8) == 4
     torch.manual_seed(0)
     init = _mlp()
     runs = {}
@@ -207,7 +207,7 @@ def test_debug_run_one_execution_per_step():
 def test_bf16_autocast_runs():
     train, val = digits_split()
     h = OneCycleTrainer(_mlp(), nn.CrossEntropyLoss(), train, val, batch_size=64, epochs=1,
-                        max_lr=1e-2, bf16=True).fit()
+                        max_lr=1e-2, precision="bf16").fit()
     assert np.isfinite(h[0]["train_loss"]) and np.isfinite(h[0]["val_loss"])
 
 
@@ -288,7 +288,7 @@ _OPTIONS = {
     "ema": dict(ema=0.99),
     "mixup": dict(mixup=0.2, cutmix=1.0, label_smoothing=0.1),
     "all_bf16": dict(accum_steps=2, ema=0.99, mixup=0.2, cutmix=1.0, label_smoothing=0.1,
-                     bf16=True),
+                     precision="bf16"),
 }
 
 

@@ -49,7 +49,8 @@ def test_three_typos_as_a_user_makes_them(tmp_path):
     msg = str(err.value)
     assert msg.startswith("OneCycleTrainer() got unexpected keyword argument 'batchsize' "
                           "(did you mean 'batch_size'?)")
-    assert "keep_runs" in msg.split("its options are: ")[1]  # and then every option
+    assert "checkpoints: checkpoint_dir, keep_checkpoints, keep_runs" in \
+        msg.split("its options, by group: ")[1]  # and then every option
 
     with pytest.raises(FileNotFoundError) as err:
         CachedImageDataset(tmp_path / "cache" / "trian")

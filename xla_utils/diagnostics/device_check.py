@@ -110,13 +110,13 @@ def _measure(model: torch.nn.Module, make_step: Any, data: Any, steps: int) -> d
     host reads in one more step."""
     stepper = make_step(copy.deepcopy(model), None)
     s, cfg, dev = stepper.s, make_step.cfg, runtime.device()
-    feed = _fed(s, data, cfg)
+    feed = _fed(s, data, cfg.data)
     first = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in next(feed))
     fed = _timed(stepper, feed, steps, dev)
     feed.close()  # the loader's threads end here
     ceiling = _timed(stepper, itertools.repeat(first), steps, dev)
     reads = _host_reads(stepper, first)
-    loader_sps = _loader_speed(s, data, cfg, steps)
+    loader_sps = _loader_speed(s, data, cfg.data, steps)
     meas = {"step_s": fed, "ceiling_s": ceiling, "loader_samples_per_s": loader_sps,
             "plan": s.plan.words, "host_reads": reads, "device": _device_words(dev),
             "device_type": dev.type, "peak_memory": None, "total_memory": None}

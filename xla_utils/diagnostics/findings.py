@@ -380,9 +380,9 @@ def _dtype_findings(meas: dict[str, Any]) -> list[Finding]:
         ("float64", "f64", "use float32 (and bfloat16 for speed on the TPU): model.float(), "
                            "x.float() / torch.from_numpy(a).float() for NumPy data (NumPy's default "
                            "is float64), dtype=torch.float32 in torch.tensor/arange/zeros; train in "
-                           "bfloat16 with torch.autocast('xla', dtype=torch.bfloat16) or bf16=True."),
+                           "bfloat16 with torch.autocast('xla', dtype=torch.bfloat16) or precision='bf16'."),
         ("float16", "f16", "TPUs have no float16 units: use bfloat16 (model.to(torch.bfloat16) or "
-                           "torch.autocast('xla', dtype=torch.bfloat16), the trainer's bf16=True) "
+                           "torch.autocast('xla', dtype=torch.bfloat16), the trainer's precision='bf16') "
                            "and drop .half(), torch.cuda.amp and GradScaler (bfloat16 needs no loss "
                            "scaling)."),
     ):
@@ -527,7 +527,7 @@ def memory_finding(meas: dict[str, Any], chip: TPUChip) -> Finding:
     msg += f"Largest per-core batch that fits: {show(fit)}" + (
         f" ({show(fit_tiled)} with tile padding)." if show(fit_tiled) != show(fit) else ".")
     fix = ("lower the per-core batch (and raise the LR less), train in bfloat16 (halves "
-           "activations: the trainer's bf16=True), or use activation checkpointing "
+           "activations: the trainer's precision='bf16'), or use activation checkpointing "
            "(torch.utils.checkpoint).")
     if total > usable:
         return Finding("memory", "error", msg + " The run would stop with an out-of-memory error.",

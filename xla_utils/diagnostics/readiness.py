@@ -96,7 +96,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
         train_step: ``train_step(model, (x, y), loss) -> loss tensor``, as in
             :class:`~xla_utils.train.trainer.OneCycleTrainer`.
         bf16: run forward/backward under ``torch.autocast(dtype=bfloat16)`` (the
-            trainer's ``bf16=True``). Default False.
+            trainer's ``precision='bf16'``). Default False.
         verbose: show a progress bar of the steps. Default True.
         timeout: seconds after which the child is killed (default: none).
         inputs: the report's input layout line; default: described from ``batch``.

@@ -12,7 +12,6 @@ Disk: every run writes its own epoch files (a run rotates only its own, see
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 import re
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
     from .config import TrainerConfig
 
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
-           "model_with_weights", "sharded_meta", "check_options", "run_files", "prune_runs",
+           "model_with_weights", "sharded_meta", "run_files", "prune_runs",
            "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS"]
 
 
@@ -59,23 +58,6 @@ _RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_facto
 
 # An epoch file of a run: ``epoch_<nnn>-<run id>.pt`` or its sharded twin ``.dcp`` (a folder).
 _RUN_FILE = re.compile(r"^epoch_(\d+)-(.+)\.(pt|dcp)$")
-
-
-def check_options(cfg: Any) -> None:
-    """Refuse ``keep_checkpoints`` / ``keep_runs`` values that cannot work (at config time).
-
-    Raises:
-        ValueError: ``keep_checkpoints`` is not an int >= 1, or ``keep_runs`` is neither
-            None nor an int >= 1; the message says what each keeps.
-    """
-    kc, kr = cfg.keep_checkpoints, cfg.keep_runs
-    if isinstance(kc, bool) or not isinstance(kc, int) or kc < 1:
-        raise ValueError(f"keep_checkpoints must be an int >= 1 (this run's newest epoch files "
-                         f"kept), got {kc!r}")
-    if kr is not None and (isinstance(kr, bool) or not isinstance(kr, int) or kr < 1):
-        raise ValueError(f"keep_runs must be None (keep every run's files) or an int >= 1 (the "
-                         f"newest runs whose epoch files stay in checkpoint_dir, this run "
-                         f"included), got {kr!r}")
 
 
 def _size(path: Path) -> int:
@@ -306,7 +288,7 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
         holds the run's last epoch, that the run is already complete.
     """
     old = dict(ckpt.get("config", {}))
-    new = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"}
+    new = {k: v for k, v in cfg.options().items() if k != "optimizer"}
     fixed: list[str] = []
 
     def differs(a: Any, b: Any) -> bool:
@@ -476,7 +458,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
         "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": world_size,
         "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
         "optimizer_name": _optimizer_name(cfg.optimizer), "device_type": runtime.device().type,
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "optimizer"},
+        "config": {k: v for k, v in cfg.options().items() if k != "optimizer"},
     }
     if ema is not None:
         state["ema"] = ema

@@ -1,74 +1,216 @@
-"""The trainer's configuration: :class:`TrainerConfig`, every keyword of
-:class:`~xla_utils.train.trainer.OneCycleTrainer`, and the values its options take.
+"""The trainer's configuration: :class:`TrainerConfig`, the settings of
+:class:`~xla_utils.train.trainer.OneCycleTrainer` in seven groups, and the values its
+options take.
 
-A low module of its own, so that every module that is passed the configuration can
-name its type. Its checks (``__post_init__``) ask the modules that own each option
-(optimizer names: :mod:`xla_utils.train.optim`; EMA, mixup, cutmix, smoothing:
-:mod:`xla_utils.train.mixup`; ``monitor``: :mod:`xla_utils.train.history`; ``strategy``:
-:mod:`xla_utils.train.strategy`; ``compile_cache``: :mod:`xla_utils.runtime`), so those modules
-import :class:`TrainerConfig` for their annotations only (``if TYPE_CHECKING:``).
-``from xla_utils.train.trainer import TrainerConfig`` keeps working.
+Each group is a small dataclass that checks its own fields when built
+(:class:`DataSettings`, :class:`ScheduleSettings`, :class:`OptimSettings`,
+:class:`AugmentSettings`, :class:`CheckpointSettings`, :class:`DeviceSettings`,
+:class:`DiagnosticsSettings`); :class:`TrainerConfig` holds one of each and checks the
+few rules that span two groups. Users pass the options flat
+(``OneCycleTrainer(..., batch_size=64, max_lr=1e-3)``, ``TrainerConfig(epochs=5)``): each
+keyword goes to its group (:data:`OPTION_GROUPS`), and an unknown one is refused with the
+nearest name and its group. A low module of its own: the parts of the trainer import the
+group they read from here, and it imports none of them back.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from . import device_plan
 from .. import runtime
-from . import strategy as _strategy
-from .checkpoint import check_options as check_checkpoint_options
 from ..data import IMAGENET_MEAN, IMAGENET_STD
-from .history import check_monitor
-from .mixup import check_step_options
+from ..runtime.shardinfo import STRATEGIES
+from ..utils.suggest import choice, closest, deprecated, did_you_mean
+from .device_plan import PRECISIONS
+from .ema import check_ema
 from .optim import resolve_optimizer
-from ..utils.suggest import choice
+from .schedule import OneCycleSchedule
 
-__all__ = ["TrainerConfig", "LR_SCALING", "ON_NAN"]
+__all__ = ["TrainerConfig", "DataSettings", "ScheduleSettings", "OptimSettings",
+           "AugmentSettings", "CheckpointSettings", "DeviceSettings", "DiagnosticsSettings",
+           "GROUPS", "OPTION_GROUPS", "LR_SCALING", "ON_NAN", "LOSS_MONITORS",
+           "METRIC_MONITORS", "check_option_names"]
 
 LR_SCALING = ("linear", "sqrt", "none")
 ON_NAN = ("stop", "continue")
+# Values of a history record that ``monitor`` may name (besides ``top<k>``); losses are
+# better lower, metrics higher.
+LOSS_MONITORS = ("val_loss", "train_loss")
+METRIC_MONITORS = ("accuracy", "f1")
+
+
+def _positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 @dataclass
-class TrainerConfig:
-    """Hyper-parameters of :class:`~xla_utils.train.trainer.OneCycleTrainer` (all keyword arguments of it).
-
-    Every string option is read after ``.strip().lower()`` and stored so (``"AdamW "`` is
-    ``"adamw"``, ``max_lr="Find"`` is ``"find"``); a near miss is refused with a suggestion.
+class DataSettings:
+    """What the loader feeds (``config.data``).
 
     Attributes:
         batch_size: Samples per core per step (global batch = batch_size x cores); default 32.
         eval_batch_size: Samples per core per batch of ``fit``'s per-epoch validation
             (one padded, masked shape). Default None: :meth:`val_batch_size`'s choice.
+        num_workers: Host threads/processes assembling batches (None = automatic).
+        flip: Random horizontal flip of uint8 image batches on the device. Default True.
+        mean, std: Per-channel normalisation of uint8 images, in 0..1 units
+            (default ImageNet's).
+        seed: Seeds data order and device RNG (flips, dropout). Default 0.
+    """
+
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    num_workers: int | None = None
+    flip: bool = True
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int (per core), got {self.batch_size!r}")
+        ebs = self.eval_batch_size
+        if ebs is not None and not _positive_int(ebs):
+            raise ValueError(f"eval_batch_size must be a positive int (per core) or None "
+                             f"(max(batch_size, 64)), got {ebs!r}")
+
+    def val_batch_size(self, samples: int, cores: int) -> int:
+        """The per-epoch validation's batch per core for ``samples`` items over ``cores``:
+        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))`` (no
+        gradients, so larger than a tiny training batch; pass ``eval_batch_size=batch_size``
+        if validation runs out of memory)."""
+        if self.eval_batch_size:
+            return self.eval_batch_size
+        return max(self.batch_size, min(64, -(-samples // cores)))
+
+
+@dataclass
+class ScheduleSettings:
+    """The one-cycle run (``config.schedule``); ``fit()`` overrides any of them for one run.
+
+    Attributes:
         epochs: Passes over the training data. Default 1.
         max_lr: Peak LR for ONE core at ``batch_size`` (scaled by ``lr_scaling``),
             or ``"find"`` to run the LR finder first. Default 1e-3.
-        optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` or a callable ``f(params, lr=..., weight_decay=...)``.
-            Default ``"adamw"``. An unknown name raises ``ValueError`` here.
-        weight_decay: Default 0.0 (AdamW: decoupled).
-        pct_start, div_factor, final_div_factor, moms: One-cycle shape (torch
-            ``OneCycleLR`` defaults 0.3, 25, 1e4; momentum/beta1 0.95 -> 0.85 -> 0.95).
         lr_scaling: How ``max_lr`` grows with the number of cores k: ``"linear"``
             (x k, Goyal et al. 2017), ``"sqrt"`` (x sqrt k) or ``"none"``. Default
             None = linear for SGD, sqrt for Adam/AdamW and callables.
-        bf16: ``precision="bf16"`` (kept for older notebooks; both given must agree). Default False.
+        pct_start, div_factor, final_div_factor, moms: One-cycle shape (torch
+            ``OneCycleLR`` defaults 0.3, 25, 1e4; momentum/beta1 0.95 -> 0.85 -> 0.95).
+    """
+
+    epochs: int = 1
+    max_lr: float | str = 1e-3
+    lr_scaling: str | None = None
+    pct_start: float = 0.3
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+    moms: tuple[float, float, float] | None = (0.95, 0.85, 0.95)
+
+    def __post_init__(self) -> None:
+        self.max_lr = choice(self.max_lr, ("find",), "max_lr", "a positive number")
+        self.lr_scaling = choice(self.lr_scaling, LR_SCALING, "lr_scaling", "None")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
+        if self.max_lr != "find" and not (isinstance(self.max_lr, (int, float)) and self.max_lr > 0):
+            raise ValueError(f"max_lr must be a positive number or 'find', got {self.max_lr!r}")
+        if self.lr_scaling is not None and self.lr_scaling not in LR_SCALING:
+            raise ValueError(f"lr_scaling must be one of {LR_SCALING} or None, got {self.lr_scaling!r}")
+        OneCycleSchedule(total_steps=1, max_lr=1.0, pct_start=self.pct_start,
+                         div_factor=self.div_factor, final_div_factor=self.final_div_factor,
+                         moms=self.moms)  # the shape's own checks
+
+
+@dataclass
+class OptimSettings:
+    """The optimizer and the step's arithmetic (``config.optim``).
+
+    Attributes:
+        optimizer: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` or a callable
+            ``f(params, lr=..., weight_decay=...)``. Default ``"adamw"``. An unknown name
+            raises ``ValueError`` here.
+        weight_decay: Default 0.0 (AdamW: decoupled).
+        accum_steps: Micro-batches per optimizer step (default 1); global batch = batch_size
+            x cores x accum_steps, which scales the LR; the one-cycle counts optimizer steps.
         precision: ``"auto"`` (default): bf16 autocast on GPUs with bf16 matrix units (compute
             capability >= 8.0: A100, L4, H100), fp16 autocast with a ``torch.amp.GradScaler`` on
             older GPUs (T4, V100, P100), float32 on TPUs (unless ``"bf16"``) and the CPU;
             ``"bf16"``, ``"fp16"`` or ``"fp32"`` force one. fp16 on a TPU and bf16 on a GPU without
             it are refused before any device time. Steps the scaler skips (inf/NaN gradients)
             are counted per epoch (history ``skipped_steps``) and still advance the one-cycle
-            schedule; the scaler's state is in the checkpoints. See :mod:`xla_utils.train.device_plan`.
+            schedule; the scaler's state is in the checkpoints. See
+            :mod:`xla_utils.train.device_plan`. The keyword ``bf16=True`` of older notebooks is
+            ``precision="bf16"`` (deprecated: it warns).
         channels_last: ``"auto"`` (default): on CUDA, a model with ``Conv2d`` layers and image
             inputs run in channels_last memory format (the images normalised straight into it);
             True forces it on the torch backend, False keeps NCHW. XLA picks its own layouts.
-        metrics: Validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``,
-            ``"f1"``); None = accuracy (+top5 above 10 classes), F1 for
-            multi-label data.
+    """
+
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
+    weight_decay: float = 0.0
+    accum_steps: int = 1
+    precision: str = "auto"
+    channels_last: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        self.optimizer = resolve_optimizer(self.optimizer)
+        self.precision = choice(self.precision, PRECISIONS, "precision")
+        self.channels_last = choice(self.channels_last, ("auto",), "channels_last", "True/False")
+        if not _positive_int(self.accum_steps):
+            raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step; "
+                             f"1 = no accumulation), got {self.accum_steps!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not (self.channels_last == "auto" or isinstance(self.channels_last, bool)):
+            raise ValueError(f"channels_last must be 'auto', True or False, got {self.channels_last!r}")
+
+
+@dataclass
+class AugmentSettings:
+    """On-device augmentation and the weight EMA (``config.augment``).
+
+    Attributes:
+        mixup, cutmix, label_smoothing: timm-style, on the device (:mod:`xla_utils.train.mixup`):
+            Beta alphas (usual 0.2, 1.0) and smoothing in [0, 1); default 0 (off). Mixing
+            needs an even ``batch_size`` (checked by :class:`TrainerConfig`).
+        ema: Decay of a device weight EMA (timm ``ModelEmaV3`` warm-up,
+            :mod:`xla_utils.train.ema`) that validation, ``evaluate`` and ``predict`` use;
+            default None (off).
+    """
+
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    label_smoothing: float = 0.0
+    ema: float | None = None
+
+    def __post_init__(self) -> None:
+        check_ema(self.ema)
+        for name, v in (("mixup", self.mixup), ("cutmix", self.cutmix)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                    or not math.isfinite(v):
+                raise ValueError(f"{name} must be a Beta alpha >= 0 (0 = off; timm's usual values: "
+                                 f"mixup=0.2 or 0.8, cutmix=1.0), got {v!r}")
+        ls = self.label_smoothing
+        if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0 <= ls < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1) (0 = off, usual 0.1), got {ls!r}")
+
+    @property
+    def mixes(self) -> bool:
+        """Whether batches are mixed (mixup or cutmix on)."""
+        return self.mixup > 0 or self.cutmix > 0
+
+
+@dataclass
+class CheckpointSettings:
+    """Epoch files and the best epoch (``config.checkpoints``).
+
+    Attributes:
         checkpoint_dir: Write ``epoch_<nnn>-<run id>.pt`` after every epoch whose
             loss is finite and ``final.pt`` (weights only) at the end of a run that
             was not stopped: the weights ``predict`` uses (with ``ema`` the EMA
@@ -80,35 +222,6 @@ class TrainerConfig:
             older runs' files are deleted once this run has written its first epoch
             file (never this run's, nor ``final.pt``/``best.pt``). Default None: every
             run's are kept, and ``fit`` says what earlier runs hold (count, size).
-        seed: Seeds data order and device RNG (flips, dropout). Default 0.
-        flip: Random horizontal flip of uint8 image batches on the device.
-            Default True.
-        mean, std: Per-channel normalisation of uint8 images, in 0..1 units
-            (default ImageNet's).
-        log_every: Steps between loss reads for the progress bar (default 20;
-            each read waits for the device).
-        num_workers: Host threads/processes assembling batches (None = automatic).
-        on_nan: What to do when training diverges: the training loss read (every
-            ``log_every`` steps and at each epoch end) is NaN or infinite, or an epoch's
-            training or validation loss ends above ``loop.VAL_LOSS_EXPLODES`` (10) times the
-            untrained model's loss at the first step (judged at epoch ends, so never inside
-            the first epoch). ``"stop"`` (default) stops there; the model keeps the weights
-            of the last good epoch (a host copy made at each epoch end), no checkpoint is
-            written for the bad one, and ``History.stop_reason`` and one warning say why.
-            ``"continue"`` says so once and trains on (no checkpoint for a non-finite epoch).
-        compile_cache: torch_xla's persistent compilation cache for ``fit``,
-            ``predict``, ``evaluate``, ``find_lr`` and ``check``: ``"auto"``
-            (default) on TPUs only, under a folder that survives a notebook restart
-            (``/kaggle/working/xla_compile_cache``, ``/content/xla_compile_cache``,
-            else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
-            on XLA:CPU, which writes entries but cannot load them); ``None`` off.
-            See :mod:`xla_utils.runtime.compile_cache`.
-        accum_steps: Micro-batches per optimizer step (default 1); global batch = batch_size
-            x cores x accum_steps, which scales the LR; the one-cycle counts optimizer steps.
-        ema: Decay of a device weight EMA (timm ``ModelEmaV3`` warm-up, :mod:`xla_utils.train.ema`)
-            that validation, ``evaluate`` and ``predict`` use; default None (off).
-        mixup, cutmix, label_smoothing: timm-style, on the device (:mod:`xla_utils.train.mixup`):
-            Beta alphas (usual 0.2, 1.0) and smoothing in [0, 1); default 0 (off).
         monitor: Keep the best epoch by this record value: ``"val_loss"``,
             ``"train_loss"`` or a validation metric (``"accuracy"``, ``"top<k>"``,
             ``"f1"``; higher is better except for losses). The run returns (and
@@ -116,6 +229,49 @@ class TrainerConfig:
             ``checkpoint_dir/best.pt``. Default None (the last epoch's weights).
         patience: With ``monitor``: stop after this many epochs without
             improvement (``History.stop_reason`` says so). Default None.
+    """
+
+    checkpoint_dir: str | os.PathLike | None = None
+    keep_checkpoints: int = 2
+    keep_runs: int | None = None
+    monitor: str | None = None
+    patience: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.monitor, str):
+            self.monitor = self.monitor.strip().lower()
+        kc, kr = self.keep_checkpoints, self.keep_runs
+        if not _positive_int(kc):
+            raise ValueError(f"keep_checkpoints must be an int >= 1 (this run's newest epoch files "
+                             f"kept), got {kc!r}")
+        if kr is not None and not _positive_int(kr):
+            raise ValueError(f"keep_runs must be None (keep every run's files) or an int >= 1 (the "
+                             f"newest runs whose epoch files stay in checkpoint_dir, this run "
+                             f"included), got {kr!r}")
+        self._check_monitor()
+
+    def _check_monitor(self) -> None:
+        monitor, patience = self.monitor, self.patience
+        if monitor is not None and not (isinstance(monitor, str) and (
+                monitor in LOSS_MONITORS or monitor in METRIC_MONITORS
+                or re.fullmatch(r"top\d+", monitor))):
+            raise ValueError(f"monitor={monitor!r} is not a value fit records: use 'val_loss', "
+                             "'train_loss' or a validation metric ('accuracy', 'top<k>', 'f1'), "
+                             "or None")
+        if patience is not None:
+            if not _positive_int(patience):
+                raise ValueError(f"patience must be an int >= 1 (epochs without improvement before "
+                                 f"stopping) or None, got {patience!r}")
+            if monitor is None:
+                raise ValueError("patience= needs monitor= (the value that must improve), e.g. "
+                                 "monitor='val_loss' or monitor='accuracy'")
+
+
+@dataclass
+class DeviceSettings:
+    """How the model is spread over the devices, and compiled graphs kept (``config.devices``).
+
+    Attributes:
         strategy: ``"spawn"`` (default: one process per core, whole model on each),
             ``"spmd"`` (one process feeds every device, batch split over a 1-D mesh) or
             ``"fsdp"`` (FSDPv2: parameters, gradients, optimizer state and batch sharded
@@ -128,97 +284,227 @@ class TrainerConfig:
         lr_find_on_mesh: Where ``find_lr`` / ``fit(max_lr="find")`` sweep under
             ``"spmd"``/``"fsdp"``: None (default) on the mesh only when one core cannot
             hold the model, True always on the mesh, False on one core.
+        compile_cache: torch_xla's persistent compilation cache for ``fit``,
+            ``predict``, ``evaluate``, ``find_lr`` and ``check``: ``"auto"``
+            (default) on TPUs only, under a folder that survives a notebook restart
+            (``/kaggle/working/xla_compile_cache``, ``/content/xla_compile_cache``,
+            else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
+            on XLA:CPU, which writes entries but cannot load them); ``None`` off.
+            See :mod:`xla_utils.runtime.compile_cache`.
     """
 
-    batch_size: int = 32
-    eval_batch_size: int | None = None
-    epochs: int = 1
-    max_lr: float | str = 1e-3
-    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
-    weight_decay: float = 0.0
-    pct_start: float = 0.3
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
-    moms: tuple[float, float, float] | None = (0.95, 0.85, 0.95)
-    lr_scaling: str | None = None
-    bf16: bool = False
-    precision: str = "auto"
-    channels_last: bool | str = "auto"
-    metrics: Sequence[str] | None = None
-    checkpoint_dir: str | os.PathLike | None = None
-    keep_checkpoints: int = 2
-    keep_runs: int | None = None
-    seed: int = 0
-    flip: bool = True
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-    log_every: int = 20
-    num_workers: int | None = None
-    on_nan: str = "stop"
-    compile_cache: str | os.PathLike | bool | None = "auto"
-    accum_steps: int = 1
-    ema: float | None = None
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    label_smoothing: float = 0.0
-    monitor: str | None = None
-    patience: int | None = None
     strategy: str = "spawn"
     fsdp_wrap: Sequence[type | str] | type | str | int | None = None
     activation_checkpointing: bool = False
     lr_find_on_mesh: bool | None = None
+    compile_cache: str | os.PathLike | bool | None = "auto"
 
     def __post_init__(self) -> None:
-        self.optimizer = resolve_optimizer(self.optimizer)
-        self._normalise_strings()
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int (per core), got {self.batch_size!r}")
-        ebs = self.eval_batch_size
-        if ebs is not None and (isinstance(ebs, bool) or not isinstance(ebs, int) or ebs < 1):
-            raise ValueError(f"eval_batch_size must be a positive int (per core) or None "
-                             f"(max(batch_size, 64)), got {ebs!r}")
-        if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
-        if self.max_lr != "find" and not (isinstance(self.max_lr, (int, float)) and self.max_lr > 0):
-            raise ValueError(f"max_lr must be a positive number or 'find', got {self.max_lr!r}")
-        if self.lr_scaling is not None and self.lr_scaling not in LR_SCALING:
-            raise ValueError(f"lr_scaling must be one of {LR_SCALING} or None, got {self.lr_scaling!r}")
-        if self.log_every < 1:
-            raise ValueError("log_every must be >= 1")
-        check_checkpoint_options(self)
-        if self.on_nan not in ON_NAN:
-            raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
+        self.strategy = choice(self.strategy, STRATEGIES, "strategy")
         runtime.check_compile_cache_option(self.compile_cache)
-        device_plan.check_config(self)
-        check_step_options(self)
-        check_monitor(self.monitor, self.patience)
-        _strategy.check_config(self)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        wrap = self.fsdp_wrap
+        ok = wrap is None or _positive_int(wrap) or isinstance(wrap, (str, type)) or (
+            isinstance(wrap, (list, tuple, set, frozenset)) and len(wrap) > 0
+            and all(isinstance(w, (str, type)) for w in wrap))
+        if not ok:
+            raise ValueError("fsdp_wrap must be None (the whole model as one FSDP unit), module "
+                             "classes or class names (e.g. [nn.TransformerEncoderLayer] or "
+                             f"['Block']), or a minimum parameter count per unit (int >= 1); got {wrap!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing must be True or False, got "
+                             f"{self.activation_checkpointing!r}")
+        if self.lr_find_on_mesh not in (None, True, False):
+            raise ValueError(f"lr_find_on_mesh must be None (automatic), True or False, got "
+                             f"{self.lr_find_on_mesh!r}")
+        if self.lr_find_on_mesh and self.strategy == "spawn":
+            raise ValueError("lr_find_on_mesh=True sweeps as a mesh run, but strategy='spawn' has "
+                             "no mesh. Fix: strategy='spmd' or 'fsdp', or drop lr_find_on_mesh")
+        if self.strategy != "fsdp" and (wrap is not None or self.activation_checkpointing):
+            name = "fsdp_wrap" if wrap is not None else "activation_checkpointing"
+            raise ValueError(f"{name} applies to FSDP units, but strategy={self.strategy!r}. Fix: "
+                             f"strategy='fsdp', or drop {name}")
 
-    def _normalise_strings(self) -> None:
-        """Every string option as :func:`~xla_utils.utils.suggest.choice` reads it (after
-        ``.strip().lower()``; a near miss refused with its suggestion), as ``optimizer``."""
-        self.max_lr = choice(self.max_lr, ("find",), "max_lr", "a positive number")
-        self.lr_scaling = choice(self.lr_scaling, LR_SCALING, "lr_scaling", "None")
-        self.precision = choice(self.precision, device_plan.PRECISIONS, "precision")
-        self.channels_last = choice(self.channels_last, ("auto",), "channels_last", "True/False")
+
+@dataclass
+class DiagnosticsSettings:
+    """What a run measures and reports, and what it does when it diverges
+    (``config.diagnostics``).
+
+    Attributes:
+        metrics: Validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``,
+            ``"f1"``); None = accuracy (+top5 above 10 classes), F1 for
+            multi-label data.
+        log_every: Steps between loss reads for the progress bar (default 20;
+            each read waits for the device).
+        on_nan: What to do when training diverges: the training loss read (every
+            ``log_every`` steps and at each epoch end) is NaN or infinite, or an epoch's
+            training or validation loss ends above ``loop.VAL_LOSS_EXPLODES`` (10) times the
+            untrained model's loss at the first step (judged at epoch ends, so never inside
+            the first epoch). ``"stop"`` (default) stops there; the model keeps the weights
+            of the last good epoch (a host copy made at each epoch end), no checkpoint is
+            written for the bad one, and ``History.stop_reason`` and one warning say why.
+            ``"continue"`` says so once and trains on (no checkpoint for a non-finite epoch).
+    """
+
+    metrics: Sequence[str] | None = None
+    log_every: int = 20
+    on_nan: str = "stop"
+
+    def __post_init__(self) -> None:
         self.on_nan = choice(self.on_nan, ON_NAN, "on_nan")
-        self.strategy = choice(self.strategy, _strategy.STRATEGIES, "strategy")
-        if isinstance(self.monitor, str):
-            self.monitor = self.monitor.strip().lower()
         if self.metrics is not None and not isinstance(self.metrics, str):
             self.metrics = [m.strip().lower() if isinstance(m, str) else m for m in self.metrics]
+        if self.log_every < 1:
+            raise ValueError("log_every must be >= 1")
+        if self.on_nan not in ON_NAN:
+            raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
 
-    def val_batch_size(self, samples: int, cores: int) -> int:
-        """The per-epoch validation's batch per core for ``samples`` items over ``cores``:
-        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))`` (no
-        gradients, so larger than a tiny training batch; pass ``eval_batch_size=batch_size``
-        if validation runs out of memory)."""
-        if self.eval_batch_size:
-            return self.eval_batch_size
-        return max(self.batch_size, min(64, -(-samples // cores)))
+
+# The groups, by their attribute of TrainerConfig (docs/TRAINER.md's table, in its order).
+GROUPS: dict[str, type] = {
+    "data": DataSettings, "schedule": ScheduleSettings, "optim": OptimSettings,
+    "augment": AugmentSettings, "checkpoints": CheckpointSettings, "devices": DeviceSettings,
+    "diagnostics": DiagnosticsSettings}
+# Every option (a keyword of OneCycleTrainer and TrainerConfig) -> the attribute of its group.
+OPTION_GROUPS: dict[str, str] = {f.name: attr for attr, cls in GROUPS.items()
+                                 for f in dataclasses.fields(cls)}
+
+
+def check_option_names(where: str, options: Mapping[str, Any]) -> None:
+    """Refuse keywords that are no option (nor a group, nor the deprecated ``bf16``).
+
+    Args:
+        where: The callable the user called, for the message (``"OneCycleTrainer()"``).
+        options: The keywords given.
+
+    Raises:
+        TypeError: each unknown keyword with the nearest option and the group it is in
+            (``'batchsize' (did you mean 'batch_size'?) in the data group
+            (config.data.batch_size)``), then every option by group.
+    """
+    known = [*OPTION_GROUPS, *GROUPS, "bf16"]
+    unknown = [k for k in options if k not in known]
+    if not unknown:
+        return
+    parts = []
+    for k in unknown:
+        near = closest(k, OPTION_GROUPS, n=1)
+        attr = OPTION_GROUPS[near[0]] if near else ""
+        where_near = f" in the {attr} group (config.{attr}.{near[0]})" if near else ""
+        parts.append(f"{k!r}{did_you_mean(k, OPTION_GROUPS)}{where_near}")
+    by_group = "; ".join(f"{attr}: {', '.join(f.name for f in dataclasses.fields(cls))}"
+                         for attr, cls in GROUPS.items())
+    s = "s" if len(parts) > 1 else ""
+    raise TypeError(f"{where} got unexpected keyword argument{s} {', '.join(parts)}; "
+                    f"its options, by group: {by_group}")
+
+
+def _bf16_alias(options: dict[str, Any]) -> None:
+    """``bf16=`` (older notebooks) as ``precision``, with the deprecation warning."""
+    bf16 = options.pop("bf16")
+    if not isinstance(bf16, bool):
+        raise ValueError(f"bf16 must be True or False, got {bf16!r}")
+    deprecated(f"bf16={bf16}", "precision='bf16'" if bf16 else "precision (default 'auto')")
+    if not bf16:
+        return
+    precision = options.get("precision", "auto")
+    if isinstance(precision, str) and precision.strip().lower() not in ("auto", "bf16"):
+        raise ValueError(f"bf16=True and precision={precision!r} disagree: bf16=True is "
+                         "precision='bf16'. Fix: drop bf16=True (or pass precision='bf16')")
+    options["precision"] = "bf16"
+
+
+@dataclass(init=False)
+class TrainerConfig:
+    """Every setting of :class:`~xla_utils.train.trainer.OneCycleTrainer`, in groups.
+
+    ``TrainerConfig(batch_size=64, epochs=5)`` takes the options flat, as the trainer does,
+    and puts each in its group; ``TrainerConfig(data=DataSettings(...), ...)`` takes whole
+    groups (options given beside a group override its fields). Each group checks its own
+    fields when built; this class checks the rules that span groups. Every string option is
+    read after ``.strip().lower()`` and stored so (``"AdamW "`` is ``"adamw"``,
+    ``max_lr="Find"`` is ``"find"``); a near miss is refused with a suggestion.
+
+    Read a setting through its group (``config.schedule.max_lr``); the flat name
+    (``config.max_lr``) is the same attribute, for reading and writing. A written value is
+    not checked again: :meth:`replace` makes a checked copy.
+
+    Attributes:
+        data: :class:`DataSettings`: ``batch_size``, ``eval_batch_size``, ``num_workers``,
+            ``flip``, ``mean``, ``std``, ``seed``.
+        schedule: :class:`ScheduleSettings`: ``epochs``, ``max_lr``, ``lr_scaling``,
+            ``pct_start``, ``div_factor``, ``final_div_factor``, ``moms``.
+        optim: :class:`OptimSettings`: ``optimizer``, ``weight_decay``, ``accum_steps``,
+            ``precision``, ``channels_last``.
+        augment: :class:`AugmentSettings`: ``mixup``, ``cutmix``, ``label_smoothing``, ``ema``.
+        checkpoints: :class:`CheckpointSettings`: ``checkpoint_dir``, ``keep_checkpoints``,
+            ``keep_runs``, ``monitor``, ``patience``.
+        devices: :class:`DeviceSettings`: ``strategy``, ``fsdp_wrap``,
+            ``activation_checkpointing``, ``lr_find_on_mesh``, ``compile_cache``.
+        diagnostics: :class:`DiagnosticsSettings`: ``metrics``, ``log_every``, ``on_nan``.
+    """
+
+    data: DataSettings = field(default_factory=DataSettings)
+    schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    augment: AugmentSettings = field(default_factory=AugmentSettings)
+    checkpoints: CheckpointSettings = field(default_factory=CheckpointSettings)
+    devices: DeviceSettings = field(default_factory=DeviceSettings)
+    diagnostics: DiagnosticsSettings = field(default_factory=DiagnosticsSettings)
+
+    def __init__(self, **options: Any) -> None:
+        check_option_names("TrainerConfig()", options)
+        if "bf16" in options:
+            _bf16_alias(options)
+        groups = {attr: options.pop(attr, None) for attr in GROUPS}
+        for attr, cls in GROUPS.items():
+            group = groups[attr]
+            if group is not None and not isinstance(group, cls):
+                raise TypeError(f"{attr} must be a {cls.__name__}, got {type(group).__name__}")
+            mine = {k: options[k] for k in options if OPTION_GROUPS[k] == attr}
+            if group is None:
+                group = cls(**mine)
+            elif mine:
+                group = dataclasses.replace(group, **mine)
+            setattr(self, attr, group)
+        self._check_across_groups()
+
+    def _check_across_groups(self) -> None:
+        """The rule that spans two groups."""
+        bs = self.data.batch_size
+        if self.augment.mixes and bs % 2:
+            raise ValueError(f"mixup/cutmix pair each sample with the batch's reverse and need an even "
+                             f"batch_size (per core), got {bs}: use batch_size="
+                             f"{bs + 1} or {max(bs - 1, 2)}")
+
+    def replace(self, **options: Any) -> "TrainerConfig":
+        """A copy with ``options`` (flat names, as the constructor takes) changed, checked
+        by their groups."""
+        return TrainerConfig(**{attr: getattr(self, attr) for attr in GROUPS}, **options)
+
+    def options(self) -> dict[str, Any]:
+        """Every option by its flat name (the layout checkpoints store)."""
+        return {name: getattr(getattr(self, attr), name) for name, attr in OPTION_GROUPS.items()}
 
     @property
     def scaling_rule(self) -> str:
-        if self.lr_scaling is not None:
-            return self.lr_scaling
-        return "linear" if self.optimizer == "sgd" else "sqrt"
+        """``lr_scaling``, or its default for the optimizer: linear for SGD, else sqrt."""
+        if self.schedule.lr_scaling is not None:
+            return self.schedule.lr_scaling
+        return "linear" if self.optim.optimizer == "sgd" else "sqrt"
+
+
+def _flat(name: str, attr: str) -> property:
+    def get(self: TrainerConfig) -> Any:
+        return getattr(getattr(self, attr), name)
+
+    def put(self: TrainerConfig, value: Any) -> None:
+        setattr(getattr(self, attr), name, value)
+
+    return property(get, put, doc=f"``config.{attr}.{name}``")
+
+
+for _name, _attr in OPTION_GROUPS.items():
+    setattr(TrainerConfig, _name, _flat(_name, _attr))

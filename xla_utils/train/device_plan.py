@@ -1,7 +1,7 @@
 """How a run uses its device: precision, memory layout and host buffers, decided once per run.
 
 On XLA (TPU cores, simulated cores) nothing here changes what runs: bfloat16 autocast
-when asked (``precision="bf16"`` or ``bf16=True``), float32 otherwise (``"auto"`` too),
+when asked (``precision="bf16"``), float32 otherwise (``"auto"`` too),
 XLA's own layouts, and batches moved by :func:`xla_utils.runtime.device_prefetch`'s
 thread. On the torch backend (one CUDA GPU, or the CPU) a :class:`DevicePlan` feeds the
 GPU like a careful hand-written loop
@@ -40,7 +40,7 @@ import torch
 from .. import runtime
 from ..env.gpu import cuda_facts
 
-__all__ = ["PRECISIONS", "PrecisionError", "check_config", "resolve_precision",
+__all__ = ["PRECISIONS", "PrecisionError", "resolve_precision",
            "check_before_launch", "DeviceRequest", "DevicePlan"]
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -50,29 +50,6 @@ _NAMES = {"bf16": "bf16 autocast", "fp16": "fp16 autocast + GradScaler", "fp32":
 
 class PrecisionError(ValueError):
     """A precision the device cannot run well; the message says why and the fix."""
-
-
-def check_config(cfg: Any) -> None:
-    """Refuse bad ``precision`` / ``bf16`` / ``channels_last`` values of a
-    :class:`~xla_utils.train.trainer.TrainerConfig` and make the two precision fields agree:
-    ``bf16=True`` sets ``precision="bf16"`` and ``precision="bf16"`` sets ``bf16=True``
-    (what the TPU-side checks read).
-
-    Raises:
-        ValueError: an unknown value, or ``bf16=True`` with ``precision`` ``"fp16"`` /
-            ``"fp32"``.
-    """
-    if cfg.precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
-    if not isinstance(cfg.bf16, bool):
-        raise ValueError(f"bf16 must be True or False, got {cfg.bf16!r}")
-    if cfg.bf16 and cfg.precision not in ("auto", "bf16"):
-        raise ValueError(f"bf16=True and precision={cfg.precision!r} disagree: bf16=True is "
-                         "precision='bf16'. Fix: drop bf16=True (or pass precision='bf16')")
-    if cfg.bf16 or cfg.precision == "bf16":
-        cfg.bf16, cfg.precision = True, "bf16"
-    if not (cfg.channels_last == "auto" or isinstance(cfg.channels_last, bool)):
-        raise ValueError(f"channels_last must be 'auto', True or False, got {cfg.channels_last!r}")
 
 
 def resolve_precision(requested: str, device_type: str, capability: tuple[int, int] | None = None,
@@ -100,7 +77,7 @@ def resolve_precision(requested: str, device_type: str, capability: tuple[int, i
         if requested == "fp16":
             raise PrecisionError(
                 "precision='fp16' is for GPUs: TPUs (and simulated XLA cores) have no fast "
-                "float16, bfloat16 is their fast type. Fix: precision='bf16' (or bf16=True), or "
+                "float16, bfloat16 is their fast type. Fix: precision='bf16', or "
                 "'auto' (float32 on XLA)")
         return "bf16" if requested == "bf16" else "fp32"
     if device_type == "cuda":
@@ -111,7 +88,7 @@ def resolve_precision(requested: str, device_type: str, capability: tuple[int, i
             return "bf16" if fast_bf16 else "fp16"
         if requested == "bf16" and not fast_bf16:
             raise PrecisionError(
-                f"precision='bf16' (or bf16=True) on {gpu}, compute capability "
+                f"precision='bf16' on {gpu}, compute capability "
                 f"{capability[0]}.{capability[1]}: GPUs below 8.0 (T4, V100, P100) have no "
                 "bfloat16 matrix units, so bf16 runs emulated, slower than float32. Fix: "
                 "precision='auto' (fp16 autocast with a gradient scaler here) or 'fp16'; "

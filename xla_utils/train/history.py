@@ -11,7 +11,6 @@ import html
 import io
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,9 @@ from typing import Any
 import torch
 
 from ..utils.atomic import atomic_write
+from .config import LOSS_MONITORS
 
-__all__ = ["History", "BestTracker", "check_monitor", "monitor_mode", "write_csv_atomic"]
-
-#: Names ``monitor=`` accepts besides the validation metrics (``top<k>`` is any k).
-LOSS_MONITORS = ("val_loss", "train_loss")
-METRIC_MONITORS = ("accuracy", "f1")
+__all__ = ["History", "BestTracker", "monitor_mode", "write_csv_atomic"]
 
 
 @dataclass(repr=False)
@@ -244,27 +240,6 @@ def write_csv_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -> 
 def monitor_mode(monitor: str) -> str:
     """``"min"`` for losses, ``"max"`` for metrics (accuracy, ``top<k>``, F1)."""
     return "min" if monitor.endswith("loss") else "max"
-
-
-def check_monitor(monitor: str | None, patience: int | None) -> None:
-    """Refuse a ``monitor`` / ``patience`` pair that cannot work (at config time).
-
-    Raises:
-        ValueError: unknown monitor name, or ``patience`` without ``monitor`` or < 1.
-    """
-    if monitor is not None:
-        if not isinstance(monitor, str) or not (monitor in LOSS_MONITORS or monitor in
-                                                METRIC_MONITORS or re.fullmatch(r"top\d+", monitor)):
-            raise ValueError(f"monitor={monitor!r} is not a value fit records: use 'val_loss', "
-                             "'train_loss' or a validation metric ('accuracy', 'top<k>', 'f1'), "
-                             "or None")
-    if patience is not None:
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be an int >= 1 (epochs without improvement before "
-                             f"stopping) or None, got {patience!r}")
-        if monitor is None:
-            raise ValueError("patience= needs monitor= (the value that must improve), e.g. "
-                             "monitor='val_loss' or monitor='accuracy'")
 
 
 def check_monitor_data(monitor: str | None, metrics: Any, has_val: bool, multilabel: bool,

@@ -118,7 +118,7 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
                           train=False)
     if dp.words:
         runtime.master_print(f"{'evaluate' if plan.labelled else 'predict'} on {dp.words}, "
-                             f"{loader_words(plan.data, cfg)}")
+                             f"{loader_words(plan.data, cfg.data)}")
     mirror = any(f for _, f in plan.views)
     batches = iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
                               drop_last=False, num_workers=cfg.num_workers)
@@ -147,7 +147,7 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
     with torch.no_grad():
         for done, (_, (k, flag, x, y, valid)) in enumerate(
                 zip(pb if pb is not None else range(total), it), 1):
-            x = prepare_input(x, cfg, False, plan.inputs, dp.memory_format)
+            x = prepare_input(x, cfg.data, False, plan.inputs, dp.memory_format)
             if flag is not None:
                 x = torch.where(flag, x.flip(3), x)
             with dp.autocast:

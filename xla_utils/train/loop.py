@@ -39,7 +39,7 @@ from .optim import make_optimizer, optimizer_label
 from .schedule import OneCycleSchedule
 
 if TYPE_CHECKING:
-    from .config import TrainerConfig
+    from .config import DataSettings, DiagnosticsSettings, TrainerConfig
     from .ema import DeviceEMA
     from .inputs import InputSpec
     from .mixup import DeviceMix, MixConfig
@@ -70,24 +70,24 @@ def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return model(x)
 
 
-def prepare_input(x: torch.Tensor, cfg: TrainerConfig, train: bool, inputs: InputSpec,
+def prepare_input(x: torch.Tensor, data: DataSettings, train: bool, inputs: InputSpec,
                   memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """Model input from a device batch of a dataset whose inputs are described by
     ``inputs`` (its :class:`~xla_utils.train.inputs.InputSpec`, decided once on the host):
-    uint8 images in either layout are normalised with ``cfg.mean`` / ``cfg.std``
-    (and flipped when ``train and cfg.flip``) into ``memory_format`` (the run's
+    uint8 images in either layout are normalised with ``data.mean`` / ``data.std``
+    (and flipped when ``train and data.flip``) into ``memory_format`` (the run's
     :attr:`DevicePlan.memory_format <xla_utils.train.device_plan.DevicePlan.memory_format>`);
     other inputs are returned unchanged."""
-    return inputs.prepare(x, cfg.mean, cfg.std, flip=train and cfg.flip,
+    return inputs.prepare(x, data.mean, data.std, flip=train and data.flip,
                           memory_format=memory_format)
 
 
-def input_preparer(cfg: TrainerConfig, inputs: InputSpec, train: bool
+def input_preparer(data: DataSettings, inputs: InputSpec, train: bool
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> model input`` for batches of a dataset described by ``inputs``:
-    :func:`prepare_input` with ``cfg`` and ``train`` bound (what ``check``, ``debug`` and
-    ``find_lr`` are given)."""
-    return lambda x: prepare_input(x, cfg, train, inputs)
+    :func:`prepare_input` with ``data`` (the data settings) and ``train`` bound (what
+    ``check``, ``debug`` and ``find_lr`` are given)."""
+    return lambda x: prepare_input(x, data, train, inputs)
 
 
 def replica_model(model: torch.nn.Module, dev: torch.device | None,
@@ -106,24 +106,24 @@ def replica_model(model: torch.nn.Module, dev: torch.device | None,
     return model if dev is None else model.to(dev)
 
 
-def loader(data, cfg: TrainerConfig, *, world_size: int, rank: int, epoch: int, train: bool,
+def loader(data, settings: DataSettings, *, world_size: int, rank: int, epoch: int, train: bool,
            pin_memory: bool = False):
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
-    ``cfg.batch_size`` for training (ragged tail dropped), padded and masked ones of
-    ``cfg.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``."""
-    bs = cfg.batch_size if train else cfg.val_batch_size(len(data), world_size)
+    ``settings.batch_size`` for training (ragged tail dropped), padded and masked ones of
+    ``settings.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``."""
+    bs = settings.batch_size if train else settings.val_batch_size(len(data), world_size)
     return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
-                           seed=cfg.seed, epoch=epoch, drop_last=train,
-                           num_workers=cfg.num_workers, pin_memory=pin_memory)
+                           seed=settings.seed, epoch=epoch, drop_last=train,
+                           num_workers=settings.num_workers, pin_memory=pin_memory)
 
 
-def loader_words(data, cfg: Any) -> str:
+def loader_words(data, settings: DataSettings) -> str:
     """How ``data`` is loaded, for the run's first line: ``"4 loader threads"`` (a cache)
     or ``"DataLoader with 0 worker processes"``."""
     if isinstance(data, CachedImageDataset):
-        n = cfg.num_workers if cfg.num_workers is not None else default_loader_threads()
+        n = settings.num_workers if settings.num_workers is not None else default_loader_threads()
         return f"{n} loader thread{'s' if n != 1 else ''}"
-    n = cfg.num_workers or 0
+    n = settings.num_workers or 0
     return f"DataLoader with {n} worker process{'es' if n != 1 else ''}"
 
 
@@ -194,11 +194,11 @@ class Setup:
     plan: DevicePlan | None = None
     ddp: torch.nn.Module | None = None
 
-    def batches(self, data, cfg: TrainerConfig, epoch: int, train: bool):
+    def batches(self, data, settings: DataSettings, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
         if self.mesh is not None:
-            return self.mesh.loader(data, cfg, epoch, train)
-        return loader(data, cfg, world_size=self.world_size, rank=self.rank, epoch=epoch,
+            return self.mesh.loader(data, settings, epoch, train)
+        return loader(data, settings, world_size=self.world_size, rank=self.rank, epoch=epoch,
                       train=train, pin_memory=self.plan is not None and self.plan.pinned)
 
     def feed(self, batches: Iterable):
@@ -284,7 +284,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     runtime.master_print(_first_line(cfg, ws, base_lr, max_lr, how, plan, train_data, dev.type, note))
     opt = make_optimizer(cfg.optimizer, model.parameters() if lr_groups is None else lr_groups(model),
                          lr=max_lr / cfg.div_factor, weight_decay=cfg.weight_decay)
-    steps_per_epoch = len(loader(train_data, cfg, world_size=ws, rank=rk, epoch=0, train=True)) // k
+    steps_per_epoch = len(loader(train_data, cfg.data, world_size=ws, rank=rk, epoch=0, train=True)) // k
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
                              pct_start=cfg.pct_start, div_factor=cfg.div_factor,
                              final_div_factor=cfg.final_div_factor, moms=cfg.moms)
@@ -337,7 +337,7 @@ def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how:
             + (f" x {k} accumulated" if k > 1 else "") + f" = "
             f"{ws * cfg.batch_size * k} global batch; {optimizer_label(cfg.optimizer)}, max_lr "
             f"{base_lr:.3g} x {max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
-            + (f"; {plan.words}, {loader_words(train_data, cfg)}" if plan.words else "")
+            + (f"; {plan.words}, {loader_words(train_data, cfg.data)}" if plan.words else "")
             + (f"; {note}" if note else ""))
 
 
@@ -388,7 +388,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         The epoch's :class:`EpochResult`.
     """
     spe, k = s.steps_per_epoch, s.accum_steps
-    begin_epoch(s, cfg, epoch)
+    begin_epoch(s, cfg.data, epoch)
     t0 = time.perf_counter()
     to_host0 = runtime.xla_counters()["to_host"]
     # Device data, not torch.zeros(device=xla): a zeros *op* would make each
@@ -398,7 +398,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     train_loss = math.nan
     it = s.feed(batches)
     for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
-        loss, lr = micro_step(s, state.step, m, x, y, cfg=cfg, train_step=train_step,
+        loss, lr = micro_step(s, state.step, m, x, y, data=cfg.data, train_step=train_step,
                               loss_fn=loss_fn, inputs=inputs)
         lr_last = lr_last if lr is None else lr
         i, last = divmod(m, k)[0], m % k == k - 1  # i: optimizer step in the epoch
@@ -419,7 +419,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                                     f"{seen / (time.perf_counter() - t0):.0f} img/s")
             if not math.isfinite(train_loss) and not state.diverged:
                 state.diverged = True
-                msg = divergence_message(cfg, train_loss, epoch, i + 1, s, lr_last,
+                msg = divergence_message(cfg.diagnostics, train_loss, epoch, i + 1, s, lr_last,
                                          state.finite_state is not None)
                 state.warnings.append(msg)  # fit() warns with it once the run returns
                 if cfg.on_nan == "stop":
@@ -440,21 +440,22 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                        seconds=time.perf_counter() - t0, skipped_steps=skipped)
 
 
-def begin_epoch(s: Setup, cfg: TrainerConfig, epoch: int) -> None:
+def begin_epoch(s: Setup, data: DataSettings, epoch: int) -> None:
     """What every epoch starts with in every replica: its RNG seeds (data order, device
-    RNG: flips, dropout), its mixing draws (exact resume) and train mode."""
-    runtime.set_seed(cfg.seed * 1_000_003 + epoch * 1_009 + s.rank)
+    RNG: flips, dropout; from ``data.seed``), its mixing draws (exact resume) and train mode."""
+    runtime.set_seed(data.seed * 1_000_003 + epoch * 1_009 + s.rank)
     if s.mix is not None:
         s.mix.start_epoch()  # this epoch's draws come from this epoch's seed (exact resume)
     s.model.train()
 
 
-def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfig,
+def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSettings,
                train_step: Callable,
                loss_fn: Callable, inputs: InputSpec | None) -> tuple[torch.Tensor, float | None]:
     """Micro-batch ``m`` (0-based, counted from the epoch's start) of the run's optimizer step
     ``step``, as ``fit`` runs it, up to the step boundary (the caller calls
-    ``runtime.sync()``): mixing, the input's device preparation, at a step's first
+    ``runtime.sync()``): mixing, the input's device preparation (``data``: the
+    normalisation and flip settings), at a step's first
     micro-batch the one-cycle LR and momentum and ``zero_grad``, forward and backward under
     the run's autocast, and at its last micro-batch the optimizer step and the EMA update.
     :meth:`OneCycleTrainer.check <xla_utils.train.trainer.OneCycleTrainer.check>` and ``debug()``
@@ -467,7 +468,7 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfi
     k, lr = s.accum_steps, None
     if s.mix is not None:
         s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
-    x = prepare_input(x, cfg, True, inputs, s.plan.memory_format)
+    x = prepare_input(x, data, True, inputs, s.plan.memory_format)
     if s.mix is not None:
         x, y = s.mix(x, y)
         x = s.plan.layout(x)
@@ -498,27 +499,27 @@ def _kept(s: Setup, epoch: int, kept_finite: bool) -> str:
     return "is unchanged (no epoch ended good)"
 
 
-def _fix(cfg: TrainerConfig, s: Setup) -> str:
+def _fix(s: Setup) -> str:
     return (f"Fix: lower max_lr (e.g. {s.base_lr / 10:.3g}) or let trainer.find_lr() / "
             "fit(max_lr='find') pick it; check inputs, targets and the loss for "
             "inf/NaN (log of 0, division by 0)"
             + (f"; with {s.plan.precision} autocast try precision='fp32'"
-               + (" and bf16=False" if cfg.bf16 else "") if s.plan.precision != "fp32" else "")
+               if s.plan.precision != "fp32" else "")
             + ".")
 
 
-def divergence_message(cfg: TrainerConfig, value: float, epoch: int, step: int, s: Setup, lr: float,
-                       kept_finite: bool) -> str:
+def divergence_message(diag: DiagnosticsSettings, value: float, epoch: int, step: int, s: Setup,
+                       lr: float, kept_finite: bool) -> str:
     """The warning for a non-finite training loss read at ``step`` of ``epoch``
-    (0-based), saying what happens next and how to fix it."""
+    (0-based), saying what happens next (``diag.on_nan``) and how to fix it."""
     msg = (f"train_loss became {value} in epoch {epoch + 1} by step {step}/{s.steps_per_epoch} "
            f"(LR then {lr:.3g}; peak max_lr {s.max_lr:.3g} from max_lr {s.base_lr:.3g}). ")
-    if cfg.on_nan == "stop":
+    if diag.on_nan == "stop":
         msg += (f"Training stopped (on_nan='stop'); trainer.model {_kept(s, epoch, kept_finite)}; "
                 "no checkpoint was written for it. ")
     else:
         msg += "Training goes on (on_nan='continue'); no checkpoint is written for non-finite epochs. "
-    return msg + _fix(cfg, s)
+    return msg + _fix(s)
 
 
 def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torch.Tensor,
@@ -530,8 +531,9 @@ def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torc
     return MetricAccumulator(resolved, loss_fn, dev)
 
 
-def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, loss_fn: Callable,
-             eval_step: Callable, autocast: Any, dev: torch.device,
+def evaluate(model: torch.nn.Module, batches: Iterable, *, data: DataSettings,
+             diag: DiagnosticsSettings, loss_fn: Callable, eval_step: Callable, autocast: Any,
+             dev: torch.device,
              inputs: InputSpec, feed: Callable | None = None,
              memory_format: torch.memory_format = torch.contiguous_format) -> dict[str, float]:
     """Validation loss and metrics of ``model`` over this rank's ``batches``,
@@ -540,7 +542,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, l
     Args:
         model: The replica's model (set to eval mode here).
         batches: This rank's padded host batches ``(x, y, valid)``.
-        cfg: The trainer's configuration (``metrics``, normalisation).
+        data, diag: The run's data settings (normalisation) and diagnostics (``metrics``).
         loss_fn, eval_step: The trainer's loss and ``eval_step``.
         autocast: The autocast context of the run.
         dev: The replica's device.
@@ -556,9 +558,9 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, cfg: TrainerConfig, l
     with torch.no_grad():
         for x, y, valid in (feed or runtime.device_prefetch)(batches):
             with autocast:
-                out = eval_step(model, (prepare_input(x, cfg, False, inputs, memory_format), y))
+                out = eval_step(model, (prepare_input(x, data, False, inputs, memory_format), y))
             if acc is None:
-                acc = metric_accumulator(cfg.metrics, loss_fn, out, y, dev)
+                acc = metric_accumulator(diag.metrics, loss_fn, out, y, dev)
             acc.update(out, y, valid)
             runtime.sync()
     if acc is None:
@@ -581,11 +583,11 @@ def exploded(key: str, value: float | None, initial: float | None, epoch: int) -
     return None
 
 
-def explosion(record: dict[str, Any], state: TrainState, cfg: TrainerConfig, s: Setup,
+def explosion(record: dict[str, Any], state: TrainState, diag: DiagnosticsSettings, s: Setup,
               epoch: int) -> None:
     """At the end of epoch ``epoch`` (0-based, its ``record`` complete): when its training or
     validation loss exploded (:func:`exploded`), record one message per run in
-    ``state.warnings`` and, with ``cfg.on_nan == "stop"``, in ``state.stop_reason``: the
+    ``state.warnings`` and, with ``diag.on_nan == "stop"``, in ``state.stop_reason``: the
     caller then stops before this epoch's checkpoint and host copy, so the run keeps the
     last good epoch's weights, as on a NaN. With ``"continue"`` it says so now and goes on."""
     if state.diverged or state.exploded:
@@ -596,16 +598,16 @@ def explosion(record: dict[str, Any], state: TrainState, cfg: TrainerConfig, s: 
         return
     state.exploded = True
     msg = "; ".join(whys) + ": training is diverging. "
-    if cfg.on_nan == "stop":
+    if diag.on_nan == "stop":
         msg += (f"Training stopped (on_nan='stop': a loss above {VAL_LOSS_EXPLODES:g}x the "
                 f"untrained model's counts as diverged, as a NaN does); trainer.model "
                 f"{_kept(s, epoch, state.finite_state is not None)}; no checkpoint was written "
                 f"for epoch {epoch + 1}. ")
-        state.stop_reason = msg + _fix(cfg, s)
+        state.stop_reason = msg + _fix(s)
     else:
         msg += "Training goes on (on_nan='continue'). "
-        runtime.master_print(msg + _fix(cfg, s))
-    state.warnings.append(msg + _fix(cfg, s))
+        runtime.master_print(msg + _fix(s))
+    state.warnings.append(msg + _fix(s))
 
 
 def epoch_line(r: dict[str, Any]) -> str:

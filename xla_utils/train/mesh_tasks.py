@@ -62,7 +62,7 @@ def sweep_placement(cfg: TrainerConfig, model: torch.nn.Module, sample: Callable
     if states <= usable:
         x, y = sample()
         act = activation_bytes(model, x, y, step=step, loss=loss, batch_size=cfg.batch_size,
-                               bf16=cfg.bf16)
+                               bf16=cfg.precision == "bf16")
     need = (f"parameters + gradients + optimizer state {format_bytes(states)}"
             + (f" + activations at batch {cfg.batch_size} {format_bytes(act)}" if act else "")
             + f" = {format_bytes(states + act)}; {format_bytes(usable)} usable of {format_bytes(chip.hbm_per_device)}")
@@ -76,7 +76,7 @@ def _sample(trainer: OneCycleTrainer, spec: InputSpec, n: int) -> tuple[torch.Te
     """The first ``n`` training samples as a prepared host batch ``(x, y)``."""
     x, y, _ = next(iter(iterate_batches(spec.feed(trainer.train_data), n, shuffle=False,
                                         drop_last=True, num_workers=0)))
-    return input_preparer(trainer.config, spec, train=False)(x), y
+    return input_preparer(trainer.config.data, spec, train=False)(x), y
 
 
 def find_lr(trainer: OneCycleTrainer, simulate: int | None, on_mesh: bool | None, tpu: Any,
@@ -90,7 +90,7 @@ def find_lr(trainer: OneCycleTrainer, simulate: int | None, on_mesh: bool | None
     cfg = trainer.config
     require_labels(trainer.train_data, "train_data")
     spec = inspect_inputs(trainer.train_data, "train_data", verb="lr_find", mean=cfg.mean)
-    kwargs.setdefault("batch_tfm", input_preparer(cfg, spec, train=False))
+    kwargs.setdefault("batch_tfm", input_preparer(cfg.data, spec, train=False))
     kwargs.setdefault("compile_cache", cfg.compile_cache)
     kwargs.setdefault("precision", cfg.precision)
     kwargs.setdefault("channels_last", cfg.channels_last)
@@ -100,7 +100,8 @@ def find_lr(trainer: OneCycleTrainer, simulate: int | None, on_mesh: bool | None
         on_mesh=cfg.lr_find_on_mesh if on_mesh is None else on_mesh)
     bs, plan = cfg.batch_size, None
     if mesh:  # micro-batches of the global batch, split over the mesh as in the fit
-        plan, bs, simulate = plan_strategy(cfg, trainer.model, devices, simulate), \
+        plan, bs, simulate = plan_strategy(cfg.devices, cfg.batch_size, trainer.model, devices,
+                                           simulate), \
             bs * devices, None
         kwargs.setdefault("accum_steps", cfg.accum_steps)
         if "run_cores" in kwargs:  # a sweep step on the mesh costs what a run step does
@@ -141,10 +142,10 @@ def check_on_mesh(trainer: OneCycleTrainer, report: ReadinessReport, *, spec: In
     if devices is None:
         devices = (tpu_devices(tpu) if isinstance(tpu, str) else None) or \
             (planned_world_size("all", None) if runtime.tpu_present() else 8)
-    plan = plan_strategy(cfg, trainer.model, devices, devices)
+    plan = plan_strategy(cfg.devices, cfg.batch_size, trainer.model, devices, devices)
     rep = debug_run(trainer.model, trainer.loss, trainer.train_data, batch_size=cfg.batch_size,
                     steps=steps, optimizer=cfg.optimizer, train_step=trainer.train_step,
-                    prepare=input_preparer(cfg, spec, train=True), eval_step=trainer.eval_step,
+                    prepare=input_preparer(cfg.data, spec, train=True), eval_step=trainer.eval_step,
                     inputs=spec, mesh=plan, print_report=False, make_step=make_step)
     per = {k: [d[k] for d in rep.per_step] for k in ("compiles", "executions", "to_device",
                                                       "to_host")}

@@ -32,20 +32,19 @@ blend whichever was drawn.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 if TYPE_CHECKING:
-    from .config import TrainerConfig
+    from .config import AugmentSettings
 
-__all__ = ["MixConfig", "check_mix_options", "check_mix_loss", "sample_gamma", "sample_beta",
+__all__ = ["MixConfig", "check_mix_loss", "sample_gamma", "sample_beta",
            "beta_logit_johnk",
            "soft_targets", "cutmix_box", "mix_params", "blend", "mix_batch", "DeviceMix",
            "CHUNK_STEPS", "CHUNK_BYTES", "chunk_steps", "SOFT_TARGET_LOSSES",
-           "mix_config_for", "check_step_options"]
+           "mix_config_for"]
 
 # Candidates per Gamma draw: Marsaglia-Tsang accepts >= 95% of them, so all
 # GAMMA_CANDIDATES are rejected with probability < 0.05 ** 16 (about 1e-21).
@@ -79,45 +78,6 @@ class MixConfig:
     num_classes: int
     multilabel: bool = False
     image_hw: tuple[int, int] | None = None
-
-
-def check_step_options(cfg: TrainerConfig) -> None:
-    """Refuse bad ``accum_steps``, ``ema``, ``mixup``, ``cutmix``, ``label_smoothing`` of a
-    :class:`~xla_utils.train.config.TrainerConfig` (its ``__post_init__`` calls this).
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
-    from .ema import check_ema
-
-    k = cfg.accum_steps
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step; "
-                         f"1 = no accumulation), got {k!r}")
-    check_ema(cfg.ema)
-    check_mix_options(cfg.mixup, cfg.cutmix, cfg.label_smoothing, cfg.batch_size)
-
-
-def check_mix_options(mixup: Any, cutmix: Any, label_smoothing: Any, batch_size: int) -> None:
-    """Refuse bad mixup/cutmix/label-smoothing settings (``TrainerConfig`` calls it).
-
-    Raises:
-        ValueError: a negative or non-numeric alpha, ``label_smoothing`` outside
-            [0, 1), or an odd ``batch_size`` with mixup/cutmix on.
-    """
-    for name, v in (("mixup", mixup), ("cutmix", cutmix)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
-                or not math.isfinite(v):
-            raise ValueError(f"{name} must be a Beta alpha >= 0 (0 = off; timm's usual values: "
-                             f"mixup=0.2 or 0.8, cutmix=1.0), got {v!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-            or not 0 <= label_smoothing < 1:
-        raise ValueError(f"label_smoothing must be in [0, 1) (0 = off, usual 0.1), got "
-                         f"{label_smoothing!r}")
-    if (mixup > 0 or cutmix > 0) and batch_size % 2:
-        raise ValueError(f"mixup/cutmix pair each sample with the batch's reverse and need an even "
-                         f"batch_size (per core), got {batch_size}: use batch_size="
-                         f"{batch_size + 1} or {max(batch_size - 1, 2)}")
 
 
 def check_mix_loss(loss: Callable, targets_kind: str, input_shape: tuple | None,
@@ -506,13 +466,13 @@ class DeviceMix:
         return self._sizes[hw]
 
 
-def mix_config_for(cfg: TrainerConfig, loss: Callable, model: torch.nn.Module, data, spec: Any,
+def mix_config_for(augment: AugmentSettings, loss: Callable, model: torch.nn.Module, data, spec: Any,
                    prepare: Callable, eval_step: Callable) -> MixConfig | None:
     """The :class:`MixConfig` of a fit run (None when mixup, cutmix and label smoothing
     are off), found and checked on the host before any device time.
 
     Args:
-        cfg: The trainer's configuration (``mixup``, ``cutmix``, ``label_smoothing``).
+        augment: The trainer's augmentation settings (``mixup``, ``cutmix``, ``label_smoothing``).
         loss, model, eval_step: The trainer's.
         data: The training data as the loader collates it.
         spec: Its :class:`~xla_utils.train.inputs.InputSpec`.
@@ -521,7 +481,7 @@ def mix_config_for(cfg: TrainerConfig, loss: Callable, model: torch.nn.Module, d
     Raises:
         ValueError: see :func:`check_mix_loss`; or the number of classes is unknown.
     """
-    if not (cfg.mixup > 0 or cfg.cutmix > 0 or cfg.label_smoothing > 0):
+    if not (augment.mixup > 0 or augment.cutmix > 0 or augment.label_smoothing > 0):
         return None
     from .inputs import output_width, targets_of
 
@@ -532,7 +492,7 @@ def mix_config_for(cfg: TrainerConfig, loss: Callable, model: torch.nn.Module, d
     elif targets is not None and targets.dtype.kind == "f" and targets.ndim == 2:
         kind = "multihot"
     shape = getattr(spec, "shape", None)
-    check_mix_loss(loss, kind, shape, cfg.cutmix)
+    check_mix_loss(loss, kind, shape, augment.cutmix)
     width = targets.shape[1] if kind == "multihot" else output_width(model, data, prepare,
                                                                       eval_step)
     if width is None:
@@ -543,7 +503,7 @@ def mix_config_for(cfg: TrainerConfig, loss: Callable, model: torch.nn.Module, d
                          "the training data a num_classes attribute, or set mixup=0, cutmix=0, "
                          "label_smoothing=0")
     chw = getattr(spec, "image_chw", None)
-    return MixConfig(mixup=float(cfg.mixup), cutmix=float(cfg.cutmix),
-                     label_smoothing=float(cfg.label_smoothing), num_classes=int(width),
+    return MixConfig(mixup=float(augment.mixup), cutmix=float(augment.cutmix),
+                     label_smoothing=float(augment.label_smoothing), num_classes=int(width),
                      multilabel=kind == "multihot",
                      image_hw=tuple(chw[1:]) if chw is not None and len(chw) == 3 else None)

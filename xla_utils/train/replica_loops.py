@@ -28,7 +28,7 @@ from ..simulate import resident as _resident
 from .strategy import MeshRun, StrategyPlan, enter_mesh
 
 if TYPE_CHECKING:
-    from .config import TrainerConfig
+    from .config import CheckpointSettings, TrainerConfig
     from .inputs import InputSpec
     from .mixup import MixConfig
 
@@ -100,7 +100,7 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
             continue
         pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
                           parent=mb) if mb is not None else None
-        batches = s.batches(train_data, cfg, epoch, train=True)
+        batches = s.batches(train_data, cfg.data, epoch, train=True)
         res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
                                    train_step=plan.train_step, loss_fn=plan.loss,
                                    inputs=spec, progress=pb)
@@ -123,7 +123,8 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
         final = state.finite_state if state.finite_state is not None else s.state_dict()
         final = best.best_state if best is not None and best.best_state else final
         if cfg.checkpoint_dir is not None:
-            save_final(s, final, best is not None and bool(best.best_state), cfg=cfg)
+            save_final(s, final, best is not None and bool(best.best_state),
+                       checkpoints=cfg.checkpoints)
     return History(epochs=s.history, world_size=s.world_size,
                    global_batch=s.world_size * cfg.batch_size * s.accum_steps,
                    base_lr=s.base_lr,
@@ -155,12 +156,12 @@ def completed_run(plan: FitPlan) -> History:
 
 
 def save_final(s: loop.Setup, final: dict[str, torch.Tensor], is_best: bool, *,
-               cfg: TrainerConfig) -> None:
+               checkpoints: CheckpointSettings) -> None:
     """``final.pt``: the weights ``predict`` uses (the best epoch's, else the EMA
     ones when ``ema`` is set, else ``final``); with EMA also ``final_raw.pt``
-    (the last epoch's trained weights), in ``cfg.checkpoint_dir``. Every rank calls (the
-    master writes)."""
-    folder = Path(cfg.checkpoint_dir)
+    (the last epoch's trained weights), in ``checkpoints.checkpoint_dir``. Every rank calls
+    (the master writes)."""
+    folder = Path(checkpoints.checkpoint_dir)
     if s.ema is None:
         runtime.save(final, folder / "final.pt")
         return
@@ -175,8 +176,9 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     :func:`loop.explosion`)."""
     record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
     if val is not None:
-        metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg, epoch, train=False),
-                                cfg=cfg, loss_fn=loss_fn, eval_step=eval_step,
+        metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg.data, epoch, train=False),
+                                data=cfg.data, diag=cfg.diagnostics, loss_fn=loss_fn,
+                                eval_step=eval_step,
                                 autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
                                 memory_format=s.plan.memory_format)
         record.update({"val_loss": metrics.pop("loss")}, **metrics)
@@ -189,7 +191,7 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     record["seconds"] = res.seconds
     if res.skipped_steps is not None:  # a gradient scaler's (fp16 on a GPU)
         record["skipped_steps"] = res.skipped_steps
-    loop.explosion(record, state, cfg, s, epoch)
+    loop.explosion(record, state, cfg.diagnostics, s, epoch)
     return record
 
 

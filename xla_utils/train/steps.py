@@ -136,7 +136,7 @@ class TrainerStep:
         self.plan = s.plan
         self.state = loop.TrainState(step=0, initial_loss=None)
         self.m = 0
-        loop.begin_epoch(s, plan.cfg, 0)
+        loop.begin_epoch(s, plan.cfg.data, 0)
         self.loss_sum = runtime.to_device(torch.zeros(()), s.device)  # as train_one_epoch's
         cfg = plan.cfg
         parts = [f"the trainer's: {optimizer_label(s.opt)}, one-cycle LR "
@@ -154,7 +154,7 @@ class TrainerStep:
     def micro_batch(self, x: Any, y: Any) -> torch.Tensor:
         """The next micro-batch on the device batch ``(x, y)``; returns its loss (not synced)."""
         p = self.recipe
-        loss, _ = loop.micro_step(self.s, self.state.step, self.m, x, y, cfg=p.cfg,
+        loss, _ = loop.micro_step(self.s, self.state.step, self.m, x, y, data=p.cfg.data,
                                   train_step=p.train_step, loss_fn=p.loss_fn, inputs=p.inputs)
         self.loss_sum = self.loss_sum + loss.detach().float()
         self.m += 1

@@ -46,45 +46,14 @@ from .. import runtime
 from ..data import iterate_batches
 
 if TYPE_CHECKING:
-    from .config import TrainerConfig
+    from .config import DataSettings, DeviceSettings
 
-__all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
+__all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
            "load_sharded_checkpoint", "planned_world_size", "enter_mesh"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
 AXIS = {"spmd": "data", "fsdp": "fsdp"}
-
-
-def check_config(cfg: TrainerConfig) -> None:
-    """Refuse a bad ``strategy`` / ``fsdp_wrap`` / ``activation_checkpointing`` (no device time).
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {cfg.strategy!r}")
-    wrap = cfg.fsdp_wrap
-    ok = wrap is None or (isinstance(wrap, int) and not isinstance(wrap, bool) and wrap >= 1) or (
-        isinstance(wrap, (list, tuple, set, frozenset)) and len(wrap) > 0
-        and all(isinstance(w, (str, type)) for w in wrap)) or isinstance(wrap, (str, type))
-    if not ok:
-        raise ValueError("fsdp_wrap must be None (the whole model as one FSDP unit), module "
-                         "classes or class names (e.g. [nn.TransformerEncoderLayer] or "
-                         f"['Block']), or a minimum parameter count per unit (int >= 1); got {wrap!r}")
-    if not isinstance(cfg.activation_checkpointing, bool):
-        raise ValueError(f"activation_checkpointing must be True or False, got "
-                         f"{cfg.activation_checkpointing!r}")
-    if cfg.lr_find_on_mesh not in (None, True, False):
-        raise ValueError(f"lr_find_on_mesh must be None (automatic), True or False, got "
-                         f"{cfg.lr_find_on_mesh!r}")
-    if cfg.lr_find_on_mesh and cfg.strategy == "spawn":
-        raise ValueError("lr_find_on_mesh=True sweeps as a mesh run, but strategy='spawn' has "
-                         "no mesh. Fix: strategy='spmd' or 'fsdp', or drop lr_find_on_mesh")
-    if cfg.strategy != "fsdp" and (wrap is not None or cfg.activation_checkpointing):
-        name = "fsdp_wrap" if wrap is not None else "activation_checkpointing"
-        raise ValueError(f"{name} applies to FSDP units, but strategy={cfg.strategy!r}. Fix: "
-                         f"strategy='fsdp', or drop {name}")
 
 
 def check_global_batch(global_batch: int, devices: int, setting: str = "batch_size") -> None:
@@ -156,9 +125,10 @@ class StrategyPlan:
         return AXIS[self.strategy]
 
 
-def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
-                  simulate: int | None) -> StrategyPlan:
-    """Check everything ``cfg.strategy`` needs before any device time; return the plan.
+def plan_strategy(settings: DeviceSettings, batch_size: int, model: torch.nn.Module,
+                  devices: int, simulate: int | None) -> StrategyPlan:
+    """Check everything ``settings.strategy`` needs (with ``batch_size`` per device) before
+    any device time; return the plan.
 
     Raises:
         ValueError: this torch_xla has no SPMD/FSDPv2, the wrap policy matches
@@ -168,14 +138,14 @@ def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
 
     why = spmd_support()
     if why is not None:
-        raise ValueError(f"strategy={cfg.strategy!r}: {why}")
+        raise ValueError(f"strategy={settings.strategy!r}: {why}")
     if simulate is None and not runtime.tpu_present():
-        raise ValueError(f"strategy={cfg.strategy!r} needs the devices of a TPU, and this machine "
-                         "has none. Fix: pass simulate=8 (8 XLA:CPU devices) to try it here")
-    check_global_batch(cfg.batch_size * devices, devices)
-    wrap = resolve_wrap(model, cfg.fsdp_wrap) if cfg.strategy == "fsdp" else None
-    return StrategyPlan(strategy=cfg.strategy, devices=devices, simulate=simulate, wrap=wrap,
-                        checkpointing=cfg.activation_checkpointing)
+        raise ValueError(f"strategy={settings.strategy!r} needs the devices of a TPU, and this "
+                         "machine has none. Fix: pass simulate=8 (8 XLA:CPU devices) to try it here")
+    check_global_batch(batch_size * devices, devices)
+    wrap = resolve_wrap(model, settings.fsdp_wrap) if settings.strategy == "fsdp" else None
+    return StrategyPlan(strategy=settings.strategy, devices=devices, simulate=simulate, wrap=wrap,
+                        checkpointing=settings.activation_checkpointing)
 
 
 def planned_world_size(cores: int | str, simulate: int | None) -> int:
@@ -242,12 +212,12 @@ class MeshRun:
 
         return shard_to_device(module, self.mesh)
 
-    def loader(self, data, cfg: TrainerConfig, epoch: int, train: bool):
+    def loader(self, data, settings: DataSettings, epoch: int, train: bool):
         """Global batches (``batch_size``, validation ``val_batch_size``, x devices): one
         process feeds every device."""
-        bs = cfg.batch_size if train else cfg.val_batch_size(len(data), self.devices)
-        return iterate_batches(data, bs * self.devices, shuffle=train, seed=cfg.seed,
-                               epoch=epoch, drop_last=train, num_workers=cfg.num_workers)
+        bs = settings.batch_size if train else settings.val_batch_size(len(data), self.devices)
+        return iterate_batches(data, bs * self.devices, shuffle=train, seed=settings.seed,
+                               epoch=epoch, drop_last=train, num_workers=settings.num_workers)
 
     def feed(self, batches: Iterable):
         """Host batches as device tensors split over the mesh's axis."""

@@ -16,7 +16,6 @@ the input checks :mod:`xla_utils.train.inputs` and the single-core debug loop
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import secrets
@@ -33,7 +32,7 @@ from . import mesh_tasks as _mesh_tasks
 from . import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
                          earlier_runs_note, model_with_weights, resolve_resume)
-from .config import TrainerConfig
+from .config import TrainerConfig, check_option_names
 from ..data import CachedImageDataset, iterate_batches
 from ..diagnostics.debug import DebugReport, debug_run
 from .ema import with_weights
@@ -46,11 +45,10 @@ from .lr_finder import FIT_SHARE
 from .mixup import MixConfig, mix_config_for
 from .replica_loops import (FitPlan, completed_run, fit_on_mesh, fit_replica, inference_on_mesh,
                             inference_replica)
-from .schedule import OneCycleSchedule
 from ..simulate.live import live_or_launch
 from .steps import TrainerStepPlan
 from .submission import missing_note, training_multilabel
-from ..utils.suggest import choice, keyword_help, unknown_keywords
+from ..utils.suggest import choice, deprecated, keyword_help
 
 if TYPE_CHECKING:
     from ..diagnostics.device_check import DeviceCheckReport
@@ -103,15 +101,15 @@ class OneCycleTrainer:
             device time.
         train_step: Optional hook ``train_step(model, (x, y), loss) -> loss tensor`` for
             other problem types. ``eval_step(model, (x, y)) -> outputs`` likewise.
-        **config: Any field of :class:`TrainerConfig` (batch_size, epochs, max_lr, ...).
+        **config: Any option of :class:`TrainerConfig` (batch_size, epochs, max_lr, ...),
+            flat: each goes to its group (``self.config.schedule.max_lr``; docs/TRAINER.md's
+            table). An unknown one is refused with the nearest name and its group.
     """
 
     def __init__(self, model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Callable,
                  train_data, val_data=None, *, train_step: Callable | None = None,
                  eval_step: Callable | None = None, **config: Any):
-        names = [f.name for f in dataclasses.fields(TrainerConfig)]
-        if set(config) - set(names):
-            raise unknown_keywords("OneCycleTrainer()", [k for k in config if k not in names], names)
+        check_option_names("OneCycleTrainer()", config)
         self.config = TrainerConfig(**config)
         if isinstance(model, torch.nn.Module):
             self.model = model
@@ -219,7 +217,8 @@ class OneCycleTrainer:
         cfg, spec = self.config, train[1]
         sim = 8 if simulate is None and not runtime.tpu_present() else simulate
         plan = (None if cfg.strategy == "spawn" else
-                _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
+                _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model,
+                                        _strategy.planned_world_size("all", sim), sim))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False), eval_step=self.eval_step,
@@ -237,6 +236,7 @@ class OneCycleTrainer:
             debug: bool = False, timeout: float | None = None, check: bool = False,
             epochs: int | None = None, pct_start: float | None = None,
             div_factor: float | None = None, final_div_factor: float | None = None,
+            lr_scaling: str | None = None, moms: tuple[float, float, float] | None = None,
             lr_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
             checkpoint_extra: dict[str, Any] | None = None,
             warn_if_trained: bool = True) -> "History | DebugReport":
@@ -245,8 +245,8 @@ class OneCycleTrainer:
         Labels are checked against the model's output width and the dataset's classes
         before anything runs. ``self.model`` receives the weights only after the run: the
         final ones, or after a stop on a non-finite loss (``on_nan="stop"``) those of the
-        last epoch that ended finite. The schedule arguments override the configuration
-        for this run only (fastai's ``fit_one_cycle(n_epoch, pct_start=...)``).
+        last epoch that ended finite. The schedule group's fields override the configured
+        ones for this run only (fastai's ``fit_one_cycle(n_epoch, pct_start=...)``).
 
         Args:
             cores: ``"all"`` (default) or 1.
@@ -266,8 +266,8 @@ class OneCycleTrainer:
             debug: Deprecated: use :meth:`debug` (returns its report instead of training).
             timeout: Seconds after which the replicas are killed (default none).
             check: First run :meth:`check` and print its report; default False.
-            epochs, pct_start, div_factor, final_div_factor: This run's one-cycle length
-                and shape instead of the configured ones (default None: configured).
+            epochs, pct_start, div_factor, final_div_factor, lr_scaling, moms: This run's
+                :class:`~xla_utils.train.config.ScheduleSettings` (default None: configured).
             lr_groups: ``lr_groups(model) -> param-group dicts`` (each with ``lr_mult``, the
                 group's share of the scheduled LR) for discriminative LRs and frozen layers
                 (:func:`xla_utils.train.finetune.layer_group_lrs`); default None: every parameter
@@ -291,18 +291,18 @@ class OneCycleTrainer:
             ~xla_utils.train.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
                 naming its type, shape, dtype and the fix).
         """
-        cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
-                               final_div_factor=final_div_factor)
+        cfg = self._run_config(epochs=epochs, max_lr=max_lr, pct_start=pct_start,
+                               div_factor=div_factor, final_div_factor=final_div_factor,
+                               lr_scaling=lr_scaling, moms=moms)
         cores = _cores(cores)
-        max_lr = choice(max_lr, ("find",), "max_lr", "a positive number or None")
+        max_lr = None if max_lr is None else cfg.schedule.max_lr  # as read (strip, lower)
         runtime.prestart_simulation(simulate)
         device_plan.check_before_launch(cfg.precision, simulate=simulate, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
         if check and (report := self.check()).errors:
             raise ReadinessError(report)
         if debug:
-            warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
-                          "the same DebugReport", DeprecationWarning, stacklevel=3)
+            deprecated("fit(debug=True)", "trainer.debug(), which returns the same DebugReport")
             return self._debug(inputs["train"])
         fit_plan, plan = self._plan_fit(cfg, inputs, cores, simulate, max_lr, resume, lr_groups,
                                         checkpoint_extra, warn_if_trained)
@@ -334,14 +334,12 @@ class OneCycleTrainer:
 
     def _run_config(self, **overrides: Any) -> TrainerConfig:
         """This fit run's configuration: ``self.config`` with ``fit``'s schedule overrides
-        (None: the configured value), checked before any device time."""
+        (None: the configured value), checked by the schedule group before any device time."""
         given = {k: v for k, v in overrides.items() if v is not None}
         if not given:
             return self.config
         try:
-            cfg = dataclasses.replace(self.config, **given)
-            OneCycleSchedule(total_steps=1, max_lr=1.0, pct_start=cfg.pct_start,
-                             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
+            cfg = self.config.replace(**given)
         except (TypeError, ValueError) as exc:
             args = ", ".join(f"{k}={v!r}" for k, v in given.items())
             raise ValueError(f"fit({args}): {exc}") from None
@@ -367,7 +365,7 @@ class OneCycleTrainer:
         mix = self._mix_config(inputs["train"])
         plan = None
         if cfg.strategy != "spawn":
-            plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
+            plan = _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model, world, simulate)
         ckpt, run_id = None, time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
@@ -396,7 +394,7 @@ class OneCycleTrainer:
     def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
         """The fit run's :class:`~xla_utils.train.mixup.MixConfig` (None: no mixing or smoothing)
         for the checked training data ``train`` (``_check_inputs()["train"]``)."""
-        return mix_config_for(self.config, self.loss, self.model, *train,
+        return mix_config_for(self.config.augment, self.loss, self.model, *train,
                               self._prepare(train[1], train=False), self.eval_step)
 
     def _check_inputs(self) -> dict[str, tuple[Any, InputSpec] | None]:
@@ -528,7 +526,8 @@ class OneCycleTrainer:
         if self.config.strategy == "spawn":
             return live_or_launch(self, inference_replica, (plan,), cores, simulate)
         world = _strategy.planned_world_size(cores, simulate)
-        splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
+        splan = _strategy.plan_strategy(self.config.devices, self.config.batch_size, self.model,
+                                        world, simulate)
         return _strategy.launch(inference_on_mesh, (plan,), splan, None)
 
     # ------------------------------------------------------------- inference
@@ -636,7 +635,8 @@ class OneCycleTrainer:
         report = readiness_check(self.model, (x.clone(), y.clone()), loss=self.loss,
                                  optimizer=cfg.optimizer, steps=steps, data=loader, tpu=tpu,
                                  prepare=self._prepare(spec, train=True),
-                                 train_step=self.train_step, bf16=cfg.bf16, timeout=timeout,
+                                 train_step=self.train_step, bf16=cfg.precision == "bf16",
+                                 timeout=timeout,
                                  inputs=spec.describe(flip=cfg.flip),
                                  compile_cache=cfg.compile_cache, make_step=step,
                                  print_report=False)
@@ -652,7 +652,7 @@ class OneCycleTrainer:
 
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
-        return loop.input_preparer(self.config, spec, train)
+        return loop.input_preparer(self.config.data, spec, train)
 
 
 def _cores(cores: int | str) -> int | str:

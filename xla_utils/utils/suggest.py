@@ -13,13 +13,17 @@ import difflib
 import functools
 import inspect
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 __all__ = ["closest", "did_you_mean", "by_similarity", "unknown_keywords", "keyword_help",
-           "choice", "similar_path"]
+           "choice", "similar_path", "deprecated"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 CUTOFF = 0.6  # difflib's default: below this ratio a candidate is not suggested
 
@@ -153,3 +157,18 @@ def similar_path(path: str | os.PathLike, folders_only: bool = False) -> tuple[P
         return None, parent
     below = parent / close[0] / rest
     return (below if below.exists() else parent / close[0]), parent
+
+
+def deprecated(old: str, new: str) -> None:
+    """The one deprecation message of xla_utils: ``"<old> is deprecated: use <new>"``, a
+    ``DeprecationWarning`` pointed at the first caller outside xla_utils (the user's line,
+    however deep inside the package the old spelling was read).
+
+    Args:
+        old: what the user wrote, e.g. ``"bf16=True"``.
+        new: what replaces it, e.g. ``"precision='bf16'"``.
+    """
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=level)
