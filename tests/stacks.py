@@ -48,6 +48,8 @@ BOTH = [
     # what a simulated job exposes to the network (torch_xla's and gloo's sockets)
     "tests/simulate/test_footprint.py::test_a_simulated_job_listens_on_loopback_only",
     "tests/simulate/test_footprint.py::test_an_spmd_job_listens_on_loopback_only",
+    # torch.compile differs between torch 2.8 and 2.9: dynamo's graph-break report on each
+    "tests/train/test_compile.py::test_check_reports_graph_breaks",
 ]
 
 # One stack each.
@@ -81,6 +83,7 @@ KAGGLE: list[str] = [
     "tests/simulate/test_simulate.py::test_launch_idiom_function_8_cores_equals_1_core",
     "tests/data/",
     "tests/train/",
+    "tests/train/test_compile.py",  # compile= (issue 45): its fits on torch 2.8, one test on both
     "tests/utils/",
     "tests/test_readme.py",
     "tests/test_notebooks.py",

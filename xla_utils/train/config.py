@@ -25,6 +25,7 @@ from ..data import IMAGENET_MEAN, IMAGENET_STD
 from .history import check_monitor
 from .mixup import check_step_options
 from .optim import resolve_optimizer
+from .torch_compile import check_compile_option
 from ..utils.suggest import choice
 
 __all__ = ["TrainerConfig", "LR_SCALING", "ON_NAN"]
@@ -103,6 +104,12 @@ class TrainerConfig:
             else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
             on XLA:CPU, which writes entries but cannot load them); ``None`` off.
             See :mod:`xla_utils.runtime.compile_cache`.
+        compile: The model's forward through ``torch.compile`` on the torch backend (CUDA
+            GPUs, the CPU): False (default, eager), True (mode ``"default"``) or a mode
+            (``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``).
+            Inductor's caches are kept under ``compile_cache`` (a folder), else beside the
+            checkpoints, so a fresh session compiles from them; refused on XLA (the step is
+            one XLA graph there already). See :mod:`xla_utils.train.torch_compile`.
         accum_steps: Micro-batches per optimizer step (default 1); global batch = batch_size
             x cores x accum_steps, which scales the LR; the one-cycle counts optimizer steps.
         ema: Decay of a device weight EMA (timm ``ModelEmaV3`` warm-up, :mod:`xla_utils.train.ema`)
@@ -167,6 +174,7 @@ class TrainerConfig:
     fsdp_wrap: Sequence[type | str] | type | str | int | None = None
     activation_checkpointing: bool = False
     lr_find_on_mesh: bool | None = None
+    compile: bool | str = False  # issue 45: torch.compile on the torch backend
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
@@ -189,6 +197,7 @@ class TrainerConfig:
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         runtime.check_compile_cache_option(self.compile_cache)
+        self.compile = check_compile_option(self.compile)  # issue 45
         device_plan.check_config(self)
         check_step_options(self)
         check_monitor(self.monitor, self.patience)
