@@ -55,10 +55,16 @@ def _cnn() -> nn.Module:
 TRAIN, VAL = Images(44), Images(20, seed=1)  # 44 = 5 batches of 8 and a ragged 4
 
 
-def _fit(tmp: Path | None = None, **kw):
-    t = OneCycleTrainer(_cnn(), nn.CrossEntropyLoss(), TRAIN, VAL, batch_size=8, epochs=3,
-                        max_lr=1e-2, checkpoint_dir=tmp, **kw)
-    return t, t.fit()
+def _fit(tmp: Path | None = None, resume: Path | None = None, cores: int | str = "all", **kw):
+    kw = dict(dict(batch_size=8, epochs=3, max_lr=1e-2), **kw)
+    t = OneCycleTrainer(_cnn(), nn.CrossEntropyLoss(), TRAIN, VAL, checkpoint_dir=tmp, **kw)
+    return t, t.fit(resume=resume, cores=cores)
+
+
+def _same(h, h0, keys=("train_loss", "val_loss", "accuracy", "lr_last"), rtol=1e-4):
+    for key in keys:
+        np.testing.assert_allclose([r[key] for r in h.epochs], [r[key] for r in h0.epochs],
+                                   rtol=rtol, err_msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +106,7 @@ def test_compile_option_is_checked_and_refused_on_xla():
 
 def test_compiled_fit_equals_eager_with_a_ragged_tail(runs):
     h0, h = runs["h0"], runs["h"]
-    for key in ("train_loss", "val_loss", "accuracy", "lr_last"):
-        np.testing.assert_allclose([r[key] for r in h.epochs], [r[key] for r in h0.epochs],
-                                   rtol=1e-4, err_msg=key)
+    _same(h, h0)
     for k, v in runs["eager"].model.state_dict().items():
         torch.testing.assert_close(runs["t"].model.state_dict()[k], v, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(runs["preds"], runs["eager_preds"], rtol=1e-4, atol=1e-6)
@@ -229,4 +233,37 @@ def test_inductor_fit_equals_eager(tmp_path):
                                [r["train_loss"] for r in h0.epochs], rtol=1e-3)
     np.testing.assert_allclose([r["val_loss"] for r in h.epochs],
                                [r["val_loss"] for r in h0.epochs], rtol=1e-3)
+    assert len({r["compiles"] for r in h.epochs}) == 1 and not h.warnings
+
+
+@pytest.mark.slow
+def test_compiled_options_and_resume_keep_the_eager_promises(tmp_path, monkeypatch):
+    """Accumulation, EMA, mixup with label smoothing and fp16 with its GradScaler (the CPU's
+    fp16 autocast): the compiled run's records and EMA weights are eager's; a compiled run
+    resumed from its first epoch's checkpoint ends where the uninterrupted one did."""
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    opts = dict(accum_steps=2, ema=0.9, mixup=0.2, label_smoothing=0.1, precision="fp16",
+                epochs=2)
+    _, h0 = _fit(**opts)
+    _, h = _fit(tmp_path / "run", compile=True, **opts)
+    _same(h, h0, keys=("train_loss", "val_loss", "lr_last", "skipped_steps"), rtol=1e-3)
+    for k, v in h0.ema_state_dict.items():
+        torch.testing.assert_close(h.ema_state_dict[k], v, rtol=1e-3, atol=1e-4)
+    (one,) = sorted((tmp_path / "run").glob("epoch_001-*.pt"))
+    _, h2 = _fit(tmp_path / "resumed", resume=one, compile=True, **opts)
+    _same(h2, h, keys=("train_loss", "val_loss", "lr_last"), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multicore
+@pytest.mark.timeout(900)
+def test_compiled_fit_on_two_replicas_equals_eager(monkeypatch):
+    """Two CPU replicas over gloo (the path two GPUs take): DistributedDataParallel around
+    each replica's compiled module averages the same gradients as eager."""
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    monkeypatch.setenv("XLA_UTILS_CPU_REPLICAS", "2")
+    _, h0 = _fit(epochs=2, accum_steps=2, batch_size=4)
+    _, h = _fit(epochs=2, accum_steps=2, batch_size=4, compile=True)
+    assert h.world_size == 2
+    _same(h, h0, rtol=1e-4)
     assert len({r["compiles"] for r in h.epochs}) == 1 and not h.warnings
