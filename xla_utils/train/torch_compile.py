@@ -47,11 +47,12 @@ from typing import Any, Iterator
 import torch
 
 from .. import runtime
+from ..runtime.fresh import child_env, run_fresh
 from ..utils.suggest import choice
 
 __all__ = ["COMPILE_MODES", "BACKEND_ENV", "CompileError", "check_compile_option", "compile_mode",
            "refuse_on_xla", "cache_folder", "persistent_cache", "compile_caches", "cache_counts", "CompiledRun",
-           "inference_module", "graph_breaks"]
+           "inference_module", "graph_breaks", "graph_breaks_report"]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # torch.compile's backend: inductor; "aot_eager" (dynamo and AOTAutograd without inductor's
@@ -349,3 +350,15 @@ def graph_breaks(model: torch.nn.Module, x: torch.Tensor) -> str:
         where = f"{frame.filename}:{frame.lineno} ({frame.name})" if frame is not None else "?"
         lines.append(f"  - {where}: {str(r.reason).strip().splitlines()[0][:200]}")
     return "\n".join(lines)
+
+
+def graph_breaks_report(model: torch.nn.Module, x: torch.Tensor, timeout: float = 600) -> str:
+    """:func:`graph_breaks` in a fresh interpreter, for ``check()`` in the notebook: dynamo's
+    tracing asks torch's CUDA driver for its devices, after which this process could no
+    longer fork replicas that use CUDA (measured: ``torch.cuda._is_in_bad_fork()`` in a child
+    forked after ``torch._dynamo.explain``, also with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``)."""
+    try:
+        return run_fresh(graph_breaks, (model, x.cpu()), env=child_env(), timeout=timeout,
+                         what="check()'s graph-break search", echo=False)
+    except Exception as exc:  # the search failing must not stop check()
+        return f"compile: graph breaks not found ({type(exc).__name__}: {str(exc)[:200]})"

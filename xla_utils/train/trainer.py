@@ -50,7 +50,7 @@ from .schedule import OneCycleSchedule
 from ..simulate.live import live_or_launch
 from .steps import TrainerStepPlan
 from .submission import missing_note, training_multilabel
-from .torch_compile import graph_breaks, refuse_on_xla
+from .torch_compile import graph_breaks_report, refuse_on_xla
 from ..utils.suggest import choice, keyword_help, unknown_keywords
 
 if TYPE_CHECKING:
@@ -626,7 +626,8 @@ class OneCycleTrainer:
             if cfg.compile:  # issue 45: where dynamo breaks the model's forward, and why
                 x = next(iter(iterate_batches(data, min(cfg.batch_size, 2), shuffle=False,
                                                 num_workers=0)))[0]
-                print(graph_breaks(self.model, self._prepare(spec, train=False)(x)), flush=True)
+                print(graph_breaks_report(self.model, self._prepare(spec, train=False)(x)),
+                      flush=True)
         if device is not None and not runtime.xla_installed():
             print("xla_utils.check for a TPU: skipped, torch_xla is not installed here "
                   "(xla_utils.setup(install=True) installs the one that pairs with this torch; "
