@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from xla_utils import OneCycleTrainer
 from xla_utils.train.torch_compile import (BACKEND_ENV, CompileError, graph_breaks,
@@ -53,11 +54,12 @@ def _cnn() -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
 
 
-TRAIN, VAL = Images(44), Images(20, seed=1)  # 44 = 5 batches of 8 and a ragged 4
+# 44 = 5 batches of 8 and a ragged 4 (dropped); 20 = 2 batches of 8 and a padded 4
+TRAIN, VAL = Images(44), Images(20, seed=1)
 
 
 def _fit(tmp: Path | None = None, resume: Path | None = None, cores: int | str = "all", **kw):
-    kw = dict(dict(batch_size=8, epochs=3, max_lr=1e-2), **kw)
+    kw = dict(dict(batch_size=8, eval_batch_size=8, epochs=3, max_lr=1e-2), **kw)
     t = OneCycleTrainer(_cnn(), nn.CrossEntropyLoss(), TRAIN, VAL, checkpoint_dir=tmp, **kw)
     return t, t.fit(resume=resume, cores=cores)
 
@@ -79,8 +81,11 @@ def runs(tmp_path_factory):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             t, h = _fit(tmp / "ckpt", compile=True)
-            preds = t.predict(VAL)
+            graphs = counters["stats"]["unique_graphs"]
+            preds = t.predict(VAL)  # batches of 8, the last padded: validation's graph
+            graphs = counters["stats"]["unique_graphs"] - graphs
         yield dict(eager=eager, h0=h0, t=t, h=h, out=out.getvalue(), tmp=tmp, preds=preds,
+                   predict_graphs=graphs,
                    eager_preds=eager.predict(VAL))
     finally:
         if saved is None:
@@ -124,6 +129,7 @@ def test_compiles_do_not_grow_after_the_first_epoch(runs):
     assert f"{compiles[0]} compiles" in runs["out"] and "s compiling" in runs["out"]
     assert "torch.compile (default)" in str(h)
     assert all("compiles" not in r for r in runs["h0"].epochs)  # eager: nothing reported
+    assert runs["predict_graphs"] == 0  # predict's padded batches reuse validation's graph
 
 
 def test_checkpoints_load_into_an_uncompiled_model(runs):
