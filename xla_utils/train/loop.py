@@ -480,11 +480,11 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, cfg: TrainerConfi
     last = m % k == k - 1
     # compile=: train_step gets the compiled forward (the same parameters), also under DDP
     model = s.model if s.compiled is None else s.compiled.module(s.model)
-    step = train_step if s.compiled is None else (lambda _m, *a: train_step(model, *a))
+    run_step = train_step if s.compiled is None else (lambda _m, *a: train_step(model, *a))
     with contextlib.nullcontext() if last else runtime.no_sync(s.ddp):  # average once a step
         with s.autocast:
             loss = (train_step(model, (x, y), loss_fn) if s.ddp is None else
-                    s.ddp(step, (x, y), loss_fn))  # train_step gets the (compiled) model
+                    s.ddp(run_step, (x, y), loss_fn))  # train_step gets the (compiled) model
         s.plan.backward(loss / k if k > 1 else loss)
     if last:
         # a step the fp16 scaler skips still advances the schedule

@@ -98,8 +98,8 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     compiled = CompiledRun.start(cfg.compile, cfg.compile_cache, cfg.checkpoint_dir,
                                  runtime.device())
     s = loop.set_up(plan.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
-                    ckpt=ckpt, mix=plan.mix, lr_groups=plan.lr_groups, strategy=strategy,
-                    inputs=spec,
+                    ckpt=ckpt, mix=plan.mix, lr_groups=plan.lr_groups,
+                    strategy=strategy, inputs=spec,
                     note="; ".join(filter(None, [plan.note, compiled and compiled.words])))
     s.compiled = compiled
     state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
@@ -199,7 +199,7 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     record.update(lr_max=s.max_lr, lr_last=res.lr_last,
                   images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
                   / res.seconds)
-    if s.device.type == "xla":  # XLA's own counts; nothing compiles on the torch backend
+    if s.device.type == "xla":  # XLA's own counts; on the torch backend only compile= compiles
         record.update(compiles=runtime.xla_counters()["compiles"],
                       host_reads_per_step=res.to_host / s.steps_per_epoch)
     elif s.compiled is not None:  # compile=: dynamo's graphs and seconds (issue 45)
