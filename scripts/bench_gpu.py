@@ -59,6 +59,8 @@ in ``--json``. On a GPU machine in one call::
 
     python scripts/bench_gpu.py --wheels WHEELS_DIR --compile --json compile.json
 
+(or one model per call, ``--models resnet50 --cache DIR``, where a call's time is limited).
+
 A CPU rehearsal (tests/test_bench_gpu.py; ``--compile-backend aot_eager`` skips inductor's
 C++ compiles)::
 
