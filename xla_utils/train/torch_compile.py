@@ -194,23 +194,27 @@ def _graphs() -> int:
 
 
 def _seconds() -> float:
-    from torch._dynamo.utils import compilation_time_metrics
+    import torch._dynamo.utils as dynamo_utils
 
-    return float(sum(compilation_time_metrics.get(_SECONDS, ())))
+    return float(sum(getattr(dynamo_utils, "compilation_time_metrics", {}).get(_SECONDS, ())))
+
+
+def _failure_log() -> dict[Any, list[Any]]:
+    """Dynamo's recompile reasons per code object (``torch._dynamo.utils.guard_failures``;
+    empty where a torch version has no such record: the warning then names no reason)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    return getattr(dynamo_utils, "guard_failures", {})
 
 
 def _guard_failures() -> dict[Any, int]:
-    from torch._dynamo.utils import guard_failures
-
-    return {code: len(reasons) for code, reasons in guard_failures.items()}
+    return {code: len(reasons) for code, reasons in _failure_log().items()}
 
 
 def _new_failures(before: dict[Any, int]) -> list[str]:
     """Dynamo's recompile reasons recorded since ``before`` (``_guard_failures()``)."""
-    from torch._dynamo.utils import guard_failures
-
     out = []
-    for code, reasons in list(guard_failures.items()):
+    for code, reasons in list(_failure_log().items()):
         for r in reasons[before.get(code, 0):]:
             out.append(f"{getattr(code, 'co_name', code)}: {str(r).strip()}")
     return out
