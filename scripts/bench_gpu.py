@@ -47,6 +47,24 @@ same in-process run as ``cores=1``: its ratio shows what ``"all"`` costs there (
 ``XLA_UTILS_CPU_REPLICAS=2`` rehearses it on the CPU::
 
     XLA_UTILS_CPU_REPLICAS=2 python scripts/bench_gpu.py --gpus all --models resnet18 --image 32 --batch 8 --images 64 --epochs 1
+
+``--compile [MODE]`` measures issue 45's ``compile=`` instead, per model (default models
+ResNet-50 and timm's ConvNeXt-T, ViT-S/16 and EfficientNet-B0, ``timm:<name>`` for a timm
+model): the eager hand loop, the same loop with ``torch.compile(model, mode=MODE)``, eager
+``fit()``, and ``fit(compile=MODE)`` twice, each in a fresh process on one new inductor
+cache folder: cold (the folder empty) and warm (the folder the cold run filled, as a new
+Kaggle session with ``/kaggle/working`` kept). Training figures as above (epochs 2..); the
+first epochs' seconds, their compile seconds and the warm run's cache hits are printed and
+in ``--json``. On a GPU machine in one call::
+
+    python scripts/bench_gpu.py --wheels WHEELS_DIR --compile --json compile.json
+
+(or one model per call, ``--models resnet50 --cache DIR``, where a call's time is limited).
+
+A CPU rehearsal (tests/test_bench_gpu.py; ``--compile-backend aot_eager`` skips inductor's
+C++ compiles)::
+
+    python scripts/bench_gpu.py --compile --compile-backend aot_eager --models tiny --image 32 --batch 8 --images 32 --epochs 1 --workers 0
 """
 from __future__ import annotations
 
@@ -87,7 +105,25 @@ class Rendered:
         return img, c
 
 
+COMPILE_MODELS = ("resnet50,timm:convnext_tiny,timm:vit_small_patch16_224,"
+                  "timm:efficientnet_b0")
+# issue 45's table: ConvNeXt-T trains at max_lr 0.01 (0.1 diverges with SGD at batch 256)
+MODEL_LR = {"timm:convnext_tiny": 0.01}
+
+
 def make_model(name: str):
+    """A torchvision model by name, ``timm:<name>`` (random weights, 10 classes), or
+    ``tiny`` (two convolutions: CPU rehearsals of the script's flow)."""
+    if name == "tiny":
+        from torch import nn
+
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                             nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten(), nn.Linear(8, CLASSES))
+    if name.startswith("timm:"):
+        import timm
+
+        return timm.create_model(name[5:], pretrained=False, num_classes=CLASSES)
     import torchvision
 
     return getattr(torchvision.models, name)(weights=None, num_classes=CLASSES)
@@ -119,14 +155,20 @@ def device_facts():
 class Step:
     """The hand-written training step: channels_last model, autocast, SGD (+ GradScaler in fp16)."""
 
-    def __init__(self, name: str, dev, precision: str, total_steps: int):
+    def __init__(self, name: str, dev, precision: str, total_steps: int,
+                 compile_mode: str | None = None, backend: str = "inductor"):
         import torch
 
         torch.manual_seed(0)
         self.dev = dev
         self.model = make_model(name).to(dev).to(memory_format=torch.channels_last).train()
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=MAX_LR / 25, momentum=0.9)
-        self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, MAX_LR, total_steps=total_steps)
+        lr = MODEL_LR.get(name, MAX_LR)
+        # --compile: the hand loop with torch.compile(model), as a user writes it
+        self.forward = self.model if compile_mode is None else (
+            torch.compile(self.model, mode=compile_mode) if backend == "inductor" else
+            torch.compile(self.model, backend=backend))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr / 25, momentum=0.9)
+        self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, lr, total_steps=total_steps)
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16
         self.autocast = torch.autocast(dev.type, dtype=dtype, enabled=precision != "fp32")
         self.scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" else None
@@ -142,7 +184,7 @@ class Step:
 
     def __call__(self, x, y) -> None:
         with self.autocast:
-            loss = self.loss(self.model(x), y)
+            loss = self.loss(self.forward(x), y)
         if self.scaler is None:
             loss.backward()
             self.opt.step()
@@ -169,12 +211,14 @@ def rate(images: list[int], seconds: list[float]) -> float:
     return sum(images[k:]) / sum(seconds[k:])
 
 
-def run_hand(name: str, ds, args, dev, precision: str):
-    """The hand-written loop; ``(images/s, its Step)``."""
+def run_hand(name: str, ds, args, dev, precision: str, compile_mode: str | None = None):
+    """The hand-written loop (``compile_mode``: its model through ``torch.compile``);
+    ``(images/s, its Step)``; ``step.seconds``: each epoch's."""
     import torch
 
     dl = loader(ds, args.batch, args.workers, dev, shuffle=True)
-    step = Step(name, dev, precision, args.epochs * len(dl))
+    step = Step(name, dev, precision, args.epochs * len(dl), compile_mode,
+                getattr(args, "compile_backend", "inductor"))
     images, seconds = [], []
     for _ in range(args.epochs):
         sync(dev)
@@ -189,6 +233,7 @@ def run_hand(name: str, ds, args, dev, precision: str):
     del dl
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    step.seconds = seconds
     return rate(images, seconds), step
 
 
@@ -212,19 +257,87 @@ def run_ceiling(name: str, ds, args, dev, precision: str) -> float:
     return steps * args.batch / (time.perf_counter() - t0)
 
 
-def run_fit(name: str, ds, args, cores: int | str = 1):
-    """``OneCycleTrainer.fit``; ``(images/s, the trainer)``."""
+def run_fit(name: str, ds, args, cores: int | str = 1, **compiled):
+    """``OneCycleTrainer.fit`` (``compiled``: ``compile=``, ``compile_cache=``);
+    ``(images/s, the trainer)``; ``trainer.history``: the run's History."""
     import torch
 
     from xla_utils import OneCycleTrainer
 
     torch.manual_seed(0)
     t = OneCycleTrainer(make_model(name), torch.nn.CrossEntropyLoss(), ds, batch_size=args.batch,
-                        epochs=args.epochs, optimizer="sgd", max_lr=MAX_LR, flip=False,
-                        num_workers=args.fit_workers)
+                        epochs=args.epochs, optimizer="sgd", max_lr=MODEL_LR.get(name, MAX_LR),
+                        flip=False, num_workers=args.fit_workers, **compiled)
     h = t.fit(cores=cores)  # cores=1: beside the one-GPU hand loop
+    t.history = h
     images = [r["images_per_s"] * r["seconds"] for r in h.epochs]
     return rate(images, [r["seconds"] for r in h.epochs]), t
+
+
+def fit_child(args) -> None:
+    """``--child-fit``: ``fit(compile=...)`` of one model in this fresh process, its figures
+    and the persistent caches' counters written to ``--child-out``."""
+    from torch._dynamo.utils import counters
+
+    from xla_utils import CachedImageDataset
+
+    ds = CachedImageDataset(args.cache)
+    fit, t = run_fit(args.child_fit, ds, args, compile=args.compile,
+                     compile_cache=args.child_cache)
+    first = t.history.epochs[0]
+    Path(args.child_out).write_text(json.dumps({
+        "fit": fit, "first_epoch_s": first["seconds"], "compile_s": first["compile_seconds"],
+        "compiles": [r["compiles"] for r in t.history.epochs],
+        "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "autograd_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "autograd_miss": counters["aot_autograd"]["autograd_cache_miss"]}))
+
+
+def fresh_fit(name: str, args, folder: Path) -> dict:
+    """``fit(compile=...)`` in a fresh process on the inductor cache ``folder``."""
+    import subprocess
+
+    out = folder.parent / f"{folder.name}-{time.monotonic_ns()}.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child-fit", name, "--child-cache",
+            str(folder), "--child-out", str(out), "--cache", str(args.cache), "--compile",
+            args.compile, "--batch", str(args.batch), "--epochs", str(args.epochs),
+            "--image", str(args.image), "--images", str(args.images)]
+    if args.fit_workers is not None:
+        argv += ["--fit-workers", str(args.fit_workers)]
+    if args.wheels:
+        argv += ["--wheels", args.wheels]
+    env = dict(os.environ)
+    if args.compile_backend != "inductor":
+        env["XLA_UTILS_COMPILE_BACKEND"] = args.compile_backend
+    subprocess.run(argv, check=True, env=env)
+    return json.loads(out.read_text())
+
+
+def bench_compile(name: str, ds, args, dev, precision: str) -> dict:
+    """Issue 45: eager and compiled hand loops, eager fit, fit(compile=) cold and warm."""
+    hand, _ = run_hand(name, ds, args, dev, precision)
+    chand, cstep = run_hand(name, ds, args, dev, precision, compile_mode=args.compile)
+    first, cstep = cstep.seconds[0], None  # its model off the GPU before the next runs
+    fit, _ = run_fit(name, ds, args)
+    folder = Path(tempfile.mkdtemp(prefix="bench_compile_")) / "cache"
+    cold, warm = fresh_fit(name, args, folder), fresh_fit(name, args, folder)
+    r = {"model": name, "mode": args.compile, "hand": hand, "hand_compiled": chand,
+         "hand_compiled_first_epoch_s": first, "fit": fit, "fit_compiled": cold["fit"],
+         "fit_compiled_warm": warm["fit"], "cold": cold, "warm": warm,
+         "fit_compiled_over_hand_compiled": cold["fit"] / chand,
+         "fit_compiled_over_fit": cold["fit"] / fit,
+         "warm_over_cold_compile_s": warm["compile_s"] / max(cold["compile_s"], 1e-9)}
+    print(f"{name} ({args.compile}): hand {hand:,.0f} img/s | hand compiled {chand:,.0f} (first "
+          f"epoch {first:.1f} s) | fit {fit:,.0f} | fit compiled {cold['fit']:,.0f} | "
+          f"fit compiled/hand compiled {r['fit_compiled_over_hand_compiled']:.2f} | fit "
+          f"compiled/fit {r['fit_compiled_over_fit']:.2f} || first epoch cold "
+          f"{cold['first_epoch_s']:.1f} s (compiling {cold['compile_s']:.1f} s), warm "
+          f"{warm['first_epoch_s']:.1f} s (compiling {warm['compile_s']:.1f} s, "
+          f"{r['warm_over_cold_compile_s']:.2f} of cold; cache hits FX {warm['fxgraph_hit']}, "
+          f"AOTAutograd {warm['autograd_hit']})  (load {'%.2f %.2f %.2f' % os.getloadavg()})",
+          flush=True)
+    return r
 
 
 def hand_predict(step: Step, ds, args, dev):
@@ -323,7 +436,9 @@ def build(args) -> Path:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="resnet18,resnet50", help="torchvision model names")
+    p.add_argument("--models", default=None,
+                   help="torchvision model names or timm:<name> (default resnet18,resnet50; "
+                        "with --compile ResNet-50, ConvNeXt-T, ViT-S, EfficientNet-B0)")
     p.add_argument("--image", type=int, default=224, help="image side in pixels")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--images", type=int, default=12288, help="images in the rendered cache")
@@ -339,7 +454,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None, help="write every figure there")
     p.add_argument("--gpus", choices=("1", "all"), default="1",
                    help="all: fit's scaling over every GPU (cores=1 against cores='all')")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="issue 45: compiled hand loop and fit(compile=MODE), cold and warm "
+                        "(default mode 'default'; default models: ResNet-50, timm ConvNeXt-T, "
+                        "ViT-S, EfficientNet-B0)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of --compile (aot_eager: a CPU rehearsal)")
+    for hidden in ("--child-fit", "--child-cache", "--child-out"):  # fresh_fit's child
+        p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.models = args.models or (COMPILE_MODELS if args.compile else "resnet18,resnet50")
     sys.path.insert(0, str(ROOT))
     if args.wheels:
         sys.path[1:1] = [str(w) for w in sorted(Path(args.wheels).glob("*.whl"))] + [args.wheels]
@@ -348,12 +472,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     from xla_utils import CachedImageDataset
 
+    if args.child_fit:
+        return fit_child(args)
     dev, precision, where = device_facts()
-    ds = CachedImageDataset(build(args))
+    args.cache = str(build(args))
+    ds = CachedImageDataset(args.cache)
     print(f"{where}: torch {torch.__version__}, precision {precision}; {len(ds):,} images "
           f"{args.image}x{args.image}, batch {args.batch}, {args.epochs} epochs; hand loop "
           f"DataLoader with {args.workers} workers", flush=True)
-    if args.gpus == "all":
+    if args.compile is not None:
+        results = [bench_compile(m.strip(), ds, args, dev, precision)
+                   for m in args.models.split(",")]
+    elif args.gpus == "all":
         from xla_utils.runtime import torch_devices
 
         replicas = torch_devices().count

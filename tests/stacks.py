@@ -53,6 +53,8 @@ BOTH = [
     # what a simulated job exposes to the network (torch_xla's and gloo's sockets)
     "tests/simulate/test_footprint.py::test_a_simulated_job_listens_on_loopback_only",
     "tests/simulate/test_footprint.py::test_an_spmd_job_listens_on_loopback_only",
+    # torch.compile differs between torch 2.8 and 2.9: dynamo's graph-break report on each
+    "tests/train/test_compile.py::test_check_reports_graph_breaks",
 ]
 
 # One stack each.
@@ -101,6 +103,7 @@ KAGGLE: list[str] = [
     "tests/simulate/test_forms.py::test_mixing_spmd_and_spawn_is_named",
     "tests/data/",
     "tests/train/",
+    "tests/train/test_compile.py",  # compile= (issue 45): its fits on torch 2.8, one test on both
     "tests/utils/",
     "tests/test_readme.py",
     "tests/test_notebooks.py",

@@ -53,3 +53,24 @@ def test_bench_gpu_scaling_rehearsed_on_two_cpu_replicas(tmp_path):
     for key in ("fit_1", "fit_all", "efficiency", "allreduce_ms"):
         assert math.isfinite(res[key]) and res[key] > 0, key
     assert res["params"] > 1e5
+
+
+@pytest.mark.slow
+def test_bench_gpu_compile_rehearsed_on_the_cpu(tmp_path):
+    """``--compile`` (issue 45) end to end on a two-convolution model, dynamo and AOTAutograd
+    without inductor (``--compile-backend aot_eager``): eager and compiled hand loops, eager
+    fit, and fit(compile=) cold and warm in two fresh processes; the figures' shape only."""
+    out = tmp_path / "compile.json"
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH="")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--compile",
+                        "--compile-backend", "aot_eager", "--models", "tiny", "--image", "16",
+                        "--batch", "8", "--images", "32", "--epochs", "1", "--workers", "0",
+                        "--cache", str(tmp_path / "cache"), "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "tiny (default): hand " in p.stdout and "first epoch cold" in p.stdout
+    (res,) = json.loads(out.read_text())["results"]
+    for key in ("hand", "hand_compiled", "fit", "fit_compiled", "fit_compiled_warm"):
+        assert math.isfinite(res[key]) and res[key] > 0, key
+    for run in (res["cold"], res["warm"]):
+        assert run["compile_s"] > 0 and run["compiles"] == [1]

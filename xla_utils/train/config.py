@@ -31,6 +31,7 @@ from .device_plan import PRECISIONS
 from .ema import check_ema
 from .optim import resolve_optimizer
 from .schedule import OneCycleSchedule
+from .torch_compile import check_compile_option
 
 __all__ = ["TrainerConfig", "DataSettings", "ScheduleSettings", "OptimSettings",
            "AugmentSettings", "CheckpointSettings", "DeviceSettings", "DiagnosticsSettings",
@@ -291,6 +292,12 @@ class DeviceSettings:
             else ``~/.cache/xla_utils/compile_cache``); a folder; ``True`` (on, also
             on XLA:CPU, which writes entries but cannot load them); ``None`` off.
             See :mod:`xla_utils.runtime.compile_cache`.
+        compile: The model's forward through ``torch.compile`` on the torch backend (CUDA
+            GPUs, the CPU): False (default, eager), True (mode ``"default"``) or a mode
+            (``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``).
+            Inductor's caches are kept under ``compile_cache`` (a folder), else beside the
+            checkpoints, so a fresh session compiles from them; refused on XLA (the step is
+            one XLA graph there already). See :mod:`xla_utils.train.torch_compile`.
     """
 
     strategy: str = "spawn"
@@ -298,10 +305,12 @@ class DeviceSettings:
     activation_checkpointing: bool = False
     lr_find_on_mesh: bool | None = None
     compile_cache: str | os.PathLike | bool | None = "auto"
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         self.strategy = choice(self.strategy, STRATEGIES, "strategy")
         runtime.check_compile_cache_option(self.compile_cache)
+        self.compile = check_compile_option(self.compile)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         wrap = self.fsdp_wrap
@@ -442,7 +451,7 @@ class TrainerConfig:
         checkpoints: :class:`CheckpointSettings`: ``checkpoint_dir``, ``keep_checkpoints``,
             ``keep_runs``, ``monitor``, ``patience``.
         devices: :class:`DeviceSettings`: ``strategy``, ``fsdp_wrap``,
-            ``activation_checkpointing``, ``lr_find_on_mesh``, ``compile_cache``.
+            ``activation_checkpointing``, ``lr_find_on_mesh``, ``compile_cache``, ``compile``.
         diagnostics: :class:`DiagnosticsSettings`: ``metrics``, ``log_every``, ``on_nan``.
     """
 

@@ -37,7 +37,9 @@ class History:
             and ``host_reads_per_step`` (device->host transfers per training step in this
             process, all its replicas together: the progress-bar loss reads); with an fp16
             gradient scaler (a GPU without bf16) ``skipped_steps`` (optimizer steps it
-            skipped on inf/NaN gradients).
+            skipped on inf/NaN gradients); with ``compile=`` on the torch backend
+            ``compiles`` (dynamo graphs so far in the run, cumulative) and
+            ``compile_seconds`` (seconds compiling in this epoch).
         world_size, global_batch: Replicas (cores, GPUs or processes) and samples per step
             over all of them.
         base_lr, max_lr: The LR given (or found) and the peak LR used.
@@ -55,7 +57,8 @@ class History:
         compile_cache: The persistent compilation cache in this run (master
             replica): its state and folder, how many graphs were loaded from it
             and how many compiled (see ``TrainerConfig.compile_cache``), or why
-            it was off. ``str(history)`` shows it unless it was deliberately off.
+            it was off. ``str(history)`` shows it unless it was deliberately off. With
+            ``compile=``: graphs, seconds and inductor's cache hits and misses.
         monitor, best_epoch, best_score: With ``monitor=``: the monitored key,
             the 1-based epoch whose weights are ``state_dict`` (and ``best.pt``)
             and its value; else None.
@@ -204,7 +207,8 @@ class History:
 
 
 _NOT_METRICS = {"epoch", "train_loss", "val_loss", "lr_max", "lr_last", "images_per_s",
-                "compiles", "host_reads_per_step", "seconds", "skipped_steps"}
+                "compiles", "host_reads_per_step", "seconds", "skipped_steps",
+                "compile_seconds"}
 
 
 def _metric_keys(epochs: list[dict[str, Any]]) -> list[str]:

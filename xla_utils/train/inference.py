@@ -17,6 +17,7 @@ from .. import runtime
 from ..data import CachedImageDataset, iterate_batches
 from .device_plan import DevicePlan, DeviceRequest
 from .loop import loader_words, metric_accumulator, prepare_input
+from .torch_compile import inference_module
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
@@ -116,9 +117,11 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
     ws, rk, bs = world_size, rank, plan.batch_size
     dp = DevicePlan.build(DeviceRequest(cfg.precision, cfg.channels_last, plan.inputs), dev, model,
                           train=False)
+    model, words = inference_module(model, cfg.compile, dev)  # compile= (issue 45): after the plan
     if dp.words:
         runtime.master_print(f"{'evaluate' if plan.labelled else 'predict'} on {dp.words}, "
-                             f"{loader_words(plan.data, cfg.data)}")
+                             f"{loader_words(plan.data, cfg.data)}"
+                             + (f"; {words}" if words else ""))
     mirror = any(f for _, f in plan.views)
     batches = iterate_batches(plan.data, bs, world_size=ws, rank=rk, shuffle=False,
                               drop_last=False, num_workers=cfg.num_workers)

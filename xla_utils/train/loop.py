@@ -170,6 +170,8 @@ class Setup:
         ddp: ``model`` in torch's DistributedDataParallel on the replicas of a multi-replica
             torch launch (:func:`xla_utils.runtime.data_parallel`: gradients averaged as
             backward runs; the training forward goes through it), else None.
+        compiled: ``compile=``'s :class:`~xla_utils.train.torch_compile.CompiledRun` (the
+            compiled forward ``train_step`` and validation get), else None (eager).
     """
 
     model: torch.nn.Module
@@ -193,6 +195,7 @@ class Setup:
     mesh: MeshRun | None = None
     plan: DevicePlan | None = None
     ddp: torch.nn.Module | None = None
+    compiled: Any = None  # issue 45: a CompiledRun (compile=), set by fit_replica
 
     def batches(self, data, settings: DataSettings, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
@@ -476,10 +479,13 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSetting
         lr = s.sched.apply(s.opt, step)
         s.opt.zero_grad(set_to_none=True)
     last = m % k == k - 1
+    # compile=: train_step gets the compiled forward (the same parameters), also under DDP
+    model = s.model if s.compiled is None else s.compiled.module(s.model)
+    run_step = train_step if s.compiled is None else (lambda _m, *a: train_step(model, *a))
     with contextlib.nullcontext() if last else runtime.no_sync(s.ddp):  # average once a step
         with s.autocast:
-            loss = (train_step(s.model, (x, y), loss_fn) if s.ddp is None else
-                    s.ddp(train_step, (x, y), loss_fn))  # train_step gets the plain model
+            loss = (train_step(model, (x, y), loss_fn) if s.ddp is None else
+                    s.ddp(run_step, (x, y), loss_fn))  # train_step gets the (compiled) model
         s.plan.backward(loss / k if k > 1 else loss)
     if last:
         # a step the fp16 scaler skips still advances the schedule
@@ -616,8 +622,10 @@ def epoch_line(r: dict[str, Any]) -> str:
         if k in r:
             parts.append(f"{k} {r[k]:.4f}")
     parts.append(f"{r['images_per_s']:.0f} img/s")
-    if "compiles" in r:  # XLA runs only
+    if "compiles" in r:  # XLA runs, and compile= on the torch backend
         parts.append(f"{r['compiles']} compiles")
+    if r.get("compile_seconds"):  # compile=: seconds compiling in this epoch
+        parts.append(f"{r['compile_seconds']:.1f} s compiling")
     if r.get("skipped_steps"):  # fp16 runs: steps the gradient scaler skipped
         parts.append(f"{r['skipped_steps']} skipped fp16 steps")
     return "  ".join(parts)

@@ -26,6 +26,7 @@ from .checkpoint import save_checkpoint, sharded_meta
 from .history import BestTracker, History, epoch_files
 from ..simulate import resident as _resident
 from .strategy import MeshRun, StrategyPlan, enter_mesh
+from .torch_compile import CompiledRun, compile_caches
 
 if TYPE_CHECKING:
     from .config import CheckpointSettings, TrainerConfig
@@ -80,15 +81,27 @@ class FitPlan:
 def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     """One replica of :meth:`~xla_utils.train.trainer.OneCycleTrainer.fit`: set up, then per epoch
     train, evaluate and checkpoint (``strategy``: the one SPMD process of
-    ``"spmd"``/``"fsdp"``, :func:`fit_on_mesh`)."""
+    ``"spmd"``/``"fsdp"``, :func:`fit_on_mesh`); with ``compile=``, inside inductor's
+    persistent caches (:func:`~xla_utils.train.torch_compile.compile_caches`)."""
+    cfg = plan.config
+    with compile_caches(cfg.compile, cfg.compile_cache, cfg.checkpoint_dir):
+        return _fit_replica(plan, strategy)
+
+
+def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     cfg, ckpt, run_id, inputs = plan.config, plan.ckpt, plan.run_id, plan.inputs
     base_lr, lr_world = plan.base_lr, plan.lr_world
     train_data, spec = inputs["train"]
     cache = runtime.enable_compile_cache(cfg.compile_cache)  # before anything compiles
     counters0 = runtime.xla_counters()
+    # issue 45: compile= (the torch backend; refused on XLA by the trainer)
+    compiled = CompiledRun.start(cfg.compile, cfg.compile_cache, cfg.checkpoint_dir,
+                                 runtime.device())
     s = loop.set_up(plan.model, cfg, train_data, base_lr=base_lr, lr_world=lr_world,
                     ckpt=ckpt, mix=plan.mix, lr_groups=plan.lr_groups,
-                    strategy=strategy, inputs=spec, note=plan.note)
+                    strategy=strategy, inputs=spec,
+                    note="; ".join(filter(None, [plan.note, compiled and compiled.words])))
+    s.compiled = compiled
     state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
                             initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
     master_bar, progress_bar = runtime.progress_bars()
@@ -134,8 +147,9 @@ def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
                    monitor=cfg.monitor, best_epoch=best and best.best_epoch,
                    best_score=best and best.best_score,
                    warnings=state.warnings, run_id=run_id,
-                   compile_cache=runtime.compile_cache_summary(cache, counters0,
-                                                               runtime.xla_counters()),
+                   compile_cache=(compiled.summary() if compiled is not None else
+                                  runtime.compile_cache_summary(cache, counters0,
+                                                                runtime.xla_counters())),
                    ema_state_dict={} if s.ema is None else s.ema.state_dict())
 
 
@@ -176,7 +190,9 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     :func:`loop.explosion`)."""
     record: dict[str, Any] = {"epoch": epoch + 1, "train_loss": res.train_loss}
     if val is not None:
-        metrics = loop.evaluate(loop.eval_module(s), s.batches(val[0], cfg.data, epoch, train=False),
+        model = loop.eval_module(s)
+        model = model if s.compiled is None else s.compiled.module(model)  # compile=
+        metrics = loop.evaluate(model, s.batches(val[0], cfg.data, epoch, train=False),
                                 data=cfg.data, diag=cfg.diagnostics, loss_fn=loss_fn,
                                 eval_step=eval_step,
                                 autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
@@ -185,9 +201,15 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     record.update(lr_max=s.max_lr, lr_last=res.lr_last,
                   images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
                   / res.seconds)
-    if s.device.type == "xla":  # XLA's own counts; nothing compiles on the torch backend
+    if s.device.type == "xla":  # XLA's own counts; on the torch backend only compile= compiles
         record.update(compiles=runtime.xla_counters()["compiles"],
                       host_reads_per_step=res.to_host / s.steps_per_epoch)
+    elif s.compiled is not None:  # compile=: dynamo's graphs and seconds (issue 45)
+        fields, warning = s.compiled.epoch_end(epoch)
+        record.update(fields)
+        if warning is not None:
+            runtime.master_print(warning)
+            state.warnings.append(warning)
     record["seconds"] = res.seconds
     if res.skipped_steps is not None:  # a gradient scaler's (fp16 on a GPU)
         record["skipped_steps"] = res.skipped_steps
@@ -230,7 +252,14 @@ def fit_on_mesh(mesh: StrategyPlan, plan: FitPlan) -> History:
 
 def inference_replica(plan: inference.InferencePlan) -> Any:
     """One replica of ``predict`` / ``evaluate`` (see :func:`~xla_utils.train.inference.inference_pass`):
-    the predictions in dataset order (on the master), or the metrics."""
+    the predictions in dataset order (on the master), or the metrics; with ``compile=``, inside
+    inductor's persistent caches."""
+    cfg = plan.config
+    with compile_caches(cfg.compile, cfg.compile_cache, cfg.checkpoint_dir):
+        return _inference_replica(plan)
+
+
+def _inference_replica(plan: inference.InferencePlan) -> Any:
     runtime.enable_compile_cache(plan.config.compile_cache)  # before anything compiles
     ws, rk, dev = runtime.world_size(), runtime.rank(), runtime.device()
     model = (_resident.replica_model(plan.model, dev, rk) if _resident.in_live_job()

@@ -48,6 +48,7 @@ from .replica_loops import (FitPlan, completed_run, fit_on_mesh, fit_replica, in
 from ..simulate.live import live_or_launch
 from .steps import TrainerStepPlan
 from .submission import missing_note, training_multilabel
+from .torch_compile import graph_breaks_report, refuse_on_xla
 from ..utils.suggest import choice, deprecated, keyword_help
 
 if TYPE_CHECKING:
@@ -238,8 +239,8 @@ class OneCycleTrainer:
             div_factor: float | None = None, final_div_factor: float | None = None,
             lr_scaling: str | None = None, moms: tuple[float, float, float] | None = None,
             lr_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
-            checkpoint_extra: dict[str, Any] | None = None,
-            warn_if_trained: bool = True) -> "History | DebugReport":
+            checkpoint_extra: dict[str, Any] | None = None, warn_if_trained: bool = True,
+            compile: bool | str | None = None) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
         Labels are checked against the model's output width and the dataset's classes
@@ -277,6 +278,7 @@ class OneCycleTrainer:
             warn_if_trained: Warn when an earlier fit trained this model and this run starts
                 a new schedule from its weights (default True; ``fine_tune``'s phases pass
                 False).
+            compile: This run's ``TrainerConfig.compile`` (default None: the configured one).
 
         Returns:
             The run's :class:`History`.
@@ -287,13 +289,13 @@ class OneCycleTrainer:
             ~xla_utils.diagnostics.readiness.ReadinessError: ``check=True`` found errors (before any
                 training or TPU time; warnings only print).
             ValueError: Labels outside the model's outputs, unlabelled data, a training set
-                smaller than one global batch, or a bad schedule override.
+                smaller than one global batch, a bad schedule override or ``compile=``.
             ~xla_utils.train.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
                 naming its type, shape, dtype and the fix).
         """
-        cfg = self._run_config(epochs=epochs, max_lr=max_lr, pct_start=pct_start,
+        cfg = self._run_config(simulate, epochs=epochs, max_lr=max_lr, pct_start=pct_start,
                                div_factor=div_factor, final_div_factor=final_div_factor,
-                               lr_scaling=lr_scaling, moms=moms)
+                               lr_scaling=lr_scaling, moms=moms, compile=compile)
         cores = _cores(cores)
         max_lr = None if max_lr is None else cfg.schedule.max_lr  # as read (strip, lower)
         runtime.prestart_simulation(simulate)
@@ -332,17 +334,20 @@ class OneCycleTrainer:
             self._epochs_trained = len(out.epochs) + (0 if resumed else self._epochs_trained)
             self.ema_state = out.ema_state_dict or None
 
-    def _run_config(self, **overrides: Any) -> TrainerConfig:
+    def _run_config(self, simulate: int | None = None, **overrides: Any) -> TrainerConfig:
         """This fit run's configuration: ``self.config`` with ``fit``'s schedule overrides
-        (None: the configured value), checked by the schedule group before any device time."""
+        (None: the configured value), checked by the schedule group before any device time, and
+        its ``compile=`` (the devices group's), refused on XLA (``simulate`` is the run's)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         if not given:
+            self._refuse_compile(self.config.compile, simulate)  # issue 45
             return self.config
         try:
             cfg = self.config.replace(**given)
         except (TypeError, ValueError) as exc:
             args = ", ".join(f"{k}={v!r}" for k, v in given.items())
             raise ValueError(f"fit({args}): {exc}") from None
+        self._refuse_compile(cfg.compile, simulate)  # issue 45
         return cfg
 
     def _plan_fit(self, cfg: TrainerConfig, inputs: dict[str, tuple[Any, InputSpec] | None],
@@ -452,7 +457,8 @@ class OneCycleTrainer:
     @keyword_help
     def predict(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
                 batch_size: int | None = None, activation: str | None = "auto",
-                weights: str | os.PathLike | None = None) -> np.ndarray:
+                weights: str | os.PathLike | None = None,
+                compile: bool | str | None = None) -> np.ndarray:
         """Run the model over every item of ``data`` on all cores; return its outputs.
 
         Args:
@@ -478,6 +484,9 @@ class OneCycleTrainer:
             weights: a checkpoint to use instead of the trainer's current weights:
                 ``final.pt`` (a state dict) or an ``epoch_<nnn>-<run id>.pt`` of :meth:`fit`.
                 ``self.model`` is not changed.
+            compile: ``torch.compile`` of the model for this call (as
+                ``TrainerConfig.compile``; on CUDA ``True`` is mode ``"reduce-overhead"``: every
+                batch has one shape); default None: the configured one.
 
         Returns:
             ``float32[N, num_outputs]`` in dataset order: every item exactly once,
@@ -491,44 +500,56 @@ class OneCycleTrainer:
             ~xla_utils.train.inputs.InputRefused: before any device time, a sample the
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
+        self._refuse_compile(compile, simulate)  # issue 45: before any device time
         runtime.prestart_simulation(simulate)
         cores = _cores(cores)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         missing_note(data, show=True)  # images the cache build skipped get no row
-        return self._launch_inference(plan, cores, simulate)
+        return self._launch_inference(plan, cores, simulate, compile)
 
     @keyword_help
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
-                 batch_size: int | None = None) -> dict[str, float]:
+                 batch_size: int | None = None, compile: bool | str | None = None
+                 ) -> dict[str, float]:
         """Validation metrics of the current model on a labelled dataset, on all cores.
 
         Returns the dict :meth:`fit` reports per epoch: ``loss``, the configured
         metrics (accuracy, ``top<k>``, F1 for multi-label) and ``samples`` (every
-        item counted once). ``tta``, ``cores``, ``simulate`` and ``batch_size`` are as in
-        :meth:`predict`. With ``tta=k > 1`` the metrics are those of the averaged
+        item counted once). ``tta``, ``cores``, ``simulate``, ``batch_size`` and ``compile`` are
+        as in :meth:`predict`. With ``tta=k > 1`` the metrics are those of the averaged
         probabilities (exactly what :meth:`predict` returns): the loss receives
         ``log(mean softmax)`` (single-label) or ``logit(mean sigmoid)`` (multi-label),
         which makes ``CrossEntropyLoss`` / ``BCEWithLogitsLoss`` the loss of the
         averaged prediction.
         """
         require_labels(data, "data", action="evaluate")
+        self._refuse_compile(compile, simulate)  # issue 45: before any device time
         runtime.prestart_simulation(simulate)
         cores = _cores(cores)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
-        return self._launch_inference(plan, cores, simulate)
+        return self._launch_inference(plan, cores, simulate, compile)
 
     def _launch_inference(self, plan: inference.InferencePlan, cores: int | str,
-                          simulate: int | None) -> Any:
+                          simulate: int | None, compile: bool | str | None = None) -> Any:
         """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
         device_plan.check_before_launch(self.config.precision, simulate=simulate,
                                         mesh=self.config.strategy != "spawn")
+        if compile is not None:  # this call's compile= (issue 45), checked as the config's
+            plan = dataclasses.replace(plan, config=dataclasses.replace(self.config,
+                                                                        compile=compile))
         if self.config.strategy == "spawn":
             return live_or_launch(self, inference_replica, (plan,), cores, simulate)
         world = _strategy.planned_world_size(cores, simulate)
         splan = _strategy.plan_strategy(self.config.devices, self.config.batch_size, self.model,
                                         world, simulate)
         return _strategy.launch(inference_on_mesh, (plan,), splan, None)
+
+    def _refuse_compile(self, compile: bool | str | None, simulate: int | None) -> None:
+        """A predict/evaluate call's ``compile=`` (None: the configured one), refused on XLA."""
+        value = self.config.compile if compile is None else TrainerConfig(compile=compile).compile
+        refuse_on_xla(value, simulate=simulate, mesh=self.config.strategy != "spawn",
+                      backend=runtime.backend())
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
@@ -601,6 +622,11 @@ class OneCycleTrainer:
                                   replicas=_strategy.planned_world_size("all", None),
                                   steps=steps, timeout=timeout)
             print(device.report, flush=True)
+            if cfg.compile:  # issue 45: where dynamo breaks the model's forward, and why
+                x = next(iter(iterate_batches(data, min(cfg.batch_size, 2), shuffle=False,
+                                                num_workers=0)))[0]
+                print(graph_breaks_report(self.model, self._prepare(spec, train=False)(x)),
+                      flush=True)
         if device is not None and not runtime.xla_installed():
             print("xla_utils.check for a TPU: skipped, torch_xla is not installed here "
                   "(xla_utils.setup(install=True) installs the one that pairs with this torch; "
