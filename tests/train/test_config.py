@@ -186,9 +186,11 @@ def test_replace_checks_and_flat_writes_reach_the_group():
 
 
 def test_fit_overrides_are_exactly_the_schedule_group():
+    """fit's setting keywords: the schedule group's fields, and compile= (issue 45: a run may
+    compile or not, the devices group's setting for that run)."""
     params = set(inspect.signature(OneCycleTrainer.fit).parameters)
     schedule = {f.name for f in dataclasses.fields(ScheduleSettings)}
-    assert params & set(OPTION_GROUPS) == schedule
+    assert params & set(OPTION_GROUPS) == schedule | {"compile"}
     t = OneCycleTrainer(nn.Linear(2, 2), nn.CrossEntropyLoss(), None, epochs=2)
     with pytest.raises(ValueError, match=r"fit\(pct_start=1\.5\): pct_start must be in \[0, 1\]"):
         t.fit(pct_start=1.5)
