@@ -80,9 +80,10 @@ _MOVED = {old: package for package, olds in {
     "data": ("transforms",),
     "diagnostics": ("debug", "findings", "memory", "readiness"),
     "env": ("libtpu_pairs", "tpus"),
-    "train": ("checkpoint", "config", "crossval", "device_plan", "ema", "finetune", "history",
-        "inputs", "loop", "lr_finder", "lr_rules", "mesh_tasks", "metrics", "mixup", "optim",
-        "replica_loops", "schedule", "steps", "strategy", "submission", "trainer"),
+    "step": ("device_plan", "inputs", "optim", "strategy"),
+    "train": ("checkpoint", "config", "crossval", "ema", "finetune", "history", "loop",
+        "lr_finder", "lr_rules", "mesh_tasks", "metrics", "mixup", "replica_loops", "schedule",
+        "steps", "submission", "trainer"),
     "utils": ("atomic", "progress", "suggest", "units", "version"),
 }.items() for old in olds}
 

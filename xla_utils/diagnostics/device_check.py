@@ -12,7 +12,7 @@ replica of that backend and measures:
   (the no-loader ceiling);
 * the loader alone (host batches per second) against the step;
 * the precision, layout and host buffers the run's
-  :class:`~xla_utils.train.device_plan.DevicePlan` chose;
+  :class:`~xla_utils.step.device_plan.DevicePlan` chose;
 * host reads per step (``.item()``, a copy to the host: each one waits for the device);
 * on CUDA, the peak memory against the GPU's.
 

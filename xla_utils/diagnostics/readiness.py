@@ -77,7 +77,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
             mean squared error for other float targets, and the sum of all
             outputs when the batch has no target.
         optimizer: ``"sgd"`` (default; momentum 0.9), ``"adam"``, ``"adamw"``, a
-            callable ``f(params, lr=...)`` (see :func:`xla_utils.train.optim.make_optimizer`;
+            callable ``f(params, lr=...)`` (see :func:`xla_utils.step.optim.make_optimizer`;
             lr 1e-3) or an optimizer instance over ``model``'s parameters (rebuilt
             on the device with its hyper-parameters and state; the original is
             not touched).
@@ -191,7 +191,7 @@ def _default_prepare(batch: Any) -> tuple[Callable | None, str]:
     """The trainer's treatment of ``batch``'s inputs (decided from its first row) and
     its description: uint8 images normalised with ImageNet mean/std, else unchanged."""
     from ..data import IMAGENET_MEAN, IMAGENET_STD
-    from ..train.inputs import inspect_inputs
+    from ..step.inputs import inspect_inputs
 
     x = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if not (isinstance(x, torch.Tensor) or hasattr(x, "__array__")) or not len(getattr(x, "shape", ())):

@@ -3,9 +3,9 @@
 
 A low module of its own, so that every module that is passed the configuration can
 name its type. Its checks (``__post_init__``) ask the modules that own each option
-(optimizer names: :mod:`xla_utils.train.optim`; EMA, mixup, cutmix, smoothing:
+(optimizer names: :mod:`xla_utils.step.optim`; EMA, mixup, cutmix, smoothing:
 :mod:`xla_utils.train.mixup`; ``monitor``: :mod:`xla_utils.train.history`; ``strategy``:
-:mod:`xla_utils.train.strategy`; ``compile_cache``: :mod:`xla_utils.runtime`), so those modules
+:mod:`xla_utils.step.strategy`; ``compile_cache``: :mod:`xla_utils.runtime`), so those modules
 import :class:`TrainerConfig` for their annotations only (``if TYPE_CHECKING:``).
 ``from xla_utils.train.trainer import TrainerConfig`` keeps working.
 """
@@ -17,14 +17,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import device_plan
+from ..step import device_plan
 from .. import runtime
-from . import strategy as _strategy
+from ..step import strategy as _strategy
 from .checkpoint import check_options as check_checkpoint_options
 from ..data import IMAGENET_MEAN, IMAGENET_STD
 from .history import check_monitor
 from .mixup import check_step_options
-from .optim import resolve_optimizer
+from ..step.optim import resolve_optimizer
 from ..utils.suggest import choice
 
 __all__ = ["TrainerConfig", "LR_SCALING", "ON_NAN"]
@@ -62,7 +62,7 @@ class TrainerConfig:
             ``"bf16"``, ``"fp16"`` or ``"fp32"`` force one. fp16 on a TPU and bf16 on a GPU without
             it are refused before any device time. Steps the scaler skips (inf/NaN gradients)
             are counted per epoch (history ``skipped_steps``) and still advance the one-cycle
-            schedule; the scaler's state is in the checkpoints. See :mod:`xla_utils.train.device_plan`.
+            schedule; the scaler's state is in the checkpoints. See :mod:`xla_utils.step.device_plan`.
         channels_last: ``"auto"`` (default): on CUDA, a model with ``Conv2d`` layers and image
             inputs run in channels_last memory format (the images normalised straight into it);
             True forces it on the torch backend, False keeps NCHW. XLA picks its own layouts.
@@ -119,7 +119,7 @@ class TrainerConfig:
         strategy: ``"spawn"`` (default: one process per core, whole model on each),
             ``"spmd"`` (one process feeds every device, batch split over a 1-D mesh) or
             ``"fsdp"`` (FSDPv2: parameters, gradients, optimizer state and batch sharded
-            over the mesh's ``fsdp`` axis). See :mod:`xla_utils.train.strategy`.
+            over the mesh's ``fsdp`` axis). See :mod:`xla_utils.step.strategy`.
         fsdp_wrap: ``"fsdp"`` units: module classes or class names (e.g. the
             transformer block), a minimum parameter count per unit, or None (default:
             the whole model as one unit).

@@ -1,6 +1,6 @@
 """``find_lr``, ``check`` and ``debug`` of a mesh strategy (``"spmd"``/``"fsdp"``) as mesh runs.
 
-What :class:`~xla_utils.train.trainer.OneCycleTrainer` does on top of :mod:`xla_utils.train.strategy`
+What :class:`~xla_utils.train.trainer.OneCycleTrainer` does on top of :mod:`xla_utils.step.strategy`
 when the strategy is not ``"spawn"``: where the LR sweep runs (:func:`sweep_placement`:
 one core, accumulating to the fit's global batch, or the mesh when one core of the target
 TPU cannot hold the model), the sweep itself (:func:`find_lr`) and the mesh half of
@@ -16,15 +16,15 @@ import torch
 
 from .. import runtime
 from ..data import iterate_batches
-from .inputs import inspect_inputs, require_labels
+from ..step.inputs import inspect_inputs, require_labels
 from .loop import input_preparer
-from .strategy import plan_strategy, planned_world_size
+from ..step.strategy import plan_strategy, planned_world_size
 from ..utils.units import format_bytes
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
     from ..diagnostics.readiness import ReadinessReport
-    from .inputs import InputSpec
+    from ..step.inputs import InputSpec
     from .trainer import OneCycleTrainer
 
 __all__ = ["sweep_placement", "find_lr", "check_on_mesh"]

@@ -515,7 +515,7 @@ def mix_config_for(cfg: TrainerConfig, loss: Callable, model: torch.nn.Module, d
         cfg: The trainer's configuration (``mixup``, ``cutmix``, ``label_smoothing``).
         loss, model, eval_step: The trainer's.
         data: The training data as the loader collates it.
-        spec: Its :class:`~xla_utils.train.inputs.InputSpec`.
+        spec: Its :class:`~xla_utils.step.inputs.InputSpec`.
         prepare: ``x -> model input`` (to measure the output width on the host).
 
     Raises:
@@ -523,7 +523,7 @@ def mix_config_for(cfg: TrainerConfig, loss: Callable, model: torch.nn.Module, d
     """
     if not (cfg.mixup > 0 or cfg.cutmix > 0 or cfg.label_smoothing > 0):
         return None
-    from .inputs import output_width, targets_of
+    from ..step.inputs import output_width, targets_of
 
     targets, _ = targets_of(data)
     kind = "other"

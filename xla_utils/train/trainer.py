@@ -11,7 +11,7 @@ configuration is :class:`~xla_utils.train.config.TrainerConfig` (also importable
 replica's work is :mod:`xla_utils.train.replica_loops` (given a plan, not the trainer), built from
 the plain functions of :mod:`xla_utils.train.loop` (set-up, one training epoch, evaluation,
 inference); checkpoints are :mod:`xla_utils.train.checkpoint`,
-the input checks :mod:`xla_utils.train.inputs` and the single-core debug loop
+the input checks :mod:`xla_utils.step.inputs` and the single-core debug loop
 (:meth:`OneCycleTrainer.debug`) :mod:`xla_utils.diagnostics.debug`.
 """
 from __future__ import annotations
@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from . import device_plan, inference, loop
+from . import inference, loop
+from ..step import device_plan
 from .. import runtime
 from . import mesh_tasks as _mesh_tasks
-from . import strategy as _strategy
+from ..step import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
                          earlier_runs_note, model_with_weights, resolve_resume)
 from .config import TrainerConfig
@@ -39,8 +40,9 @@ from ..diagnostics.debug import DebugReport, debug_run
 from .ema import with_weights
 from ..diagnostics.findings import ReadinessError
 from .history import History, check_monitor_data
-from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
-                     require_labels, shape_mismatch)
+from ..step.plain import default_eval_step, default_train_step
+from ..step.inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
+                           require_labels, shape_mismatch)
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .mixup import MixConfig, mix_config_for
@@ -99,7 +101,7 @@ class OneCycleTrainer:
             ``PILToTensor``, ``tv_tensors.Image``) are normalised and flipped on the device
             too, PIL images are converted on the host, other numeric inputs go to the model
             unchanged (decided once per dataset from its first sample, see
-            :func:`xla_utils.train.inputs.inspect_inputs`); other samples are refused before any
+            :func:`xla_utils.step.inputs.inspect_inputs`); other samples are refused before any
             device time.
         train_step: Optional hook ``train_step(model, (x, y), loss) -> loss tensor`` for
             other problem types. ``eval_step(model, (x, y)) -> outputs`` likewise.
@@ -127,8 +129,8 @@ class OneCycleTrainer:
         self.loss = loss
         self.train_data = train_data
         self.val_data = val_data
-        self.train_step = train_step or loop.default_train_step
-        self.eval_step = eval_step or loop.default_eval_step
+        self.train_step = train_step or default_train_step
+        self.eval_step = eval_step or default_eval_step
         self.lr_finder_result = None
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
@@ -288,7 +290,7 @@ class OneCycleTrainer:
                 training or TPU time; warnings only print).
             ValueError: Labels outside the model's outputs, unlabelled data, a training set
                 smaller than one global batch, or a bad schedule override.
-            ~xla_utils.train.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
+            ~xla_utils.step.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
                 naming its type, shape, dtype and the fix).
         """
         cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
@@ -417,7 +419,7 @@ class OneCycleTrainer:
         return out
 
     def _inspect(self, data, name: str, verb: str, need_target: bool = True) -> InputSpec:
-        """``data``'s :class:`~xla_utils.train.inputs.InputSpec` (its samples refused here, on the
+        """``data``'s :class:`~xla_utils.step.inputs.InputSpec` (its samples refused here, on the
         host, when the trainer cannot feed them)."""
         return inspect_inputs(data, name, need_target=need_target, verb=verb, mean=self.config.mean)
 
@@ -490,7 +492,7 @@ class OneCycleTrainer:
                 another shape than the training data's (a test cache built at another
                 size), ``tta`` exceeds the views ``data`` offers, or ``weights`` does
                 not fit the model.
-            ~xla_utils.train.inputs.InputRefused: before any device time, a sample the
+            ~xla_utils.step.inputs.InputRefused: before any device time, a sample the
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
         runtime.prestart_simulation(simulate)

@@ -149,7 +149,7 @@ class DeviceRequest:
     Attributes:
         precision: One of :data:`PRECISIONS`.
         channels_last: ``"auto"``, True or False (see ``TrainerConfig.channels_last``).
-        inputs: The data's :class:`~xla_utils.train.inputs.InputSpec` (image inputs are what
+        inputs: The data's :class:`~xla_utils.step.inputs.InputSpec` (image inputs are what
             ``"auto"`` puts in channels_last), or None.
     """
 

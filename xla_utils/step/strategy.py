@@ -46,7 +46,7 @@ from .. import runtime
 from ..data import iterate_batches
 
 if TYPE_CHECKING:
-    from .config import TrainerConfig
+    from ..train.config import TrainerConfig
 
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",

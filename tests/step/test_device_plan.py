@@ -1,4 +1,4 @@
-"""xla_utils.train.device_plan: precision, layout and host buffers per device, decided once per run.
+"""xla_utils.step.device_plan: precision, layout and host buffers per device, decided once per run.
 
 On this CPU-only machine: precision resolution for the properties of a T4, P100, V100, A100
 and H100; refusals before any device time; the real GradScaler on the CPU (fp16 autocast)
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from xla_utils import OneCycleTrainer, lr_find
-from xla_utils.train.device_plan import (DevicePlan, DeviceRequest, PrecisionError, _forward_fails,
-                                   check_before_launch, resolve_precision)
+from xla_utils.step.device_plan import (DevicePlan, DeviceRequest, PrecisionError, _forward_fails,
+                                        check_before_launch, resolve_precision)
 from xla_utils.env.gpu import cuda_available, parse_nvidia_smi
 from xla_utils.train.trainer import TrainerConfig
 
@@ -250,7 +250,7 @@ def test_scaler_state_is_checkpointed_and_resumed(tmp_path):
 def test_lr_find_and_debug_on_the_torch_backend_use_the_plan():
     from xla_utils import runtime
     from xla_utils.diagnostics.debug import _debug_steps
-    from xla_utils.train.inputs import inspect_inputs
+    from xla_utils.step.inputs import inspect_inputs
 
     data = _images()
     seen = []
@@ -289,7 +289,7 @@ def test_plan_on_this_gpu():
     dev = torch.device("cuda")
     facts = cuda_facts(dev)
     model = _cnn().to(dev)
-    spec = __import__("xla_utils.train.inputs", fromlist=["inspect_inputs"]).inspect_inputs(_images(), "d")
+    spec = __import__("xla_utils.step.inputs", fromlist=["inspect_inputs"]).inspect_inputs(_images(), "d")
     plan = DevicePlan.build(DeviceRequest(inputs=spec), dev, model)
     assert plan.precision == ("bf16" if facts.compute_capability >= (8, 0) else "fp16")
     assert plan.channels_last and plan.pinned and model[0].weight.is_contiguous(
