@@ -390,3 +390,46 @@ def test_room_graph_finds_a_package_circle(tmp_path):
     rooms = room_graph(analyse(top))
     assert [set(c) for c in circles(rooms)] == [{"xla_utils.a", "xla_utils.b"}]
     assert set(rooms["xla_utils.c"].imports) == {"xla_utils.a"}
+
+
+# --------------------------------------------------------------------------- one placement
+
+MAX_PLACEMENT_SIGNATURES = 12
+
+
+def placement_signatures(top: Path) -> list[str]:
+    """``path:line name()`` of every function of the package at ``top`` that takes a parameter
+    named ``simulate`` or ``cores`` (positional, keyword-only, however many lines its
+    signature spans)."""
+    found = []
+    for path in sorted(top.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+                if names & {"simulate", "cores"}:
+                    found.append(f"{path.relative_to(top.parent)}:{node.lineno} {node.name}()")
+    return found
+
+
+def test_where_a_run_happens_is_resolved_at_the_entry_points_only():
+    """Issue 44: the user's ``cores=`` / ``simulate=`` reach only the public entry points (fit,
+    predict, evaluate, find_lr / lr_find, debug, launch, cross_validate, the simulate
+    runners, the demo) and ``runtime.resolve``, which turns them into the one
+    :class:`~xla_utils.runtime.placement.Placement` everything below them takes."""
+    found = placement_signatures(PKG)
+    assert any(f.endswith(" resolve()") for f in found), found  # the reader works
+    assert len(found) <= MAX_PLACEMENT_SIGNATURES, (
+        f"{len(found)} functions take `simulate` or `cores` (at most "
+        f"{MAX_PLACEMENT_SIGNATURES}: pass a runtime.Placement below the entry points):\n  "
+        + "\n  ".join(found))
+
+
+def test_placement_signatures_reads_every_form(tmp_path):
+    top = tmp_path / "pkg"
+    top.mkdir()
+    (top / "m.py").write_text("def a(x,\n      simulate=None):\n    pass\n"
+                              "def b(*, cores='all'):\n    pass\n"
+                              "class C:\n    async def c(self, cores, /):\n        pass\n"
+                              "def d(placement, devices):\n    pass\n")
+    assert placement_signatures(top) == ["pkg/m.py:1 a()", "pkg/m.py:4 b()", "pkg/m.py:7 c()"]

@@ -47,7 +47,8 @@ def _run(code: str, hook: bool) -> dict:
 
 
 _SIMULATED = """
-    threads = rt.launch_job(job, (), cores=1, simulate=1, timeout=120, sim_threads=True)
+    threads = rt.launch_job(job, (), placement=rt.resolve(1, simulate=1), timeout=120,
+                            sim_threads=True)
     procs = rt.launch(job, simulate=2, timeout=120)
     print(json.dumps({"threads": threads, "procs": procs, "caller": torch.get_num_threads()}))
 """

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from xla_utils import OneCycleTrainer, lr_find
+from xla_utils import OneCycleTrainer, lr_find, runtime
 from xla_utils.step.device_plan import (DevicePlan, DeviceRequest, PrecisionError, _forward_fails,
                                         check_before_launch, resolve_precision)
 from xla_utils.env.gpu import cuda_available, parse_nvidia_smi
@@ -121,9 +121,9 @@ def test_bf16_is_refused_on_a_t4_host_before_cuda_is_touched(tmp_path, monkeypat
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(PrecisionError, match=r"Tesla T4 \(sm_75, 15 GiB\), compute capability 7\.5"):
-        check_before_launch("bf16")
+        check_before_launch("bf16", runtime.resolve())
     for fine in ("auto", "fp16", "fp32"):
-        check_before_launch(fine)  # nvidia-smi is not even asked: only bf16 can be refused
+        check_before_launch(fine, runtime.resolve())  # nvidia-smi is not even asked: only bf16 can be refused
     t = OneCycleTrainer(Counting(), nn.CrossEntropyLoss(), _pairs(), batch_size=16, bf16=True)
     with pytest.raises(PrecisionError, match="bf16=True"):
         t.fit()

@@ -165,7 +165,8 @@ def _launch_steps(args: tuple, mesh: StrategyPlan | None, device: DeviceRequest)
                             batch_size=batch_size, steps=steps, make_step=make_step,
                             device=device)
 
-    return runtime.launch_job(job, (), cores=1, simulate=simulate, timeout=None, sim_threads=True)
+    return runtime.launch_job(job, (), placement=runtime.resolve(1, simulate), timeout=None,
+                              sim_threads=True)
 
 
 def _passes(loader: Any) -> Any:

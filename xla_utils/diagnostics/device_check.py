@@ -100,8 +100,9 @@ def check_device(model: torch.nn.Module, make_step: Any, data: Any, *, batch_siz
     Returns:
         The :class:`DeviceCheckReport` (not printed).
     """
-    meas = runtime.launch_job(_measure, (model, make_step, data, steps), cores=1,
-                              simulate=None, timeout=timeout, sim_threads=False)
+    meas = runtime.launch_job(_measure, (model, make_step, data, steps),
+                              placement=runtime.resolve(cores=1), timeout=timeout,
+                              sim_threads=False)
     return _report(meas, batch_size, replicas)
 
 

@@ -123,7 +123,8 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     job = MeasureJob(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)
     job.compile_cache, job.make_step = compile_cache, make_step
     with fast_xla_cpu_compile():
-        meas = runtime.launch_job(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
+        meas = runtime.launch_job(job, (), placement=runtime.resolve(1, simulate=1), timeout=timeout,
+                                  sim_threads=True)
     report = _report_of(meas, module, loss_name, tpu, chip, steps, inputs, time.perf_counter() - t0)
     if print_report:
         print(report.report, flush=True)

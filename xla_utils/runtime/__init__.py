@@ -56,6 +56,8 @@ Layout
               every fork; a fresh thread for TPU jobs) and the one-thread guard.
 ``compile_cache``  torch_xla's persistent compilation cache, initialised first
               thing in every replica of the entry points (``compile_cache=``).
+``placement``  :class:`Placement`: where a run happens (backend, device kind, world
+              size, simulated or real), resolved once by the entry points (``resolve``).
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
 ``relay``     a child process's output re-printed here (a notebook's streams), its tail kept.
@@ -87,6 +89,7 @@ from .counters import xla_counters, xla_counters_report
 from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
                        register_simulator)
 from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
+from .placement import Placement, resolve
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .torch_launch import NotSendableError
@@ -159,6 +162,8 @@ INTERNAL_API = (
     "TorchDevices",
     "CPU_REPLICAS_ENV",
     "host_copy",  # a CPU copy of a state dict (best weights, the last finite state)
+    "resolve",  # the entry points' one placement of a run (cores=, simulate=, the host)
+    "Placement",
 )
 
 

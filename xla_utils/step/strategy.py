@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "check_config", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
-           "load_sharded_checkpoint", "planned_world_size", "enter_mesh"]
+           "load_sharded_checkpoint", "enter_mesh"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
 AXIS = {"spmd": "data", "fsdp": "fsdp"}
@@ -156,9 +156,10 @@ class StrategyPlan:
         return AXIS[self.strategy]
 
 
-def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
-                  simulate: int | None) -> StrategyPlan:
-    """Check everything ``cfg.strategy`` needs before any device time; return the plan.
+def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module,
+                  placement: runtime.Placement) -> StrategyPlan:
+    """Check everything ``cfg.strategy`` needs before any device time; return the plan of a
+    mesh of ``placement``'s devices (its world size: the simulated count, or the TPU's).
 
     Raises:
         ValueError: this torch_xla has no SPMD/FSDPv2, the wrap policy matches
@@ -169,6 +170,7 @@ def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
     why = spmd_support()
     if why is not None:
         raise ValueError(f"strategy={cfg.strategy!r}: {why}")
+    devices, simulate = placement.replicas, placement.simulated
     if simulate is None and not runtime.tpu_present():
         raise ValueError(f"strategy={cfg.strategy!r} needs the devices of a TPU, and this machine "
                          "has none. Fix: pass simulate=8 (8 XLA:CPU devices) to try it here")
@@ -176,19 +178,6 @@ def plan_strategy(cfg: TrainerConfig, model: torch.nn.Module, devices: int,
     wrap = resolve_wrap(model, cfg.fsdp_wrap) if cfg.strategy == "fsdp" else None
     return StrategyPlan(strategy=cfg.strategy, devices=devices, simulate=simulate, wrap=wrap,
                         checkpointing=cfg.activation_checkpointing)
-
-
-def planned_world_size(cores: int | str, simulate: int | None) -> int:
-    """The world size a launch will have (``cores``: ``"all"`` or 1; ``simulate``: N
-    simulated devices or None), found without touching the XLA runtime or CUDA."""
-    if cores == 1:
-        return 1
-    if simulate is not None:
-        return simulate
-    if runtime.backend() == "xla":
-        from .. import env
-        return max(env.detect().num_devices or 1, 1)
-    return runtime.torch_devices().count  # every GPU, or XLA_UTILS_CPU_REPLICAS
 
 
 def launch(fn: Callable, args: tuple, plan: StrategyPlan, timeout: float | None) -> Any:

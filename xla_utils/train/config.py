@@ -208,14 +208,14 @@ class TrainerConfig:
         if self.metrics is not None and not isinstance(self.metrics, str):
             self.metrics = [m.strip().lower() if isinstance(m, str) else m for m in self.metrics]
 
-    def val_batch_size(self, samples: int, cores: int) -> int:
-        """The per-epoch validation's batch per core for ``samples`` items over ``cores``:
-        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))`` (no
+    def val_batch_size(self, samples: int, replicas: int) -> int:
+        """The per-epoch validation's batch per core for ``samples`` items over ``replicas``:
+        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / replicas)))`` (no
         gradients, so larger than a tiny training batch; pass ``eval_batch_size=batch_size``
         if validation runs out of memory)."""
         if self.eval_batch_size:
             return self.eval_batch_size
-        return max(self.batch_size, min(64, -(-samples // cores)))
+        return max(self.batch_size, min(64, -(-samples // replicas)))
 
     @property
     def scaling_rule(self) -> str:

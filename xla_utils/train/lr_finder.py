@@ -40,6 +40,7 @@ from .lr_rules import (BETA, BUDGET_POWER, BUDGET_STEPS, DEFAULT_RULE, DESCENT_F
                        suggest_budget, suggest_descent, suggest_minimum, suggest_slide,
                        suggest_steep, suggest_valley)
 from ..step.optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
+from ..step.strategy import launch as launch_on_mesh
 from ..utils.progress import progress_bar
 from ..utils.suggest import choice, keyword_help
 
@@ -267,6 +268,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             shuffle: bool = True, num_workers: int | None = None,
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
+            placement: runtime.Placement | None = None,
             timeout: float | None = None, compile_cache: Any = "auto",
             mesh: StrategyPlan | None = None, precision: str = "auto",
             channels_last: bool | str = "auto") -> LRFinderResult:
@@ -301,6 +303,8 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         batch_tfm: ``x -> x`` on the device instead of the default input preparation.
         show_progress: A titled progress bar with its time left (default True).
         simulate: ``1``: one simulated XLA:CPU device (see :func:`xla_utils.runtime.launch`).
+        placement: Instead of ``simulate``: the caller's resolved placement
+            (:func:`xla_utils.runtime.resolve`); the sweep runs on one of its devices.
         timeout: Seconds before a forked run is killed (``TimeoutError``); default none.
         compile_cache: As ``TrainerConfig.compile_cache`` (default ``"auto"``: TPUs only).
         mesh: A :class:`~xla_utils.step.strategy.StrategyPlan`: sweep as that mesh run (each
@@ -313,8 +317,9 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     """
     optimizer = _refused(data, optimizer, batch_size)
     runtime.check_compile_cache_option(compile_cache)
-    runtime.prestart_simulation(simulate)
-    check_before_launch(precision, simulate=simulate, mesh=mesh is not None)
+    placement = (placement or runtime.resolve(1, simulate)).one()
+    runtime.prestart_simulation(placement)
+    check_before_launch(precision, placement, mesh=mesh is not None)
     data, batch_tfm, spec = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
@@ -328,13 +333,9 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   show_progress=show_progress,
                   parent_pid=os.getpid(), compile_cache=compile_cache,
                   device=DeviceRequest(precision, channels_last, spec))
-    if mesh is not None:
-        from ..step import strategy
-
-        res = strategy.launch(_mesh_replica, (cfg,), mesh, timeout)
-    else:
-        res = runtime.launch_job(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
-                                 sim_threads=True)
+    res = (launch_on_mesh(_mesh_replica, (cfg,), mesh, timeout) if mesh is not None else
+           runtime.launch_job(_replica, (cfg,), placement=placement, timeout=timeout,
+                              sim_threads=True))
     return _judged(res, cfg, note)
 
 

@@ -166,9 +166,8 @@ class OneCycleTrainer:
             cores: The fit's ``cores`` the answer is for (mesh strategies): ``"all"``
                 (default) or 1.
         """
-        cores = _cores(cores)
-        devices = _strategy.planned_world_size(cores, simulate)
-        self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs, devices)
+        placement = runtime.resolve(cores, simulate)
+        self.lr_finder_result = _mesh_tasks.find_lr(self, placement, on_mesh, tpu, kwargs)
         return self.lr_finder_result
 
     def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
@@ -214,14 +213,15 @@ class OneCycleTrainer:
         Returns:
             The :class:`~xla_utils.diagnostics.debug.DebugReport`, printed once (as :meth:`check`).
         """
-        return self._debug(self._check_inputs()["train"], steps, simulate)
+        placement = None if self.config.strategy == "spawn" else runtime.resolve(
+            simulate=8 if simulate is None and not runtime.tpu_present() else simulate)
+        return self._debug(self._check_inputs()["train"], steps, placement)
 
-    def _debug(self, train: tuple[Any, InputSpec], steps: int = 5,
-               simulate: int | None = None) -> DebugReport:
+    def _debug(self, train: tuple[Any, InputSpec], steps: int,
+               placement: runtime.Placement | None) -> DebugReport:
+        """:meth:`debug` on ``placement``'s mesh (None: ``"spawn"``, one core)."""
         cfg, spec = self.config, train[1]
-        sim = 8 if simulate is None and not runtime.tpu_present() else simulate
-        plan = (None if cfg.strategy == "spawn" else
-                _strategy.plan_strategy(cfg, self.model, _strategy.planned_world_size("all", sim), sim))
+        plan = None if placement is None else _strategy.plan_strategy(cfg, self.model, placement)
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False), eval_step=self.eval_step,
@@ -295,34 +295,35 @@ class OneCycleTrainer:
         """
         cfg = self._run_config(epochs=epochs, pct_start=pct_start, div_factor=div_factor,
                                final_div_factor=final_div_factor)
-        cores = _cores(cores)
+        placement = runtime.resolve(cores, simulate)
         max_lr = choice(max_lr, ("find",), "max_lr", "a positive number or None")
-        runtime.prestart_simulation(simulate)
-        device_plan.check_before_launch(cfg.precision, simulate=simulate, mesh=cfg.strategy != "spawn")
+        runtime.prestart_simulation(placement)
+        device_plan.check_before_launch(cfg.precision, placement, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
         if check and (report := self.check()).errors:
             raise ReadinessError(report)
         if debug:
             warnings.warn("fit(debug=True) is deprecated: use trainer.debug(), which returns "
                           "the same DebugReport", DeprecationWarning, stacklevel=3)
-            return self._debug(inputs["train"])
-        fit_plan, plan = self._plan_fit(cfg, inputs, cores, simulate, max_lr, resume, lr_groups,
+            return self._debug(inputs["train"], 5, None if cfg.strategy == "spawn" else
+                               runtime.resolve(simulate=None if runtime.tpu_present() else 8))
+        fit_plan, plan = self._plan_fit(cfg, inputs, placement, max_lr, resume, lr_groups,
                                         checkpoint_extra, warn_if_trained)
-        out = self._launch_fit(fit_plan, plan, cores, simulate, timeout)
+        out = self._launch_fit(fit_plan, plan, placement, timeout)
         self._take_result(out, resumed=fit_plan.ckpt is not None)
         for w in out.warnings:
             warnings.warn(w, RuntimeWarning, stacklevel=3)  # fit's caller: past keyword_help
         return out
 
     @staticmethod
-    def _launch_fit(fit_plan: FitPlan, plan: _strategy.StrategyPlan | None, cores: int | str,
-                    simulate: int | None, timeout: float | None) -> History:
+    def _launch_fit(fit_plan: FitPlan, plan: _strategy.StrategyPlan | None,
+                    placement: runtime.Placement, timeout: float | None) -> History:
         """Run ``fit_plan`` on every core (``"spawn"``) or on the strategy's mesh; a complete
         run (its checkpoint holds the last epoch) runs nothing: its history, as saved."""
         if fit_plan.ckpt is not None and fit_plan.ckpt["epoch"] >= fit_plan.config.epochs:
             return completed_run(fit_plan)  # said so by _plan_fit: no launch, no file written
         if plan is None:
-            return runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
+            return runtime.launch_job(fit_replica, (fit_plan,), placement=placement,
                                       timeout=timeout, sim_threads=True)
         return _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
 
@@ -350,7 +351,7 @@ class OneCycleTrainer:
         return cfg
 
     def _plan_fit(self, cfg: TrainerConfig, inputs: dict[str, tuple[Any, InputSpec] | None],
-                  cores: int | str, simulate: int | None, max_lr: float | str | None,
+                  placement: runtime.Placement, max_lr: float | str | None,
                   resume: str | os.PathLike | None, lr_groups: Callable[..., Any] | None,
                   checkpoint_extra: dict[str, Any] | None, warn_if_trained: bool
                   ) -> tuple[FitPlan, _strategy.StrategyPlan | None]:
@@ -364,25 +365,25 @@ class OneCycleTrainer:
         check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
                            bool(getattr(self.train_data, "multilabel", False)),
                            getattr(self.train_data, "num_classes", None))
-        world = _strategy.planned_world_size(cores, simulate)
+        world = placement.replicas
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
         mix = self._mix_config(inputs["train"])
         plan = None
         if cfg.strategy != "spawn":
-            plan = _strategy.plan_strategy(cfg, self.model, world, simulate)
+            plan = _strategy.plan_strategy(cfg, self.model, placement)
         ckpt, run_id = None, time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
             # On a TPU the world is detected, not known (pod slices span hosts):
             # the replica compares cores and steps per epoch there.
-            exact = cores == 1 or simulate is not None or runtime.backend() != "xla"
+            exact = placement.world_known
             print(check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
                                len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps),
                   flush=True)
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
             run_id = ckpt.get("run_id") or run_id  # the same run goes on (its files, keep_runs)
         else:
-            base_lr, lr_world = self._new_run_lr(cfg, max_lr, simulate, world, warn_if_trained)
+            base_lr, lr_world = self._new_run_lr(cfg, max_lr, placement, warn_if_trained)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         if ckpt is None or ckpt["epoch"] < cfg.epochs:  # a complete run trains nothing
@@ -423,11 +424,12 @@ class OneCycleTrainer:
         host, when the trainer cannot feed them)."""
         return inspect_inputs(data, name, need_target=need_target, verb=verb, mean=self.config.mean)
 
-    def _new_run_lr(self, cfg: TrainerConfig, max_lr: float | str | None, simulate: int | None,
-                    world: int, warn_if_trained: bool = True) -> tuple[float | str, int]:
+    def _new_run_lr(self, cfg: TrainerConfig, max_lr: float | str | None,
+                    placement: runtime.Placement, warn_if_trained: bool = True
+                    ) -> tuple[float | str, int]:
         """``(base_lr, lr_world)`` of a run (configured as ``cfg``) that does not resume: the
-        configured or given ``max_lr`` for one core, or ``lr_find``'s answer for ``world``
-        cores."""
+        configured or given ``max_lr`` for one core, or ``lr_find``'s answer for the
+        ``placement``'s world of cores."""
         base_lr = cfg.max_lr if max_lr is None else max_lr
         if self._epochs_trained and warn_if_trained:
             warnings.warn(
@@ -443,9 +445,11 @@ class OneCycleTrainer:
         # Measure at the run's own global batch: k accumulated micro-batches of the per-core
         # batch are exactly one k-core step's gradient (a mesh strategy's find_lr does this
         # itself, or sweeps on the mesh): no scaling rule on top of the finder's rule.
+        world = placement.replicas
         extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
-        res = self.find_lr(simulate=simulate, epochs=cfg.epochs, cores=1 if world == 1 else "all",
-                           max_share=FIT_SHARE, run_cores=world, **extra)
+        res = self.lr_finder_result = _mesh_tasks.find_lr(
+            self, placement, None, None,
+            dict(epochs=cfg.epochs, max_share=FIT_SHARE, run_cores=world, **extra))
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
             raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); pass "
@@ -495,11 +499,11 @@ class OneCycleTrainer:
             ~xla_utils.step.inputs.InputRefused: before any device time, a sample the
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
-        runtime.prestart_simulation(simulate)
-        cores = _cores(cores)
+        placement = runtime.resolve(cores, simulate)
+        runtime.prestart_simulation(placement)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         missing_note(data, show=True)  # images the cache build skipped get no row
-        return self._launch_inference(plan, cores, simulate)
+        return self._launch_inference(plan, placement)
 
     @keyword_help
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
@@ -516,21 +520,20 @@ class OneCycleTrainer:
         averaged prediction.
         """
         require_labels(data, "data", action="evaluate")
-        runtime.prestart_simulation(simulate)
-        cores = _cores(cores)
+        placement = runtime.resolve(cores, simulate)
+        runtime.prestart_simulation(placement)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
-        return self._launch_inference(plan, cores, simulate)
+        return self._launch_inference(plan, placement)
 
-    def _launch_inference(self, plan: inference.InferencePlan, cores: int | str,
-                          simulate: int | None) -> Any:
-        """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
-        device_plan.check_before_launch(self.config.precision, simulate=simulate,
+    def _launch_inference(self, plan: inference.InferencePlan,
+                          placement: runtime.Placement) -> Any:
+        """Run ``plan`` on every core of ``placement`` (``"spawn"``) or on the strategy's mesh."""
+        device_plan.check_before_launch(self.config.precision, placement,
                                         mesh=self.config.strategy != "spawn")
         if self.config.strategy == "spawn":
-            return live_or_launch(self, inference_replica, (plan,), cores, simulate)
-        world = _strategy.planned_world_size(cores, simulate)
-        splan = _strategy.plan_strategy(self.config, self.model, world, simulate)
+            return live_or_launch(self, inference_replica, (plan,), placement)
+        splan = _strategy.plan_strategy(self.config, self.model, placement)
         return _strategy.launch(inference_on_mesh, (plan,), splan, None)
 
     # ------------------------------------------------------------- inference
@@ -601,7 +604,7 @@ class OneCycleTrainer:
             from ..diagnostics.device_check import check_device
 
             device = check_device(self.model, step, data, batch_size=cfg.batch_size,
-                                  replicas=_strategy.planned_world_size("all", None),
+                                  replicas=runtime.resolve().replicas,
                                   steps=steps, timeout=timeout)
             print(device.report, flush=True)
         if device is not None and not runtime.xla_installed():
@@ -655,8 +658,3 @@ class OneCycleTrainer:
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
         return loop.input_preparer(self.config, spec, train)
-
-
-def _cores(cores: int | str) -> int | str:
-    """``cores`` as the launch reads it: ``"all"`` in any case, or the number given."""
-    return choice(cores, ("all",), "cores", "1")
