@@ -141,7 +141,7 @@ def device_facts():
     its ``precision="auto"`` picks there (the hand loop uses the same)."""
     import torch
 
-    from xla_utils.train.device_plan import resolve_precision
+    from xla_utils.step.device_plan import resolve_precision
 
     if torch.cuda.is_available():
         from xla_utils.env.gpu import cuda_facts

@@ -58,6 +58,7 @@ def _components(mb: int, reps: int) -> None:
 
 def main() -> None:
     from xla_utils.runtime import launcher
+    from xla_utils.runtime.placement import resolve
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
@@ -65,8 +66,9 @@ def main() -> None:
     p.add_argument("--cores", type=int, default=8)
     args = p.parse_args()
     _components(args.mb, args.reps)
-    launcher.launch_job(_state, (1, True), cores="all", simulate=args.cores, timeout=600,
-                     sim_threads=True)  # start the zygote
+    placement = resolve(simulate=args.cores)
+    launcher.launch_job(_state, (1, True), placement=placement, timeout=600,
+                        sim_threads=True)  # start the zygote
     for threads in (False, True):
         kind = "threads" if threads else "processes"
         diffs, fulls = [], []
@@ -74,8 +76,8 @@ def main() -> None:
             times = {}
             for give in (True, False):
                 t0 = time.perf_counter()
-                out = launcher.launch_job(_state, (args.mb, give), cores="all", simulate=args.cores,
-                                       timeout=600, sim_threads=threads)
+                out = launcher.launch_job(_state, (args.mb, give), placement=placement,
+                                          timeout=600, sim_threads=threads)
                 times[give] = time.perf_counter() - t0
                 if give:
                     got = sum(v.numel() * 4 for v in out.values())

@@ -301,8 +301,8 @@ def run_lr_find(batch: int, epochs: int) -> dict:
     from xla_utils import runtime
 
     t0 = time.perf_counter()
-    runtime.launch_job(_handover, (model, make_data()), cores=1, simulate=1, timeout=None,
-                    sim_threads=True)
+    runtime.launch_job(_handover, (model, make_data()), placement=runtime.resolve(1, simulate=1),
+                       timeout=None, sim_threads=True)
     return {"steps": len(res.lrs), "seconds": seconds, "job_fixed_s": time.perf_counter() - t0}
 
 

@@ -2,7 +2,7 @@
 
 Each :class:`Problem` is a small, fully offline training task: data from
 scikit-learn's bundled or generated datasets or 12x12 images rendered here, a
-model, an optimizer (``xla_utils.train.optim.make_optimizer``), a batch size and a
+model, an optimizer (``xla_utils.step.optim.make_optimizer``), a batch size and a
 number of epochs. :func:`train_one_cycle` trains it on plain CPU torch with
 :class:`xla_utils.train.schedule.OneCycleSchedule` (torch ``OneCycleLR`` defaults)
 and returns the final validation loss, which is what a grid of ``max_lr``
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from xla_utils.train.optim import make_optimizer  # noqa: E402
+from xla_utils.step.optim import make_optimizer  # noqa: E402
 from xla_utils.train.schedule import OneCycleSchedule  # noqa: E402
 
 

@@ -75,7 +75,7 @@ COLAB: list[str] = [
     "tests/diagnostics/",
     "tests/train/test_lr_finder.py",
     "tests/train/test_trainer_safety.py",
-    "tests/train/test_strategy.py",
+    "tests/step/test_strategy.py",
     "tests/train/test_mesh_tasks.py",
     "tests/test_ci.py",
     "tests/test_docs.py",
@@ -102,6 +102,7 @@ KAGGLE: list[str] = [
     "tests/simulate/test_forms.py::test_spmd_script_via_run_script_4_devices",
     "tests/simulate/test_forms.py::test_mixing_spmd_and_spawn_is_named",
     "tests/data/",
+    "tests/step/",
     "tests/train/",
     "tests/train/test_compile.py",  # compile= (issue 45): its fits on torch 2.8, one test on both
     "tests/utils/",

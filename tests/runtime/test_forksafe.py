@@ -47,7 +47,8 @@ def _run(code: str, hook: bool) -> dict:
 
 
 _SIMULATED = """
-    threads = rt.launch_job(job, (), cores=1, simulate=1, timeout=120, sim_threads=True)
+    threads = rt.launch_job(job, (), placement=rt.resolve(1, simulate=1), timeout=120,
+                            sim_threads=True)
     procs = rt.launch(job, simulate=2, timeout=120)
     print(json.dumps({"threads": threads, "procs": procs, "caller": torch.get_num_threads()}))
 """
@@ -86,7 +87,8 @@ def test_tpu_style_job_forked_from_a_caller_with_a_team_runs_in_a_fresh_thread()
     # full parallelism, and nothing of the caller's team to wait for.
     out = _run("""
         from xla_utils.runtime.launcher import _launch_tpu
-        r = _launch_tpu(job, (), cores=1, timeout=120)
+        from xla_utils.runtime.placement import Placement
+        r = _launch_tpu(job, (), Placement("xla", "tpu", 1, one_core=True), timeout=120)
         print(json.dumps({"job": r, "caller": torch.get_num_threads()}))
     """, hook=False)
     assert out["job"]["threads"] == out["caller"] >= 2, out

@@ -40,7 +40,8 @@ def _launch_as(design: str, fn, *args, simulate: int, timeout: float | None = No
     """``launch`` (replica processes) or the thread simulation xla_utils' own loops use."""
     if design == "processes":
         return rt.launch(fn, *args, simulate=simulate, timeout=timeout)
-    return rt.launch_job(fn, args, cores="all", simulate=simulate, timeout=timeout, sim_threads=True)
+    return rt.launch_job(fn, args, placement=rt.resolve(simulate=simulate), timeout=timeout,
+                         sim_threads=True)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import torch
 import xla_utils
 from xla_utils import runtime as rt
 from xla_utils.runtime import torch_launch
+from xla_utils.runtime.placement import Placement
 from xla_utils.env.gpu import GPUFacts, TorchDevices, torch_devices
 
 T4 = GPUFacts("Tesla T4", (7, 5), 15360, 0, "GPU-a")
@@ -37,16 +38,20 @@ def test_torch_devices_counts_gpus_or_the_cpu_replicas():
             torch_devices({"XLA_UTILS_CPU_REPLICAS": bad})
 
 
+def _on(cores, count: int, kind: str) -> Placement:
+    return Placement("torch", kind, 1 if cores == 1 else count, cores == 1, None, count)
+
+
 def test_when_a_torch_launch_starts_replica_processes():
-    assert torch_launch.forks("all", 2, "cuda", cuda_used=False)
-    assert torch_launch.forks("all", 2, "cpu", cuda_used=False)
-    assert torch_launch.forks("all", 2, "cuda", cuda_used=True)  # fresh interpreters then
-    assert not torch_launch.forks("all", 1, "cuda", cuda_used=False)  # one GPU: here
+    assert torch_launch.forks(_on("all", 2, "cuda"), cuda_used=False)
+    assert torch_launch.forks(_on("all", 2, "cpu"), cuda_used=False)
+    assert torch_launch.forks(_on("all", 2, "cuda"), cuda_used=True)  # fresh interpreters then
+    assert not torch_launch.forks(_on("all", 1, "cuda"), cuda_used=False)  # one GPU: here
     # one replica on a 2-GPU machine: forked, so the notebook stays free of CUDA ...
-    assert torch_launch.forks(1, 2, "cuda", cuda_used=False)
+    assert torch_launch.forks(_on(1, 2, "cuda"), cuda_used=False)
     # ... unless CUDA is in use here already; CPU replicas need no such care
-    assert not torch_launch.forks(1, 2, "cuda", cuda_used=True)
-    assert not torch_launch.forks(1, 2, "cpu", cuda_used=False)
+    assert not torch_launch.forks(_on(1, 2, "cuda"), cuda_used=True)
+    assert not torch_launch.forks(_on(1, 2, "cpu"), cuda_used=False)
 
 
 @dataclass

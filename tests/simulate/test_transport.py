@@ -19,6 +19,7 @@ import torch
 
 from xla_utils import runtime as rt
 from xla_utils.runtime import launcher
+from xla_utils.runtime.placement import resolve
 from xla_utils.simulate import caller as sim_caller
 from xla_utils.simulate import protocol
 
@@ -39,7 +40,8 @@ def no_leaked_folders():
 
 def _launch(fn, *args, n: int, threads: bool):
     """A process job (launch(fn, simulate=n)) or a thread job (what fit/predict run)."""
-    return launcher.launch_job(fn, args, cores="all", simulate=n, timeout=300, sim_threads=threads)
+    return launcher.launch_job(fn, args, placement=resolve(simulate=n), timeout=300,
+                               sim_threads=threads)
 
 
 def _big_result(nbytes: int):

@@ -13,7 +13,7 @@ from helpers import digits_split
 from xla_utils import OneCycleTrainer
 from xla_utils.train.finetune import (even_mults, find_head, freeze, layer_group_lrs, layer_groups,
                                 load_pretrained, unfreeze)
-from xla_utils.train.optim import make_optimizer, set_hparams
+from xla_utils.step.optim import make_optimizer, set_hparams
 
 
 class Net(nn.Module):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xla_utils import OneCycleTrainer
-from xla_utils.train.inputs import InputRefused, inspect_inputs
+from xla_utils.step.inputs import InputRefused, inspect_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from tiny_gpt import GPT, TokenWindows, lm_step, stdlib_bytes  # noqa: E402

@@ -8,7 +8,8 @@ from torch import nn
 
 from xla_utils.train import loop
 from xla_utils import runtime
-from xla_utils.train.inputs import inspect_inputs
+from xla_utils.step.inputs import inspect_inputs
+from xla_utils.step.plain import default_eval_step, default_train_step
 from xla_utils.train.trainer import TrainerConfig
 
 
@@ -31,11 +32,11 @@ def test_set_up_train_one_epoch_and_evaluate_on_the_torch_backend():
         state = loop.TrainState(step=0, initial_loss=None)
         batches = loop.loader(data, cfg.data, world_size=s.world_size, rank=s.rank, epoch=0, train=True)
         res = loop.train_one_epoch(0, s, state, batches, cfg=cfg,
-                                   train_step=loop.default_train_step, loss_fn=nn.CrossEntropyLoss(),
+                                   train_step=default_train_step, loss_fn=nn.CrossEntropyLoss(),
                                    inputs=spec)
         val = loop.evaluate(s.model, loop.loader(data, cfg.data, world_size=1, rank=0, epoch=0, train=False),
                             data=cfg.data, diag=cfg.diagnostics, loss_fn=nn.CrossEntropyLoss(),
-                            eval_step=loop.default_eval_step,
+                            eval_step=default_eval_step,
                             autocast=s.autocast, dev=s.device, inputs=spec)
         return s, state, res, val
 

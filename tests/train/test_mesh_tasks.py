@@ -4,6 +4,8 @@ debugged as the mesh run, and the per-device memory verdict under "fsdp"."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ from xla_utils import OneCycleTrainer, runtime
 from xla_utils.diagnostics.memory import llama_shapes
 
 from helpers import digits_dataset
-from test_strategy import DEVICES, Net
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # the module pytest imports
+from test_strategy import DEVICES, Net  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not runtime.xla_available(), reason="needs torch_xla")
 

@@ -116,7 +116,7 @@ def test_never_zero_or_one_in_float32():
 
 def _xla_compiles_per_step(opt_name):
     from xla_utils import runtime
-    from xla_utils.train.optim import make_optimizer
+    from xla_utils.step.optim import make_optimizer
 
     dev = runtime.device()
     torch.manual_seed(0)

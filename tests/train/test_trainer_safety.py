@@ -16,7 +16,7 @@ from torch import nn
 from helpers import digits_split, tiny_mlp
 
 from xla_utils import OneCycleTrainer, debug_run, lr_find
-from xla_utils.train.optim import Adam, make_optimizer, resolve_optimizer
+from xla_utils.step.optim import Adam, make_optimizer, resolve_optimizer
 from xla_utils.train.trainer import CheckpointError, ResumeError, TrainerConfig
 
 

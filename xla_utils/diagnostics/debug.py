@@ -18,15 +18,15 @@ import torch
 
 from .. import runtime
 from ..data import IMAGENET_MEAN, IMAGENET_STD
-from ..train.device_plan import DevicePlan, DeviceRequest
+from ..step.device_plan import DevicePlan, DeviceRequest
 from .findings import WARMUP_STEPS
-from ..train.inputs import InputSpec, check_targets, inspect_inputs
-from ..train.loop import default_eval_step, default_train_step
-from ..train.optim import make_optimizer, resolve_optimizer
-from ..train.steps import PlainStep
+from ..step.inputs import InputSpec, check_targets, inspect_inputs
+from ..step.plain import default_eval_step, default_train_step
+from ..step.optim import make_optimizer, resolve_optimizer
+from ..step.plain import PlainStep
 
 if TYPE_CHECKING:
-    from ..train.strategy import MeshRun, StrategyPlan
+    from ..step.strategy import MeshRun, StrategyPlan
 
 __all__ = ["DebugReport", "debug_run"]
 
@@ -92,7 +92,7 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
         model: An ``nn.Module`` or a zero-argument factory returning one.
         loss: ``loss(outputs, targets) -> scalar``.
         data: A map-style dataset of ``(input, target)``; its inputs are fed as by the
-            trainer (:func:`xla_utils.train.inputs.inspect_inputs`: uint8 images in either
+            trainer (:func:`xla_utils.step.inputs.inspect_inputs`: uint8 images in either
             layout normalised on the device, PIL images converted on the host; a
             sample that cannot be fed is refused before any device time).
         batch_size: Samples per step (default 8).
@@ -108,18 +108,18 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
             :func:`xla_utils.check`): ``report = debug_run(...)`` shows it once.
         eval_step: ``eval_step(model, (x, y)) -> outputs`` for the label check;
             default ``model(x)``.
-        inputs: ``data``'s :class:`~xla_utils.train.inputs.InputSpec` when already decided
+        inputs: ``data``'s :class:`~xla_utils.step.inputs.InputSpec` when already decided
             (the trainer's); default: decided here from the first sample.
-        mesh: A :class:`~xla_utils.train.strategy.StrategyPlan`: run the same debug steps as
+        mesh: A :class:`~xla_utils.step.strategy.StrategyPlan`: run the same debug steps as
             that ``"spmd"``/``"fsdp"`` mesh run instead (one process owning the plan's
-            devices, :func:`xla_utils.train.strategy.launch`): the model replicated or sharded,
+            devices, :func:`xla_utils.step.strategy.launch`): the model replicated or sharded,
             each batch of ``batch_size`` x devices split over the mesh, the same
             step boundary and counters. Default None (one core).
         make_step: The step to run, a step factory (:mod:`xla_utils.train.steps`; the trainer
             passes its own). Default None: a plain step of ``optimizer``, ``lr``,
             ``train_step`` and ``prepare`` (which also serves the label check).
         precision, channels_last: As ``TrainerConfig``'s where the steps run on the torch
-            backend (no torch_xla: a GPU or the CPU, :mod:`xla_utils.train.device_plan`); the XLA
+            backend (no torch_xla: a GPU or the CPU, :mod:`xla_utils.step.device_plan`); the XLA
             steps run in float32 as before.
     """
     optimizer = resolve_optimizer(optimizer)
@@ -152,7 +152,7 @@ def _launch_steps(args: tuple, mesh: StrategyPlan | None, device: DeviceRequest)
     batch_size, steps, make_step``) as ``mesh``'s mesh run, else on one core: a TPU core,
     one XLA:CPU device, or plain torch when torch_xla is missing."""
     if mesh is not None:
-        from ..train.strategy import launch
+        from ..step.strategy import launch
 
         return launch(_mesh_debug_steps, args, mesh, None)
     simulate = None if runtime.tpu_present() else 1
@@ -165,7 +165,8 @@ def _launch_steps(args: tuple, mesh: StrategyPlan | None, device: DeviceRequest)
                             batch_size=batch_size, steps=steps, make_step=make_step,
                             device=device)
 
-    return runtime.launch_job(job, (), cores=1, simulate=simulate, timeout=None, sim_threads=True)
+    return runtime.launch_job(job, (), placement=runtime.resolve(1, simulate), timeout=None,
+                              sim_threads=True)
 
 
 def _passes(loader: Any) -> Any:
@@ -183,7 +184,7 @@ def _mesh_debug_steps(plan: StrategyPlan, module: torch.nn.Module, loss: Callabl
                       to_input: Callable, optimizer: Any, lr: float, batch_size: int,
                       steps: int, make_step: Callable | None) -> DebugReport:
     """:func:`debug_run`'s steps in the SPMD process, on ``plan``'s mesh."""
-    from ..train.strategy import enter_mesh
+    from ..step.strategy import enter_mesh
 
     _, run = enter_mesh(plan, None)
     return _debug_steps(module, loss, data, step_fn, to_input, optimizer=optimizer, lr=lr,
@@ -195,7 +196,7 @@ def _debug_steps(module: torch.nn.Module, loss: Callable, data, step_fn: Callabl
                  steps: int, mesh: MeshRun | None = None, make_step: Callable | None = None,
                  device: DeviceRequest = DeviceRequest()) -> DebugReport:
     """The replica of :func:`debug_run`: run the steps, reading the XLA counters after each
-    (``mesh``: a :class:`~xla_utils.train.strategy.MeshRun`, batches of ``batch_size`` x devices;
+    (``mesh``: a :class:`~xla_utils.step.strategy.MeshRun`, batches of ``batch_size`` x devices;
     ``make_step``: the step factory, else a plain step; ``device``: precision and layout of
     the plain step on the torch backend)."""
     dev = runtime.device()

@@ -12,7 +12,7 @@ replica of that backend and measures:
   (the no-loader ceiling);
 * the loader alone (host batches per second) against the step;
 * the precision, layout and host buffers the run's
-  :class:`~xla_utils.train.device_plan.DevicePlan` chose;
+  :class:`~xla_utils.step.device_plan.DevicePlan` chose;
 * host reads per step (``.item()``, a copy to the host: each one waits for the device);
 * on CUDA, the peak memory against the GPU's.
 
@@ -100,8 +100,9 @@ def check_device(model: torch.nn.Module, make_step: Any, data: Any, *, batch_siz
     Returns:
         The :class:`DeviceCheckReport` (not printed).
     """
-    meas = runtime.launch_job(_measure, (model, make_step, data, steps), cores=1,
-                              simulate=None, timeout=timeout, sim_threads=False)
+    meas = runtime.launch_job(_measure, (model, make_step, data, steps),
+                              placement=runtime.resolve(cores=1), timeout=timeout,
+                              sim_threads=False)
     return _report(meas, batch_size, replicas)
 
 

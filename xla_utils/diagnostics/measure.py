@@ -25,7 +25,7 @@ import torch
 from .. import runtime
 from .findings import DYNAMIC_OPS, pad_to
 from ..utils.progress import progress_bar
-from ..train.steps import PlainStep
+from ..step.plain import PlainStep
 
 __all__ = ["MeasureJob", "fast_xla_cpu_compile"]
 
@@ -374,7 +374,7 @@ class MeasureJob:
     # -- the measured XLA steps ------------------------------------------------
     def _stepper(self) -> Any:
         """The step to measure (:mod:`xla_utils.train.steps`): the given factory's, else a
-        :class:`~xla_utils.train.steps.PlainStep` of this check's optimizer, loss and step."""
+        :class:`~xla_utils.step.plain.PlainStep` of this check's optimizer, loss and step."""
         runtime.set_seed(0)
         if self.make_step is not None:
             return self.make_step(self.module)
@@ -382,7 +382,7 @@ class MeasureJob:
         if isinstance(self.optimizer, torch.optim.Optimizer):
             opt = _rebuild_optimizer(self.optimizer, self.module, net)
         else:
-            from ..train.optim import make_optimizer
+            from ..step.optim import make_optimizer
 
             opt = make_optimizer(self.optimizer, net.parameters(), lr=1e-3)
         return PlainStep(net, opt, loss_fn=self.loss_fn, train_step=self.train_step or _default_step,
@@ -496,7 +496,7 @@ def _measure_loader(data: Any, batch_size: int, seconds: float = 3.0,
     or ``"iterable"``; ``workers``:
     its ``num_workers``, for a cache the threads it uses; None when unknown)."""
     from ..data import CachedImageDataset, iterate_batches
-    from ..train.inputs import HostFeed
+    from ..step.inputs import HostFeed
 
     if isinstance(data, (str, os.PathLike)):
         data = CachedImageDataset(data)

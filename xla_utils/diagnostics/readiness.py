@@ -77,7 +77,7 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
             mean squared error for other float targets, and the sum of all
             outputs when the batch has no target.
         optimizer: ``"sgd"`` (default; momentum 0.9), ``"adam"``, ``"adamw"``, a
-            callable ``f(params, lr=...)`` (see :func:`xla_utils.train.optim.make_optimizer`;
+            callable ``f(params, lr=...)`` (see :func:`xla_utils.step.optim.make_optimizer`;
             lr 1e-3) or an optimizer instance over ``model``'s parameters (rebuilt
             on the device with its hyper-parameters and state; the original is
             not touched).
@@ -123,7 +123,8 @@ def check(model: torch.nn.Module | Callable[[], torch.nn.Module], batch: Any,
     job = MeasureJob(module, x, y, loss_fn, optimizer, steps, data, prepare, train_step, bf16, verbose)
     job.compile_cache, job.make_step = compile_cache, make_step
     with fast_xla_cpu_compile():
-        meas = runtime.launch_job(job, (), cores=1, simulate=1, timeout=timeout, sim_threads=True)
+        meas = runtime.launch_job(job, (), placement=runtime.resolve(1, simulate=1), timeout=timeout,
+                                  sim_threads=True)
     report = _report_of(meas, module, loss_name, tpu, chip, steps, inputs, time.perf_counter() - t0)
     if print_report:
         print(report.report, flush=True)
@@ -191,7 +192,7 @@ def _default_prepare(batch: Any) -> tuple[Callable | None, str]:
     """The trainer's treatment of ``batch``'s inputs (decided from its first row) and
     its description: uint8 images normalised with ImageNet mean/std, else unchanged."""
     from ..data import IMAGENET_MEAN, IMAGENET_STD
-    from ..train.inputs import inspect_inputs
+    from ..step.inputs import inspect_inputs
 
     x = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if not (isinstance(x, torch.Tensor) or hasattr(x, "__array__")) or not len(getattr(x, "shape", ())):

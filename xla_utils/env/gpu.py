@@ -5,7 +5,7 @@ notebook that later forks one replica per GPU must not have: a forked child cann
 CUDA context its parent created). :func:`cuda_facts` asks torch about a device instead;
 that initialises CUDA, so call it only where CUDA is in use already (inside a replica).
 Both give :class:`GPUFacts`, whose compute capability decides what the trainer's
-``precision="auto"`` means (:func:`xla_utils.train.device_plan.resolve_precision`).
+``precision="auto"`` means (:func:`xla_utils.step.device_plan.resolve_precision`).
 :func:`torch_devices` says how many replicas the torch backend's launch runs (every GPU, or
 ``XLA_UTILS_CPU_REPLICAS`` CPU processes), also without initialising CUDA.
 """

@@ -50,12 +50,14 @@ Layout
 ``torch_world``  the torch backend's ranks and collectives over a torch.distributed
               process group (the only caller of its collectives).
 ``world``     backend, device, ranks, ``sync``, collectives, ``save``, seeding.
-``transfer``  ``to_device``, ``device_prefetch`` (on CUDA: copies on a side stream, ``overlapped``).
+``transfer``  ``to_device``, ``host_copy``, ``device_prefetch`` (on CUDA: copies on a side stream, ``overlapped``).
 ``counters``  XLA counters (``xla_counters``, ``xla_counters_report``).
 ``forksafe``  which forks may inherit an OpenMP team (the zygote's check before
               every fork; a fresh thread for TPU jobs) and the one-thread guard.
 ``compile_cache``  torch_xla's persistent compilation cache, initialised first
               thing in every replica of the entry points (``compile_cache=``).
+``placement``  :class:`Placement`: where a run happens (backend, device kind, world
+              size, simulated or real), resolved once by the entry points (``resolve``).
 ``replica``   the replica side of a launch: the job's and replicas' entry
               points, which :mod:`xla_utils.simulate` calls into.
 ``relay``     a child process's output re-printed here (a notebook's streams), its tail kept.
@@ -84,11 +86,12 @@ from .counters import xla_counters, xla_counters_report
 from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
                        register_simulator)
 from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
+from .placement import Placement, resolve
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
 from .torch_launch import NotSendableError
 from .torch_world import gradient_reductions
-from .transfer import device_prefetch, to_device
+from .transfer import device_prefetch, host_copy, to_device
 from .world import (all_reduce, backend, data_parallel, device, graph_text, is_master, is_simulated,
                     local_rank, master_print, no_sync, optimizer_step, rank, reduce_gradients,
                     rendezvous, replica_noun, replicas_word, save, set_seed, sync, text_progress,
@@ -156,4 +159,7 @@ INTERNAL_API = (
     "torch_devices",  # how many replicas the torch backend runs (no CUDA initialised)
     "TorchDevices",
     "CPU_REPLICAS_ENV",
+    "host_copy",  # a CPU copy of a state dict (best weights, the last finite state)
+    "resolve",  # the entry points' one placement of a run (cores=, simulate=, the host)
+    "Placement",
 )

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..env.gpu import torch_devices
+from .placement import Placement, resolve
 from .replica import ReplicaError, job_main
 from .state import STATE
 from .fresh import write_call
 from .torch_launch import FreshStart, cuda_in_use, forks, sendable_call, torch_job_main
-from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_available,
-                  xla_installed, xla_runtime_initialized)
+from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_installed,
+                  xla_runtime_initialized)
 
 __all__ = ["launch", "Simulator", "register_simulator", "run_forked_job"]
 
@@ -123,13 +123,14 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
             ``fn`` or ``args`` cannot be pickled (named; nothing started).
         XLAUnavailableError: ``simulate`` without a working torch_xla.
     """
-    return launch_job(fn, args, cores=cores, simulate=simulate, timeout=timeout, sim_threads=False)
+    return launch_job(fn, args, placement=resolve(cores, simulate), timeout=timeout,
+                      sim_threads=False)
 
 
-def prestart_simulation(simulate: int | None) -> None:
+def prestart_simulation(placement: Placement) -> None:
     """Start the simulation's clean interpreter in the background when a launch
-    with ``simulate`` is coming (see :func:`xla_utils.simulate.prestart`)."""
-    if simulate is not None and xla_installed():
+    on simulated devices is coming (see :func:`xla_utils.simulate.prestart`)."""
+    if placement.is_simulated and xla_installed():
         _simulator().prestart()
 
 
@@ -145,18 +146,13 @@ def prestart_if_simulation_likely() -> None:
     _simulator().prestart()
 
 
-def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulate: int | None,
+def launch_job(fn: Callable[..., Any], args: tuple, *, placement: Placement,
                timeout: float | None, sim_threads: bool) -> Any:
-    """:func:`launch`; ``sim_threads=True`` simulates cores as threads of one
-    process (xla_utils' own loops, which synchronise only through :func:`sync`;
-    see :mod:`xla_utils.runtime`)."""
-    if cores not in ("all", 1):
-        raise ValueError(f"cores must be 'all' or 1, got {cores!r} (TPUs and GPUs run 1 or all "
-                         "devices)")
-    if simulate is not None and (not isinstance(simulate, int) or simulate < 1):
-        raise ValueError(f"simulate must be a positive int (number of XLA:CPU devices), got {simulate!r}")
-    use_xla = simulate is not None or (tpu_present() and xla_available())
-    if use_xla:
+    """:func:`launch` on ``placement`` (:func:`~xla_utils.runtime.placement.resolve`);
+    ``sim_threads=True`` simulates cores as threads of one process (xla_utils' own loops,
+    which synchronise only through :func:`sync`; see :mod:`xla_utils.runtime`)."""
+    simulate = placement.simulated
+    if placement.backend == "xla":
         if simulate is None or not xla_installed():
             # clear XLAUnavailableError before forking. A simulated launch only
             # checks that torch_xla is installed: its zygote imports it (a failed
@@ -172,17 +168,14 @@ def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulat
                 "restart the kernel/process and keep every XLA call inside the function "
                 "passed to launch() (or OneCycleTrainer.fit / lr_find, which do that)."
             )
-        return _launch_xla(fn, args, cores=cores, simulate=simulate, timeout=timeout,
-                           sim_threads=sim_threads)
+        return _launch_xla(fn, args, placement, timeout=timeout, sim_threads=sim_threads)
     if STATE.local.in_replica:  # a replica's own launch (lr_find inside fit): here
         return fn(*args)
-    devices = torch_devices()
-    if devices.count > 1:
+    if placement.host_devices > 1:
         # CPU replicas take the GPU replicas' decision (fork, or fresh interpreters)
-        why = None if cores == 1 and devices.kind != "cuda" else cuda_in_use()
-        if forks(cores, devices.count, devices.kind, why is not None):
-            n = 1 if cores == 1 else devices.count
-            return _launch_torch(fn, args, n, devices.kind, timeout, why)
+        why = None if placement.one_core and placement.kind != "cuda" else cuda_in_use()
+        if forks(placement, why is not None):
+            return _launch_torch(fn, args, placement.replicas, placement.kind, timeout, why)
     # torch backend, in-process
     prev = STATE.local.backend, STATE.local.in_replica
     STATE.local.backend, STATE.local.in_replica = "torch", True
@@ -192,16 +185,16 @@ def launch_job(fn: Callable[..., Any], args: tuple, *, cores: int | str, simulat
         STATE.local.backend, STATE.local.in_replica = prev
 
 
-def _launch_xla(fn, args, *, cores, simulate, timeout, sim_threads) -> Any:
-    if simulate is not None:
-        return _simulator().run_replicas(fn, tuple(args), 1 if cores == 1 else simulate,
+def _launch_xla(fn, args, placement: Placement, *, timeout, sim_threads) -> Any:
+    if placement.is_simulated:
+        return _simulator().run_replicas(fn, tuple(args), placement.replicas,
                                          timeout=timeout, threads=sim_threads)
-    return _launch_tpu(fn, args, cores=cores, timeout=timeout)
+    return _launch_tpu(fn, args, placement, timeout=timeout)
 
 
-def _launch_tpu(fn, args, *, cores, timeout) -> Any:
+def _launch_tpu(fn, args, placement: Placement, *, timeout) -> Any:
     """Fork one job process that ``xmp.spawn``s the TPU replicas; collect the result."""
-    return run_forked_job(job_main, (fn, args, cores), timeout)
+    return run_forked_job(job_main, (fn, args, placement.one_core), timeout)
 
 
 def _launch_torch(fn, args, n: int, kind: str, timeout, why: str | None) -> Any:

@@ -93,7 +93,7 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def job_main(fn, args, cores, results) -> None:
+def job_main(fn, args, one_core: bool, results) -> None:
     """Body of the forked job process on a TPU host: set the environment, then xmp.spawn."""
     os.setsid()  # so that _kill() reaches replicas forked by xmp.spawn
     die_with_parent()
@@ -107,7 +107,7 @@ def job_main(fn, args, cores, results) -> None:
     # This thread is a copy of the caller's, which may own an OpenMP team whose
     # workers do not exist here: the replicas (this process with cores=1, or its
     # forks) run from a new thread instead, at full intra-op parallelism.
-    forksafe.run_in_fresh_thread(_spawn_job, fn, args, 1 if cores == 1 else None, results)
+    forksafe.run_in_fresh_thread(_spawn_job, fn, args, 1 if one_core else None, results)
 
 
 def simulate_threads(fn, args, n: int, results) -> None:

@@ -2,7 +2,7 @@
 
 An SPMD program is one process that owns every device of the host; tensors carry
 shardings (``xs.mark_sharding``) and XLA's partitioner inserts the collectives.
-:mod:`xla_utils.train.strategy` asks this module for everything SPMD; nothing here is
+:mod:`xla_utils.step.strategy` asks this module for everything SPMD; nothing here is
 imported at ``import xla_utils`` time, and torch_xla is imported inside the
 functions only.
 """

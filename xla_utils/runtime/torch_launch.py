@@ -39,13 +39,16 @@ import traceback
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import forksafe
 from .fresh import child_env, read_call
 from .relay import OutputTail, forward_output
 from .replica import die_with_parent, dumps_cpu
 from .state import STATE
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 __all__ = ["LOOPBACK_ENV", "REPORTED_EXIT", "FreshStart", "NotSendableError", "cuda_in_use",
            "forks", "sendable_call", "torch_job_main", "torch_replica_main",
@@ -116,20 +119,21 @@ def _fork_poisoned() -> bool:
     return os.waitstatus_to_exitcode(status) != 0  # a probe that died: do not fork either
 
 
-def forks(cores: int | str, count: int, kind: str, cuda_used: bool) -> bool:
-    """Whether a torch-backend launch starts replica processes (else ``fn`` runs here).
+def forks(placement: Placement, cuda_used: bool) -> bool:
+    """Whether a torch-backend launch on ``placement`` starts replica processes (else ``fn``
+    runs here).
 
-    ``cores="all"`` on ``count > 1`` devices starts one process per device (forked, or fresh
-    interpreters when ``cuda_used``). A one-replica run (``cores=1``) on a machine with
-    several GPUs forks one process too, so this process stays free of CUDA for a later
-    multi-GPU run, unless CUDA is in use here already (then it runs here, as on a one-GPU
-    machine).
+    Every device of a host with more than one (``cores="all"``) gets a process of its own
+    (forked, or fresh interpreters when ``cuda_used``). A one-replica run (``cores=1``) on a
+    machine with several GPUs forks one process too, so this process stays free of CUDA for
+    a later multi-GPU run, unless CUDA is in use here already (then it runs here, as on a
+    one-GPU machine).
     """
-    if count <= 1:
+    if placement.host_devices <= 1:
         return False
-    if cores != 1:
+    if not placement.one_core:
         return True
-    return kind == "cuda" and not cuda_used
+    return placement.kind == "cuda" and not cuda_used
 
 
 def sendable_call(fn: Callable, args: tuple, why: str) -> bytes:

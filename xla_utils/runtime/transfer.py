@@ -16,7 +16,7 @@ from .state import STATE
 from .world import device
 from .xla import load_xla
 
-__all__ = ["to_device", "device_prefetch", "overlapped", "CudaCopier"]
+__all__ = ["to_device", "host_copy", "device_prefetch", "overlapped", "CudaCopier"]
 
 
 def to_device(batch: Any, dev=None) -> Any:
@@ -46,6 +46,11 @@ def to_device(batch: Any, dev=None) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, dev) for v in batch)
     return batch
+
+
+def host_copy(state: dict) -> dict:
+    """A CPU copy of a state dict that later in-place updates of ``state`` cannot reach."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 def device_prefetch(batches: Iterable, depth: int = 2) -> Iterator:

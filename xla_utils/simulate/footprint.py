@@ -181,11 +181,11 @@ def recorded(program: str) -> dict | None:
     return entry if isinstance(entry, dict) and "replica_bytes" in entry else None
 
 
-def record(program: str, replica_bytes: int, cores: int) -> None:
+def record(program: str, replica_bytes: int, devices: int) -> None:
     """Keep ``program``'s largest private memory per replica (bytes) of its last run."""
     path = footprint_file()
     data = _load()
-    data[program] = {"replica_bytes": int(replica_bytes), "cores": cores,
+    data[program] = {"replica_bytes": int(replica_bytes), "cores": devices,
                      "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if len(data) > MAX_RECORDS:  # the most recently run programs are kept
         keep = sorted(data, key=lambda k: str(data[k].get("when", "")))[-MAX_RECORDS:]

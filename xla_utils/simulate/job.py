@@ -87,7 +87,7 @@ def zygote_main(fd: int) -> None:
 # xla_utils.cache; their progress bars, fastprogress): imported once here, before
 # mark_clean, instead of in every job (about 0.1-0.2 s per job on a quiet 2-core
 # host, fastprogress alone 0.1 s). None runs a torch op.
-_JOB_MODULES = ("torch.utils.serialization", "xla_utils.train.inputs", "xla_utils.data",
+_JOB_MODULES = ("torch.utils.serialization", "xla_utils.step.inputs", "xla_utils.data",
                 "xla_utils.train.lr_finder", "xla_utils.train.trainer", "fastprogress.fastprogress")
 
 

@@ -30,10 +30,13 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .protocol import recv_msg, send_msg
 from .resident import CallPickler, load_call, mark_live_job
+
+if TYPE_CHECKING:
+    from ..runtime.placement import Placement
 
 __all__ = ["LiveJob", "close_all", "live_job_for", "live_or_launch"]
 
@@ -198,18 +201,16 @@ def close_all() -> None:
         job.close()
 
 
-def live_or_launch(owner: Any, fn: Callable[..., Any], args: tuple, cores: int | str,
-                   simulate: int | None) -> Any:
-    """``runtime.launch``-like: a simulated call (``simulate=N``) goes to ``owner``'s
-    live job (:func:`live_job_for`); anything else (a TPU, the torch backend, a bad
-    argument, which ``runtime`` then refuses) to a fresh launch."""
+def live_or_launch(owner: Any, fn: Callable[..., Any], args: tuple,
+                   placement: Placement) -> Any:
+    """``runtime.launch``-like on ``placement``: a simulated call goes to ``owner``'s
+    live job (:func:`live_job_for`); anything else (a TPU, the torch backend) to a fresh
+    launch."""
     from .. import runtime
 
-    if isinstance(simulate, int) and not isinstance(simulate, bool) and simulate >= 1 \
-            and cores in ("all", 1):
-        return live_job_for(owner, 1 if cores == 1 else simulate).call(fn, args)
-    return runtime.launch_job(fn, args, cores=cores, simulate=simulate, timeout=None,
-                              sim_threads=True)
+    if placement.is_simulated and not isinstance(placement.simulated, bool):
+        return live_job_for(owner, placement.replicas).call(fn, args)
+    return runtime.launch_job(fn, args, placement=placement, timeout=None, sim_threads=True)
 
 
 # ==========================================================================

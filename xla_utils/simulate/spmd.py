@@ -22,17 +22,17 @@ from ..runtime.fresh import child_env, run_fresh
 from .dist import LOOPBACK_ENV, patch_distributed_spmd
 
 
-def run_spmd(path: str, cores: int, args: Sequence[str] = (),
+def run_spmd(path: str, devices: int, args: Sequence[str] = (),
              timeout: float | None = None) -> int:
-    """Run the script as ``__main__`` in a fresh process with ``cores`` XLA:CPU devices
+    """Run the script as ``__main__`` in a fresh process with ``devices`` XLA:CPU devices
     (:func:`xla_utils.runtime.fresh.run_fresh`); returns its exit status (1 after a timeout).
 
     Raises:
         ReplicaError: the script raised (its traceback), or its process died.
     """
     try:
-        return run_fresh(spmd_script_child, (cores, path, tuple(map(str, args))),
-                         env=child_env(cores, LOOPBACK_ENV),
+        return run_fresh(spmd_script_child, (devices, path, tuple(map(str, args))),
+                         env=child_env(devices, LOOPBACK_ENV),
                          what=f"the SPMD process running {path}", timeout=timeout)
     except TimeoutError:
         print(f"xla_utils.simulate: SPMD run of {path} killed after {timeout:g} s (--timeout)",
@@ -40,10 +40,10 @@ def run_spmd(path: str, cores: int, args: Sequence[str] = (),
         return 1
 
 
-def spmd_script_child(cores: int, path: str, args: Sequence[str]) -> int:
+def spmd_script_child(devices: int, path: str, args: Sequence[str]) -> int:
     """In the SPMD process: refuse the multi-process entry points, run the script; its
     exit status."""
-    refuse_multiprocess(path, cores)
+    refuse_multiprocess(path, devices)
     patch_distributed_spmd()
     sys.argv = [path, *args]
     sys.path.insert(0, str(Path(path).resolve().parent))
@@ -58,7 +58,7 @@ def spmd_script_child(cores: int, path: str, args: Sequence[str]) -> int:
     return 0
 
 
-def refuse_multiprocess(what: str, cores: int) -> None:
+def refuse_multiprocess(what: str, devices: int) -> None:
     """In an SPMD process, make ``xmp.spawn`` / ``torch_xla.launch`` raise a named
     error (a program that mixes the two forms)."""
     import torch_xla
@@ -67,7 +67,7 @@ def refuse_multiprocess(what: str, cores: int) -> None:
     def mixed(*a, **k):
         raise RuntimeError(
             f"{what} mixes SPMD and multi-process forms: it was run as SPMD (one process "
-            f"with {cores} XLA:CPU devices) and then called xmp.spawn / torch_xla.launch. "
+            f"with {devices} XLA:CPU devices) and then called xmp.spawn / torch_xla.launch. "
             "A program is one or the other; to run its xmp.spawn form, pass --form spawn "
             "(run_script(..., form='spawn')) and do not call xr.use_spmd().")
 

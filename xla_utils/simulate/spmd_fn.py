@@ -19,28 +19,28 @@ from ..runtime.fresh import child_env, run_fresh
 from .dist import LOOPBACK_ENV, patch_distributed_spmd
 
 
-def run_spmd_fn(fn: Callable[..., Any], args: tuple, cores: int, why: str,
+def run_spmd_fn(fn: Callable[..., Any], args: tuple, devices: int, why: str,
                 timeout: float | None = None, pass_index: bool = False) -> Any:
     """Run ``fn(*args)`` (``fn(0, *args)`` with ``pass_index``) once in a fresh process
-    with ``cores`` XLA:CPU devices and return its result.
+    with ``devices`` XLA:CPU devices and return its result.
 
     Raises:
         ReplicaError: ``fn`` raised (its traceback), or the process died.
         TimeoutError: ``timeout`` seconds passed; the process was killed.
     """
     name = getattr(fn, "__qualname__", repr(fn))
-    print(f"xla_utils.simulate: running {name} as SPMD (one process with {cores} XLA:CPU "
+    print(f"xla_utils.simulate: running {name} as SPMD (one process with {devices} XLA:CPU "
           f"devices) because {why}", file=sys.stderr, flush=True)
-    return run_fresh(spmd_fn_child, (fn, tuple(args), cores, pass_index),
-                     env=child_env(cores, LOOPBACK_ENV),
+    return run_fresh(spmd_fn_child, (fn, tuple(args), devices, pass_index),
+                     env=child_env(devices, LOOPBACK_ENV),
                      what=f"the SPMD process running {name}", timeout=timeout)
 
 
-def spmd_fn_child(fn: Callable[..., Any], args: tuple, cores: int, pass_index: bool) -> Any:
+def spmd_fn_child(fn: Callable[..., Any], args: tuple, devices: int, pass_index: bool) -> Any:
     """In the SPMD process of :func:`run_spmd_fn`: refuse the multi-process entry points,
     route torch.distributed's rendezvous in-process, run ``fn`` once."""
     from .spmd import refuse_multiprocess
 
-    refuse_multiprocess(f"the function sent by launch(fn, simulate={cores})", cores)
+    refuse_multiprocess(f"the function sent by launch(fn, simulate={devices})", devices)
     patch_distributed_spmd()
     return fn(0, *args) if pass_index else fn(*args)

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Sequence
 
 
-def run_torchrun(path: str, cores: int, args: Sequence[str] = (),
+def run_torchrun(path: str, devices: int, args: Sequence[str] = (),
                  timeout: float | None = None) -> int:
-    """Run the script as ``__main__`` in each of ``cores`` simulated replicas with
+    """Run the script as ``__main__`` in each of ``devices`` simulated replicas with
     torchrun's environment; returns 0 (a replica's failure raises ``ReplicaError``)."""
     from .caller import run_replicas
 
     path = str(Path(path).resolve())
-    run_replicas(torchrun_replica, (path, [str(a) for a in args]), cores,
+    run_replicas(torchrun_replica, (path, [str(a) for a in args]), devices,
                  timeout=timeout, pass_index=True, program=path)
     return 0
 

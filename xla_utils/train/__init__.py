@@ -1,5 +1,8 @@
 """xla_utils.train: the trainer and the parts of a run: loops, strategies, schedule, LR finder, ...
 
+The parts of a step that :mod:`xla_utils.diagnostics` runs too (inputs, device plan,
+optimizers, strategies, the plain step) are in :mod:`xla_utils.step`, below both.
+
 Importing this package runs nothing else: the names below load from their modules on first
 use (``from xla_utils.train import CVResult``), the same objects :mod:`xla_utils` exports.
 
@@ -9,7 +12,6 @@ use (``from xla_utils.train import CVResult``), the same objects :mod:`xla_utils
   ``train.py``)
 * ``replica_loops``: What each replica of a fit or an inference run does, as plain functions
   with explicit arguments (as timm's ``train_one_epoch`` / ``validate``)
-* ``strategy``: How the trainer spreads a model over the devices
 * ``mesh_tasks``: ``find_lr``, ``check`` and ``debug`` of a mesh strategy
   (``"spmd"``/``"fsdp"``) as mesh runs
 * ``finetune``: Fine-tuning a pretrained backbone, fastai style
@@ -18,16 +20,12 @@ use (``from xla_utils.train import CVResult``), the same objects :mod:`xla_utils
 * ``checkpoint``: Epoch checkpoints of :class:`~xla_utils.train.trainer.OneCycleTrainer`
 * ``schedule``: One-cycle learning-rate and momentum schedule (Smith 2018), per optimizer
   step
-* ``optim``: Optimizer construction and per-step hyper-parameter setting
 * ``metrics``: Validation metrics accumulated on the device and reduced across replicas
 * ``ema``: Weight EMA on the device, as timm's ``ModelEmaV3(model, decay, use_warmup=True)``
 * ``mixup``: Mixup, cutmix and label smoothing on the device, as timm's ``Mixup``
   (``mode="batch"``)
-* ``inputs``: Checks on datasets and targets, done in the calling process before any device
-  time
-* ``steps``: The training step that :func:`xla_utils.check` and :func:`xla_utils.debug_run`
-  measure
-* ``device_plan``: How a run uses its device
+* ``steps``: The trainer's own step, as :func:`xla_utils.check` and
+  :func:`xla_utils.debug_run` measure it for ``check()`` and ``debug()``
 * ``lr_finder``: Learning-rate range test ("LR finder") on one core
 * ``lr_rules``: The LR finder's reading of a sweep
 * ``submission``: Kaggle submission files

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import runtime
-from .optim import optimizer_label
+from ..step.optim import optimizer_label
 from ..utils.units import format_bytes
 
 if TYPE_CHECKING:

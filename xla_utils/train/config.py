@@ -27,9 +27,9 @@ from .. import runtime
 from ..data import IMAGENET_MEAN, IMAGENET_STD
 from ..runtime.shardinfo import STRATEGIES
 from ..utils.suggest import choice, closest, deprecated, did_you_mean
-from .device_plan import PRECISIONS
+from ..step.device_plan import PRECISIONS
 from .ema import check_ema
-from .optim import resolve_optimizer
+from ..step.optim import resolve_optimizer
 from .schedule import OneCycleSchedule
 from .torch_compile import check_compile_option
 
@@ -81,14 +81,14 @@ class DataSettings:
             raise ValueError(f"eval_batch_size must be a positive int (per core) or None "
                              f"(max(batch_size, 64)), got {ebs!r}")
 
-    def val_batch_size(self, samples: int, cores: int) -> int:
-        """The per-epoch validation's batch per core for ``samples`` items over ``cores``:
-        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / cores)))`` (no
+    def val_batch_size(self, samples: int, replicas: int) -> int:
+        """The per-epoch validation's batch per core for ``samples`` items over ``replicas``:
+        ``eval_batch_size``, else ``max(batch_size, min(64, ceil(samples / replicas)))`` (no
         gradients, so larger than a tiny training batch; pass ``eval_batch_size=batch_size``
         if validation runs out of memory)."""
         if self.eval_batch_size:
             return self.eval_batch_size
-        return max(self.batch_size, min(64, -(-samples // cores)))
+        return max(self.batch_size, min(64, -(-samples // replicas)))
 
 
 @dataclass
@@ -146,7 +146,7 @@ class OptimSettings:
             it are refused before any device time. Steps the scaler skips (inf/NaN gradients)
             are counted per epoch (history ``skipped_steps``) and still advance the one-cycle
             schedule; the scaler's state is in the checkpoints. See
-            :mod:`xla_utils.train.device_plan`. The keyword ``bf16=True`` of older notebooks is
+            :mod:`xla_utils.step.device_plan`. The keyword ``bf16=True`` of older notebooks is
             ``precision="bf16"`` (deprecated: it warns).
         channels_last: ``"auto"`` (default): on CUDA, a model with ``Conv2d`` layers and image
             inputs run in channels_last memory format (the images normalised straight into it);
@@ -276,7 +276,7 @@ class DeviceSettings:
         strategy: ``"spawn"`` (default: one process per core, whole model on each),
             ``"spmd"`` (one process feeds every device, batch split over a 1-D mesh) or
             ``"fsdp"`` (FSDPv2: parameters, gradients, optimizer state and batch sharded
-            over the mesh's ``fsdp`` axis). See :mod:`xla_utils.train.strategy`.
+            over the mesh's ``fsdp`` axis). See :mod:`xla_utils.step.strategy`.
         fsdp_wrap: ``"fsdp"`` units: module classes or class names (e.g. the
             transformer block), a minimum parameter count per unit, or None (default:
             the whole model as one unit).

@@ -17,7 +17,7 @@
 Each phase is one training graph: freezing changes which gradients exist, so the
 frozen phase compiles its own step once and the unfrozen phase once; nothing
 recompiles inside a phase. The LR multiplier of a group rides in its param group
-(``lr_mult``, applied by :func:`xla_utils.train.optim.set_hparams`), so scheduled LRs stay
+(``lr_mult``, applied by :func:`xla_utils.step.optim.set_hparams`), so scheduled LRs stay
 device data.
 
 The head is found automatically: timm models' ``get_classifier()`` (or

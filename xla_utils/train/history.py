@@ -336,7 +336,6 @@ def epoch_files(tracker: BestTracker | None, record: dict[str, Any], model: torc
         True when the run must stop (patience exhausted; ``tracker.stop_reason`` says why).
     """
     from .. import runtime
-    from .loop import host_copy
 
     master = runtime.is_master()
     if checkpoint_dir is not None and master:
@@ -346,7 +345,7 @@ def epoch_files(tracker: BestTracker | None, record: dict[str, Any], model: torc
     if tracker.improved(record):
         state = model.state_dict()
         if master:
-            tracker.best_state = host_copy(state)
+            tracker.best_state = runtime.host_copy(state)
         if checkpoint_dir is not None:
             runtime.save(state, Path(checkpoint_dir) / "best.pt")  # writes on the master only
     return tracker.should_stop(int(record["epoch"]))

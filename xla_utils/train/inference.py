@@ -15,13 +15,13 @@ import torch
 
 from .. import runtime
 from ..data import CachedImageDataset, iterate_batches
-from .device_plan import DevicePlan, DeviceRequest
+from ..step.device_plan import DevicePlan, DeviceRequest
 from .loop import loader_words, metric_accumulator, prepare_input
 from .torch_compile import inference_module
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
-    from .inputs import InputSpec
+    from ..step.inputs import InputSpec
 
 __all__ = ["InferencePlan", "tta_views", "activate", "inference_pass", "gather_predictions",
            "inference_metrics"]
@@ -34,7 +34,7 @@ class InferencePlan:
 
     Attributes:
         data: The dataset (a cache, or ``(x, y)`` pairs) as the loader collates it.
-        inputs: Its :class:`~xla_utils.train.inputs.InputSpec`.
+        inputs: Its :class:`~xla_utils.step.inputs.InputSpec`.
         n: Its length (predictions beyond it are padding).
         views: ``(stored variant, mirrored)`` of each TTA view, in order.
         batch_size: Per core.
@@ -107,7 +107,7 @@ def inference_pass(model: torch.nn.Module, plan: InferencePlan, *, cfg: TrainerC
     index list; per batch the activation output is added to a device
     accumulator (one graph for every batch and view: the mirror flag is device
     data). Precision, layout and host buffers are a
-    :class:`~xla_utils.train.device_plan.DevicePlan`'s (``model`` is converted in place; on
+    :class:`~xla_utils.step.device_plan.DevicePlan`'s (``model`` is converted in place; on
     the torch backend a first line says what was chosen).
 
     Returns:

@@ -16,7 +16,7 @@ over replicas; through the gradient scaler of an fp16 run) and one
 model. The loss is accumulated on the device and read only every
 ``log_every`` steps (an fp16 run's skipped steps once per epoch); validation
 metrics are device sums reduced once per pass. Precision, memory layout and host
-buffers are the run's :class:`~xla_utils.train.device_plan.DevicePlan`. Every rank gets
+buffers are the run's :class:`~xla_utils.step.device_plan.DevicePlan`. Every rank gets
 the same number of full batches (training drops the ragged tail of the global
 shuffle; validation pads and masks), so after the first epoch nothing compiles again.
 """
@@ -33,23 +33,23 @@ import torch
 
 from .. import runtime
 from ..data import CachedImageDataset, default_loader_threads, iterate_batches
-from .device_plan import DevicePlan, DeviceRequest
+from ..step.device_plan import DevicePlan, DeviceRequest
 from .metrics import MetricAccumulator, resolve_metrics
-from .optim import make_optimizer, optimizer_label
+from ..step.optim import make_optimizer, optimizer_label
 from .schedule import OneCycleSchedule
 
 if TYPE_CHECKING:
     from .config import DataSettings, DiagnosticsSettings, TrainerConfig
     from .ema import DeviceEMA
-    from .inputs import InputSpec
+    from ..step.inputs import InputSpec
     from .mixup import DeviceMix, MixConfig
-    from .strategy import MeshRun
+    from ..step.strategy import MeshRun
 
-__all__ = ["default_train_step", "default_eval_step", "prepare_input", "input_preparer",
+__all__ = ["prepare_input", "input_preparer",
            "replica_model", "loader", "run_lr",
            "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
            "begin_epoch", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
-           "epoch_line", "host_copy", "VAL_LOSS_EXPLODES", "loader_words", "SKIPPED_WARN"]
+           "epoch_line", "VAL_LOSS_EXPLODES", "loader_words", "SKIPPED_WARN"]
 
 # An epoch's training or validation loss this many times the untrained model's (at the
 # run's first step) counts as diverged: the run stops there (on_nan="stop"), as on a NaN.
@@ -58,25 +58,13 @@ VAL_LOSS_EXPLODES = 10.0
 SKIPPED_WARN = 0.5
 
 
-def default_train_step(model: torch.nn.Module, batch: tuple, loss_fn: Callable) -> torch.Tensor:
-    """``loss_fn(model(x), y)``: the trainer's default ``train_step``."""
-    x, y = batch
-    return loss_fn(model(x), y)
-
-
-def default_eval_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    """``model(x)``: the trainer's default ``eval_step``."""
-    x, _ = batch
-    return model(x)
-
-
 def prepare_input(x: torch.Tensor, data: DataSettings, train: bool, inputs: InputSpec,
                   memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """Model input from a device batch of a dataset whose inputs are described by
-    ``inputs`` (its :class:`~xla_utils.train.inputs.InputSpec`, decided once on the host):
+    ``inputs`` (its :class:`~xla_utils.step.inputs.InputSpec`, decided once on the host):
     uint8 images in either layout are normalised with ``data.mean`` / ``data.std``
     (and flipped when ``train and data.flip``) into ``memory_format`` (the run's
-    :attr:`DevicePlan.memory_format <xla_utils.train.device_plan.DevicePlan.memory_format>`);
+    :attr:`DevicePlan.memory_format <xla_utils.step.device_plan.DevicePlan.memory_format>`);
     other inputs are returned unchanged."""
     return inputs.prepare(x, data.mean, data.std, flip=train and data.flip,
                           memory_format=memory_format)
@@ -138,11 +126,6 @@ def scale_lr(lr: float, world_size: int, rule: str) -> float:
     return lr * factor
 
 
-def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A CPU copy that later in-place updates of ``state`` cannot reach."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
 @dataclass
 class Setup:
     """What :func:`set_up` prepared in one replica for a fit run.
@@ -163,9 +146,9 @@ class Setup:
         accum_steps: Micro-batches per optimizer step.
         ema: The :class:`~xla_utils.train.ema.DeviceEMA` (``cfg.ema`` set) or None.
         mix: The :class:`~xla_utils.train.mixup.DeviceMix` (mixup/cutmix/smoothing on) or None.
-        mesh: The SPMD strategy's :class:`~xla_utils.train.strategy.MeshRun`, or None
+        mesh: The SPMD strategy's :class:`~xla_utils.step.strategy.MeshRun`, or None
             (``strategy="spawn"``: one replica per core).
-        plan: The run's :class:`~xla_utils.train.device_plan.DevicePlan` (precision, layout,
+        plan: The run's :class:`~xla_utils.step.device_plan.DevicePlan` (precision, layout,
             host buffers, gradient scaler).
         ddp: ``model`` in torch's DistributedDataParallel on the replicas of a multi-replica
             torch launch (:func:`xla_utils.runtime.data_parallel`: gradients averaged as
@@ -244,7 +227,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
            lr_groups: Callable | None = None, strategy: MeshRun | None = None,
            inputs: InputSpec | None = None, note: str = "") -> Setup:
     """Prepare one replica for a fit run: model, optimizer, schedule, resumed state, and
-    its :class:`~xla_utils.train.device_plan.DevicePlan`, which the first line reports on the
+    its :class:`~xla_utils.step.device_plan.DevicePlan`, which the first line reports on the
     torch backend (precision, layout, host buffers, loader) after the LR scaling.
 
     Args:
@@ -259,9 +242,9 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
         lr_groups: ``lr_groups(model) -> param-group dicts`` (with ``lr_mult``), for
             discriminative LRs and frozen layers (:mod:`xla_utils.train.finetune`); None =
             every parameter at one LR.
-        strategy: A :class:`~xla_utils.train.strategy.MeshRun` (``"spmd"``/``"fsdp"``: this one
+        strategy: A :class:`~xla_utils.step.strategy.MeshRun` (``"spmd"``/``"fsdp"``: this one
             process feeds ``strategy.devices`` devices), or None.
-        inputs: The training data's :class:`~xla_utils.train.inputs.InputSpec` (image inputs
+        inputs: The training data's :class:`~xla_utils.step.inputs.InputSpec` (image inputs
             go channels_last on CUDA), or None.
         note: Said at the end of the run's first line (e.g. the model was unwrapped).
 
@@ -384,7 +367,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         cfg: The trainer's configuration.
         train_step: ``train_step(model, (x, y), loss_fn) -> loss tensor``.
         loss_fn: The loss.
-        inputs: The training data's :class:`~xla_utils.train.inputs.InputSpec`.
+        inputs: The training data's :class:`~xla_utils.step.inputs.InputSpec`.
         progress: A progress bar over the steps (master only), or ``None``.
 
     Returns:
@@ -552,7 +535,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, data: DataSettings,
         loss_fn, eval_step: The trainer's loss and ``eval_step``.
         autocast: The autocast context of the run.
         dev: The replica's device.
-        inputs: The data's :class:`~xla_utils.train.inputs.InputSpec`.
+        inputs: The data's :class:`~xla_utils.step.inputs.InputSpec`.
         feed: Moves host batches to the device(s); default ``runtime.device_prefetch``.
         memory_format: Image batches are normalised into it (the run's plan's).
 

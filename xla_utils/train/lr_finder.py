@@ -33,18 +33,19 @@ import numpy as np
 import torch
 
 from .. import runtime
-from .device_plan import DevicePlan, DeviceRequest, check_before_launch
+from ..step.device_plan import DevicePlan, DeviceRequest, check_before_launch
 # The rules are lr_rules'; they are also this module's names (xla_utils.train.lr_finder.suggest, ...).
 from .lr_rules import (BETA, BUDGET_POWER, BUDGET_STEPS, DEFAULT_RULE, DESCENT_FACTOR, NUM_IT,
                        RULES, assess, curve_drop, smooth_losses, suggest, suggest_between,
                        suggest_budget, suggest_descent, suggest_minimum, suggest_slide,
                        suggest_steep, suggest_valley)
-from .optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
+from ..step.optim import OptimizerSpec, make_optimizer, resolve_optimizer, set_hparams
+from ..step.strategy import launch as launch_on_mesh
 from ..utils.progress import progress_bar
 from ..utils.suggest import choice, keyword_help
 
 if TYPE_CHECKING:
-    from .strategy import MeshRun, StrategyPlan
+    from ..step.strategy import MeshRun, StrategyPlan
 
 __all__ = ["LRFinderResult", "lr_find", "suggest", "assess", "smooth_losses", "RULES",
            "DEFAULT_RULE", "suggest_between", "suggest_minimum", "suggest_steep", "suggest_valley",
@@ -267,6 +268,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
             shuffle: bool = True, num_workers: int | None = None,
             batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
             show_progress: bool = True, simulate: int | None = None,
+            placement: runtime.Placement | None = None,
             timeout: float | None = None, compile_cache: Any = "auto",
             mesh: StrategyPlan | None = None, precision: str = "auto",
             channels_last: bool | str = "auto") -> LRFinderResult:
@@ -301,20 +303,23 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
         batch_tfm: ``x -> x`` on the device instead of the default input preparation.
         show_progress: A titled progress bar with its time left (default True).
         simulate: ``1``: one simulated XLA:CPU device (see :func:`xla_utils.runtime.launch`).
+        placement: Instead of ``simulate``: the caller's resolved placement
+            (:func:`xla_utils.runtime.resolve`); the sweep runs on one of its devices.
         timeout: Seconds before a forked run is killed (``TimeoutError``); default none.
         compile_cache: As ``TrainerConfig.compile_cache`` (default ``"auto"``: TPUs only).
-        mesh: A :class:`~xla_utils.train.strategy.StrategyPlan`: sweep as that mesh run (each
+        mesh: A :class:`~xla_utils.step.strategy.StrategyPlan`: sweep as that mesh run (each
             micro-batch split over the mesh). Default None (one core).
         precision, channels_last: As ``TrainerConfig``'s on the torch backend (default
-            ``"auto"``); XLA sweeps in float32 (:mod:`xla_utils.train.device_plan`).
+            ``"auto"``); XLA sweeps in float32 (:mod:`xla_utils.step.device_plan`).
 
     The host reads the previous step's loss after each step boundary: one transfer per
     step that never stalls the device (the divergence test is one step late).
     """
     optimizer = _refused(data, optimizer, batch_size)
     runtime.check_compile_cache_option(compile_cache)
-    runtime.prestart_simulation(simulate)
-    check_before_launch(precision, simulate=simulate, mesh=mesh is not None)
+    placement = (placement or runtime.resolve(1, simulate)).one()
+    runtime.prestart_simulation(placement)
+    check_before_launch(precision, placement, mesh=mesh is not None)
     data, batch_tfm, spec = _fed(data, batch_tfm)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
@@ -328,13 +333,9 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
                   show_progress=show_progress,
                   parent_pid=os.getpid(), compile_cache=compile_cache,
                   device=DeviceRequest(precision, channels_last, spec))
-    if mesh is not None:
-        from . import strategy
-
-        res = strategy.launch(_mesh_replica, (cfg,), mesh, timeout)
-    else:
-        res = runtime.launch_job(_replica, (cfg,), cores=1, simulate=simulate, timeout=timeout,
-                                 sim_threads=True)
+    res = (launch_on_mesh(_mesh_replica, (cfg,), mesh, timeout) if mesh is not None else
+           runtime.launch_job(_replica, (cfg,), placement=placement, timeout=timeout,
+                              sim_threads=True))
     return _judged(res, cfg, note)
 
 
@@ -399,10 +400,10 @@ def _doubt(res: LRFinderResult, cfg: _Config) -> str | None:
 
 def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable, Any]:
     """``data`` as the loader collates it, the device transform of its inputs (the
-    trainer's feeding, :func:`xla_utils.train.inputs.inspect_inputs`) and their ``InputSpec``;
+    trainer's feeding, :func:`xla_utils.step.inputs.inspect_inputs`) and their ``InputSpec``;
     refuses, before any device time, a sample that cannot be fed."""
     from ..data import IMAGENET_MEAN, IMAGENET_STD
-    from .inputs import inspect_inputs
+    from ..step.inputs import inspect_inputs
 
     spec = inspect_inputs(data, "data", verb="lr_find")
     if batch_tfm is None:
@@ -518,7 +519,7 @@ def sweep_threads(data: Any, num_workers: int | None) -> int:
 
 def _mesh_replica(plan: StrategyPlan, cfg: _Config) -> LRFinderResult:
     """The sweep in the SPMD process, on ``plan``'s mesh (the caller's model is a copy)."""
-    from .strategy import enter_mesh
+    from ..step.strategy import enter_mesh
 
     _, run = enter_mesh(plan, cfg.compile_cache)
     return _sweep(cfg, run)
@@ -668,7 +669,7 @@ class _Curve:
 
 def _placed(cfg: _Config, run: MeshRun | None, dev: torch.device) -> tuple[torch.nn.Module, Iterator]:
     """The sweep's model on the device(s) and its device micro-batches: on one core,
-    or (``run``: a :class:`~xla_utils.train.strategy.MeshRun`) placed and split as the mesh run."""
+    or (``run``: a :class:`~xla_utils.step.strategy.MeshRun`) placed and split as the mesh run."""
     model = cfg.model if isinstance(cfg.model, torch.nn.Module) else cfg.model()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module or a factory returning one, got {type(model).__name__}")

@@ -1,6 +1,6 @@
 """``find_lr``, ``check`` and ``debug`` of a mesh strategy (``"spmd"``/``"fsdp"``) as mesh runs.
 
-What :class:`~xla_utils.train.trainer.OneCycleTrainer` does on top of :mod:`xla_utils.train.strategy`
+What :class:`~xla_utils.train.trainer.OneCycleTrainer` does on top of :mod:`xla_utils.step.strategy`
 when the strategy is not ``"spawn"``: where the LR sweep runs (:func:`sweep_placement`:
 one core, accumulating to the fit's global batch, or the mesh when one core of the target
 TPU cannot hold the model), the sweep itself (:func:`find_lr`) and the mesh half of
@@ -16,15 +16,15 @@ import torch
 
 from .. import runtime
 from ..data import iterate_batches
-from .inputs import inspect_inputs, require_labels
+from ..step.inputs import inspect_inputs, require_labels
 from .loop import input_preparer
-from .strategy import plan_strategy, planned_world_size
+from ..step.strategy import plan_strategy
 from ..utils.units import format_bytes
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
     from ..diagnostics.readiness import ReadinessReport
-    from .inputs import InputSpec
+    from ..step.inputs import InputSpec
     from .trainer import OneCycleTrainer
 
 __all__ = ["sweep_placement", "find_lr", "check_on_mesh"]
@@ -79,43 +79,40 @@ def _sample(trainer: OneCycleTrainer, spec: InputSpec, n: int) -> tuple[torch.Te
     return input_preparer(trainer.config.data, spec, train=False)(x), y
 
 
-def find_lr(trainer: OneCycleTrainer, simulate: int | None, on_mesh: bool | None, tpu: Any,
-            kwargs: dict, devices: int) -> Any:
+def find_lr(trainer: OneCycleTrainer, placement: runtime.Placement, on_mesh: bool | None,
+            tpu: Any, kwargs: dict) -> Any:
     """:meth:`OneCycleTrainer.find_lr <xla_utils.train.trainer.OneCycleTrainer.find_lr>`: place
     the sweep (:func:`sweep_placement`), size its batch for the global batch of a fit on
-    ``devices`` devices under a mesh strategy, run :func:`xla_utils.lr_find` there;
-    returns its result."""
+    ``placement`` under a mesh strategy, run :func:`xla_utils.lr_find` there (the mesh, or
+    one of its devices); returns its result."""
     from .lr_finder import lr_find
 
-    cfg = trainer.config
+    cfg, devices = trainer.config, placement.replicas
     require_labels(trainer.train_data, "train_data")
     spec = inspect_inputs(trainer.train_data, "train_data", verb="lr_find", mean=cfg.mean)
     kwargs.setdefault("batch_tfm", input_preparer(cfg.data, spec, train=False))
     kwargs.setdefault("compile_cache", cfg.compile_cache)
     kwargs.setdefault("precision", cfg.precision)
     kwargs.setdefault("channels_last", cfg.channels_last)
-    mesh, placement = sweep_placement(
+    mesh, where = sweep_placement(
         cfg, trainer.model, lambda: _sample(trainer, spec, min(2, cfg.batch_size)),
         step=trainer.train_step, loss=trainer.loss, devices=devices, tpu=tpu,
         on_mesh=cfg.lr_find_on_mesh if on_mesh is None else on_mesh)
     bs, plan = cfg.batch_size, None
     if mesh:  # micro-batches of the global batch, split over the mesh as in the fit
-        plan, bs, simulate = plan_strategy(cfg.devices, cfg.batch_size, trainer.model, devices,
-                                           simulate), \
-            bs * devices, None
+        plan, bs = plan_strategy(cfg.devices, cfg.batch_size, trainer.model, placement), bs * devices
         kwargs.setdefault("accum_steps", cfg.accum_steps)
         if "run_cores" in kwargs:  # a sweep step on the mesh costs what a run step does
             kwargs["run_cores"] = 1
     else:
-        simulate = 1 if simulate is not None else None
         if cfg.strategy != "spawn":  # one core, accumulating to the fit's global batch
             kwargs.setdefault("accum_steps", devices * cfg.accum_steps)
     if cfg.strategy != "spawn":
-        print(f"lr_find: {placement}", flush=True)
+        print(f"lr_find: {where}", flush=True)
     res = lr_find(trainer.model, trainer.loss, trainer.train_data, bs, optimizer=cfg.optimizer,
-                  weight_decay=cfg.weight_decay, seed=cfg.seed, simulate=simulate, mesh=plan,
-                  **kwargs)
-    res.placement = placement
+                  weight_decay=cfg.weight_decay, seed=cfg.seed, mesh=plan,
+                  placement=None if plan is not None else placement.one(), **kwargs)
+    res.placement = where
     return res
 
 
@@ -141,8 +138,8 @@ def check_on_mesh(trainer: OneCycleTrainer, report: ReadinessReport, *, spec: In
     cfg = trainer.config
     if devices is None:
         devices = (tpu_devices(tpu) if isinstance(tpu, str) else None) or \
-            (planned_world_size("all", None) if runtime.tpu_present() else 8)
-    plan = plan_strategy(cfg.devices, cfg.batch_size, trainer.model, devices, devices)
+            (runtime.resolve().replicas if runtime.tpu_present() else 8)
+    plan = plan_strategy(cfg.devices, cfg.batch_size, trainer.model, runtime.resolve(simulate=devices))
     rep = debug_run(trainer.model, trainer.loss, trainer.train_data, batch_size=cfg.batch_size,
                     steps=steps, optimizer=cfg.optimizer, train_step=trainer.train_step,
                     prepare=input_preparer(cfg.data, spec, train=True), eval_step=trainer.eval_step,

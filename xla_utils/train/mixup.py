@@ -475,7 +475,7 @@ def mix_config_for(augment: AugmentSettings, loss: Callable, model: torch.nn.Mod
         augment: The trainer's augmentation settings (``mixup``, ``cutmix``, ``label_smoothing``).
         loss, model, eval_step: The trainer's.
         data: The training data as the loader collates it.
-        spec: Its :class:`~xla_utils.train.inputs.InputSpec`.
+        spec: Its :class:`~xla_utils.step.inputs.InputSpec`.
         prepare: ``x -> model input`` (to measure the output width on the host).
 
     Raises:
@@ -483,7 +483,7 @@ def mix_config_for(augment: AugmentSettings, loss: Callable, model: torch.nn.Mod
     """
     if not (augment.mixup > 0 or augment.cutmix > 0 or augment.label_smoothing > 0):
         return None
-    from .inputs import output_width, targets_of
+    from ..step.inputs import output_width, targets_of
 
     targets, _ = targets_of(data)
     kind = "other"

@@ -25,12 +25,12 @@ from .. import runtime
 from .checkpoint import save_checkpoint, sharded_meta
 from .history import BestTracker, History, epoch_files
 from ..simulate import resident as _resident
-from .strategy import MeshRun, StrategyPlan, enter_mesh
+from ..step.strategy import MeshRun, StrategyPlan, enter_mesh
 from .torch_compile import CompiledRun, compile_caches
 
 if TYPE_CHECKING:
     from .config import CheckpointSettings, TrainerConfig
-    from .inputs import InputSpec
+    from ..step.inputs import InputSpec
     from .mixup import MixConfig
 
 __all__ = ["FitPlan", "fit_replica", "fit_on_mesh", "completed_run", "epoch_record", "end_epoch",
@@ -223,7 +223,7 @@ def end_epoch(epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str, fi
     write the epoch checkpoint when configured and the loss is finite (``extra``: fields
     recorded beside the run's state, :func:`~xla_utils.train.checkpoint.save_checkpoint`)."""
     if finite and cfg.on_nan == "stop" and runtime.is_master():
-        state.finite_state = loop.host_copy(s.state_dict())
+        state.finite_state = runtime.host_copy(s.state_dict())
     if cfg.checkpoint_dir is None:
         return
     if finite:
@@ -244,7 +244,7 @@ def end_epoch(epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str, fi
 
 
 def fit_on_mesh(mesh: StrategyPlan, plan: FitPlan) -> History:
-    """:func:`fit_replica` in the SPMD process (:func:`xla_utils.train.strategy.launch`), on the
+    """:func:`fit_replica` in the SPMD process (:func:`xla_utils.step.strategy.launch`), on the
     mesh of ``mesh``."""
     _, run = enter_mesh(mesh, plan.config.compile_cache)
     return fit_replica(plan, strategy=run)

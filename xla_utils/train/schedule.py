@@ -14,7 +14,7 @@ Unlike the torch scheduler it is a pure function of the step number, so a
 trainer can resume at any step, and it never returns a value that is 0.0 or
 1.0 in float32 (those scalars are compiled into XLA graphs as constants; any
 other value is uploaded as data and reuses the compiled graph; see
-:mod:`xla_utils.train.optim`).
+:mod:`xla_utils.step.optim`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .optim import avoid_special, avoid_special_momentum, set_hparams
+from ..step.optim import avoid_special, avoid_special_momentum, set_hparams
 
 __all__ = ["OneCycleSchedule"]
 
@@ -134,7 +134,7 @@ class OneCycleSchedule:
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         """Set LR and momentum for step ``step`` on every param group of
-        ``optimizer`` (see :func:`xla_utils.train.optim.set_hparams`); call it before
+        ``optimizer`` (see :func:`xla_utils.step.optim.set_hparams`); call it before
         that step's ``optimizer.step()``. Returns the LR set."""
         lr = self.lr(step)
         set_hparams(optimizer, lr, self.momentum(step))

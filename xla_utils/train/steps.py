@@ -1,22 +1,14 @@
-"""The training step that :func:`xla_utils.check` and :func:`xla_utils.debug_run` measure.
+"""The trainer's own step, as :func:`xla_utils.check` and :func:`xla_utils.debug_run` measure
+it for ``OneCycleTrainer.check()`` and ``debug()``.
 
-Both run a step a few times and read XLA's counters after each. Which step:
-
-* :class:`PlainStep` (their default): forward, backward and an optimizer step at a
-  constant LR, one micro-batch per step.
-* :class:`TrainerStepPlan` (what ``OneCycleTrainer.check()`` and ``debug()`` pass): the
-  trainer's own step, built in the child by :func:`xla_utils.train.loop.set_up` and run
-  micro-batch by micro-batch by :func:`xla_utils.train.loop.micro_step`, the function
-  ``fit`` runs: the configured optimizer with the one-cycle LR and momentum set every
-  step, gradient accumulation, bf16 autocast, the device EMA and mixup/cutmix/label
-  smoothing as configured. So their recompile verdicts are ``fit``'s.
-
-A *step factory* is called in the child with the host model and, on a mesh, the
-:class:`~xla_utils.train.strategy.MeshRun`; it returns a *stepper*: ``model`` (on the
-device), ``optimizer``, ``accum_steps``, ``description``, ``plan`` (its
-:class:`~xla_utils.train.device_plan.DevicePlan`), ``micro_batch(x, y) -> loss``
-(one micro-batch of a device batch, up to the step boundary: the caller calls
-``runtime.sync()``) and ``tensors()`` (what a step updates, for the graph text).
+:class:`TrainerStepPlan` is a step factory (see :mod:`xla_utils.step.plain`, whose
+:class:`~xla_utils.step.plain.PlainStep` is their default): built on the host, called in the
+child, where :func:`xla_utils.train.loop.set_up` builds the trainer's step and
+:func:`xla_utils.train.loop.micro_step`, the function ``fit`` runs, runs it micro-batch by
+micro-batch: the configured optimizer with the one-cycle LR and momentum set every step,
+gradient accumulation, bf16 autocast, the device EMA and mixup/cutmix/label smoothing as
+configured. So their recompile verdicts are ``fit``'s. The trainer passes it in: the
+diagnostics never import the trainer.
 """
 from __future__ import annotations
 
@@ -29,63 +21,10 @@ import torch
 
 from . import loop
 from .. import runtime
-from .device_plan import DevicePlan
-from .optim import optimizer_label
+from ..step.optim import optimizer_label
+from ..step.plain import optimizer_tensors
 
-__all__ = ["PlainStep", "TrainerStepPlan", "TrainerStep", "optimizer_tensors"]
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors on the device (momentum buffers, moments)."""
-    dev = runtime.device().type
-    return [t for st in opt.state.values() for t in st.values()
-            if isinstance(t, torch.Tensor) and t.device.type == dev]
-
-
-class PlainStep:
-    """Forward, backward and an optimizer step at a constant LR, one micro-batch per step.
-
-    Args:
-        model: The module, on the device and in train mode.
-        optimizer: An optimizer over ``model``'s parameters.
-        loss_fn: ``loss_fn(outputs, y) -> scalar``.
-        train_step: ``train_step(model, (x, y), loss_fn) -> loss tensor``.
-        prepare: ``prepare(x) -> model input`` on the device, or None.
-        bf16: Forward/backward under bfloat16 autocast (default False; ignored with ``plan``).
-        plan: The run's :class:`~xla_utils.train.device_plan.DevicePlan` (precision, layout,
-            gradient scaler on the torch backend), or None: ``bf16`` decides the autocast.
-    """
-
-    accum_steps = 1
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 loss_fn: Callable, train_step: Callable, prepare: Callable | None = None,
-                 bf16: bool = False, plan: DevicePlan | None = None) -> None:
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.train_step, self.prepare = train_step, prepare
-        if plan is None:
-            dev = runtime.device()
-            plan = DevicePlan(dev, "bf16" if bf16 else "fp32", False, False, "",
-                              torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16))
-        self.plan = plan
-        lr = optimizer.param_groups[0].get("lr")
-        name = optimizer_label(optimizer)
-        self.description = (f"forward, backward and a {name} step at the constant LR {lr:.3g}"
-                            if isinstance(lr, float) else f"forward, backward and a {name} step")
-
-    def micro_batch(self, x: Any, y: Any) -> torch.Tensor:
-        """One step on the device batch ``(x, y)``; returns its loss (not synced)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.prepare is not None:
-            x = self.prepare(x)
-        with self.plan.autocast:
-            loss = self.train_step(self.model, (self.plan.layout(x), y), self.loss_fn)
-        self.plan.backward(loss)
-        self.plan.step(self.optimizer)
-        return loss
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self.model.parameters()) + optimizer_tensors(self.optimizer)
+__all__ = ["TrainerStepPlan", "TrainerStep"]
 
 
 @dataclass
@@ -98,7 +37,7 @@ class TrainerStepPlan:
         train_data: The training data as the loader collates it (sets the schedule's
             steps per epoch, as in ``fit``).
         train_step, loss_fn: The trainer's ``train_step`` and loss.
-        inputs: The training data's :class:`~xla_utils.train.inputs.InputSpec`.
+        inputs: The training data's :class:`~xla_utils.step.inputs.InputSpec`.
         mix: The run's :class:`~xla_utils.train.mixup.MixConfig`, or None.
         lr_groups: The trainer's layer groups (:mod:`xla_utils.train.finetune`), or None.
     """

@@ -89,20 +89,18 @@ def compile_mode(value: bool | str) -> str | None:
     return "default" if value is True else str(value)
 
 
-def refuse_on_xla(value: bool | str, *, simulate: int | None, mesh: bool,
-                  backend: str) -> None:
+def refuse_on_xla(value: bool | str, placement: runtime.Placement, *, mesh: bool) -> None:
     """Refuse ``compile=`` on XLA in the calling process, before any device time.
 
     Args:
         value: The checked ``compile=`` value.
-        simulate: ``simulate=`` of the call (simulated XLA cores).
+        placement: Where the run happens (its backend: XLA on a TPU or simulated cores).
         mesh: A mesh strategy (``"spmd"``/``"fsdp"``, XLA only).
-        backend: :func:`xla_utils.runtime.backend` here (``"xla"`` on a TPU).
 
     Raises:
         CompileError: ``value`` is on and the run is on XLA.
     """
-    if value and (simulate is not None or mesh or backend == "xla"):
+    if value and (placement.backend == "xla" or mesh):
         raise CompileError(
             f"compile={value!r} is for the torch backend (CUDA GPUs, the CPU): on XLA (a TPU, "
             "simulated cores, strategy 'spmd'/'fsdp') the whole training step is already one "

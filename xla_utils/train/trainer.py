@@ -11,7 +11,7 @@ configuration is :class:`~xla_utils.train.config.TrainerConfig` (also importable
 replica's work is :mod:`xla_utils.train.replica_loops` (given a plan, not the trainer), built from
 the plain functions of :mod:`xla_utils.train.loop` (set-up, one training epoch, evaluation,
 inference); checkpoints are :mod:`xla_utils.train.checkpoint`,
-the input checks :mod:`xla_utils.train.inputs` and the single-core debug loop
+the input checks :mod:`xla_utils.step.inputs` and the single-core debug loop
 (:meth:`OneCycleTrainer.debug`) :mod:`xla_utils.diagnostics.debug`.
 """
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from . import device_plan, inference, loop
+from . import inference, loop
+from ..step import device_plan
 from .. import runtime
 from . import mesh_tasks as _mesh_tasks
-from . import strategy as _strategy
+from ..step import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
                          earlier_runs_note, model_with_weights, resolve_resume)
 from .config import TrainerConfig, check_option_names
@@ -38,8 +39,9 @@ from ..diagnostics.debug import DebugReport, debug_run
 from .ema import with_weights
 from ..diagnostics.findings import ReadinessError
 from .history import History, check_monitor_data
-from .inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
-                     require_labels, shape_mismatch)
+from ..step.plain import default_eval_step, default_train_step
+from ..step.inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
+                           require_labels, shape_mismatch)
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .mixup import MixConfig, mix_config_for
@@ -98,7 +100,7 @@ class OneCycleTrainer:
             ``PILToTensor``, ``tv_tensors.Image``) are normalised and flipped on the device
             too, PIL images are converted on the host, other numeric inputs go to the model
             unchanged (decided once per dataset from its first sample, see
-            :func:`xla_utils.train.inputs.inspect_inputs`); other samples are refused before any
+            :func:`xla_utils.step.inputs.inspect_inputs`); other samples are refused before any
             device time.
         train_step: Optional hook ``train_step(model, (x, y), loss) -> loss tensor`` for
             other problem types. ``eval_step(model, (x, y)) -> outputs`` likewise.
@@ -126,8 +128,8 @@ class OneCycleTrainer:
         self.loss = loss
         self.train_data = train_data
         self.val_data = val_data
-        self.train_step = train_step or loop.default_train_step
-        self.eval_step = eval_step or loop.default_eval_step
+        self.train_step = train_step or default_train_step
+        self.eval_step = eval_step or default_eval_step
         self.lr_finder_result = None
         self._from_factory = not isinstance(model, torch.nn.Module)
         self._epochs_trained = 0  # epochs earlier fit() calls put into self.model
@@ -163,9 +165,8 @@ class OneCycleTrainer:
             cores: The fit's ``cores`` the answer is for (mesh strategies): ``"all"``
                 (default) or 1.
         """
-        cores = _cores(cores)
-        devices = _strategy.planned_world_size(cores, simulate)
-        self.lr_finder_result = _mesh_tasks.find_lr(self, simulate, on_mesh, tpu, kwargs, devices)
+        placement = runtime.resolve(cores, simulate)
+        self.lr_finder_result = _mesh_tasks.find_lr(self, placement, on_mesh, tpu, kwargs)
         return self.lr_finder_result
 
     def fine_tune(self, epochs: int, freeze_epochs: int = 1, **kwargs: Any) -> History:
@@ -211,15 +212,16 @@ class OneCycleTrainer:
         Returns:
             The :class:`~xla_utils.diagnostics.debug.DebugReport`, printed once (as :meth:`check`).
         """
-        return self._debug(self._check_inputs()["train"], steps, simulate)
+        placement = None if self.config.strategy == "spawn" else runtime.resolve(
+            simulate=8 if simulate is None and not runtime.tpu_present() else simulate)
+        return self._debug(self._check_inputs()["train"], steps, placement)
 
-    def _debug(self, train: tuple[Any, InputSpec], steps: int = 5,
-               simulate: int | None = None) -> DebugReport:
+    def _debug(self, train: tuple[Any, InputSpec], steps: int,
+               placement: runtime.Placement | None) -> DebugReport:
+        """:meth:`debug` on ``placement``'s mesh (None: ``"spawn"``, one core)."""
         cfg, spec = self.config, train[1]
-        sim = 8 if simulate is None and not runtime.tpu_present() else simulate
-        plan = (None if cfg.strategy == "spawn" else
-                _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model,
-                                        _strategy.planned_world_size("all", sim), sim))
+        plan = (None if placement is None else
+                _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model, placement))
         return debug_run(self.model, self.loss, self.train_data, batch_size=cfg.batch_size,
                          steps=steps, optimizer=cfg.optimizer, train_step=self.train_step,
                          prepare=self._prepare(spec, train=False), eval_step=self.eval_step,
@@ -290,39 +292,40 @@ class OneCycleTrainer:
                 training or TPU time; warnings only print).
             ValueError: Labels outside the model's outputs, unlabelled data, a training set
                 smaller than one global batch, a bad schedule override or ``compile=``.
-            ~xla_utils.train.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
+            ~xla_utils.step.inputs.InputRefused: A sample the trainer cannot feed (a ``TypeError``
                 naming its type, shape, dtype and the fix).
         """
-        cfg = self._run_config(simulate, epochs=epochs, max_lr=max_lr, pct_start=pct_start,
+        placement = runtime.resolve(cores, simulate)
+        cfg = self._run_config(placement, epochs=epochs, max_lr=max_lr, pct_start=pct_start,
                                div_factor=div_factor, final_div_factor=final_div_factor,
                                lr_scaling=lr_scaling, moms=moms, compile=compile)
-        cores = _cores(cores)
         max_lr = None if max_lr is None else cfg.schedule.max_lr  # as read (strip, lower)
-        runtime.prestart_simulation(simulate)
-        device_plan.check_before_launch(cfg.precision, simulate=simulate, mesh=cfg.strategy != "spawn")
+        runtime.prestart_simulation(placement)
+        device_plan.check_before_launch(cfg.precision, placement, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
         if check and (report := self.check()).errors:
             raise ReadinessError(report)
         if debug:
             deprecated("fit(debug=True)", "trainer.debug(), which returns the same DebugReport")
-            return self._debug(inputs["train"])
-        fit_plan, plan = self._plan_fit(cfg, inputs, cores, simulate, max_lr, resume, lr_groups,
+            return self._debug(inputs["train"], 5, None if cfg.strategy == "spawn" else
+                               runtime.resolve(simulate=None if runtime.tpu_present() else 8))
+        fit_plan, plan = self._plan_fit(cfg, inputs, placement, max_lr, resume, lr_groups,
                                         checkpoint_extra, warn_if_trained)
-        out = self._launch_fit(fit_plan, plan, cores, simulate, timeout)
+        out = self._launch_fit(fit_plan, plan, placement, timeout)
         self._take_result(out, resumed=fit_plan.ckpt is not None)
         for w in out.warnings:
             warnings.warn(w, RuntimeWarning, stacklevel=3)  # fit's caller: past keyword_help
         return out
 
     @staticmethod
-    def _launch_fit(fit_plan: FitPlan, plan: _strategy.StrategyPlan | None, cores: int | str,
-                    simulate: int | None, timeout: float | None) -> History:
+    def _launch_fit(fit_plan: FitPlan, plan: _strategy.StrategyPlan | None,
+                    placement: runtime.Placement, timeout: float | None) -> History:
         """Run ``fit_plan`` on every core (``"spawn"``) or on the strategy's mesh; a complete
         run (its checkpoint holds the last epoch) runs nothing: its history, as saved."""
         if fit_plan.ckpt is not None and fit_plan.ckpt["epoch"] >= fit_plan.config.epochs:
             return completed_run(fit_plan)  # said so by _plan_fit: no launch, no file written
         if plan is None:
-            return runtime.launch_job(fit_replica, (fit_plan,), cores=cores, simulate=simulate,
+            return runtime.launch_job(fit_replica, (fit_plan,), placement=placement,
                                       timeout=timeout, sim_threads=True)
         return _strategy.launch(fit_on_mesh, (fit_plan,), plan, timeout)
 
@@ -334,24 +337,24 @@ class OneCycleTrainer:
             self._epochs_trained = len(out.epochs) + (0 if resumed else self._epochs_trained)
             self.ema_state = out.ema_state_dict or None
 
-    def _run_config(self, simulate: int | None = None, **overrides: Any) -> TrainerConfig:
+    def _run_config(self, placement: runtime.Placement, **overrides: Any) -> TrainerConfig:
         """This fit run's configuration: ``self.config`` with ``fit``'s schedule overrides
         (None: the configured value), checked by the schedule group before any device time, and
-        its ``compile=`` (the devices group's), refused on XLA (``simulate`` is the run's)."""
+        its ``compile=`` (the devices group's), refused on XLA (``placement`` is the run's)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         if not given:
-            self._refuse_compile(self.config.compile, simulate)  # issue 45
+            self._refuse_compile(self.config.compile, placement)  # issue 45
             return self.config
         try:
             cfg = self.config.replace(**given)
         except (TypeError, ValueError) as exc:
             args = ", ".join(f"{k}={v!r}" for k, v in given.items())
             raise ValueError(f"fit({args}): {exc}") from None
-        self._refuse_compile(cfg.compile, simulate)  # issue 45
+        self._refuse_compile(cfg.compile, placement)  # issue 45
         return cfg
 
     def _plan_fit(self, cfg: TrainerConfig, inputs: dict[str, tuple[Any, InputSpec] | None],
-                  cores: int | str, simulate: int | None, max_lr: float | str | None,
+                  placement: runtime.Placement, max_lr: float | str | None,
                   resume: str | os.PathLike | None, lr_groups: Callable[..., Any] | None,
                   checkpoint_extra: dict[str, Any] | None, warn_if_trained: bool
                   ) -> tuple[FitPlan, _strategy.StrategyPlan | None]:
@@ -365,25 +368,25 @@ class OneCycleTrainer:
         check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
                            bool(getattr(self.train_data, "multilabel", False)),
                            getattr(self.train_data, "num_classes", None))
-        world = _strategy.planned_world_size(cores, simulate)
+        world = placement.replicas
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
         mix = self._mix_config(inputs["train"])
         plan = None
         if cfg.strategy != "spawn":
-            plan = _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model, world, simulate)
+            plan = _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model, placement)
         ckpt, run_id = None, time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
             # On a TPU the world is detected, not known (pod slices span hosts):
             # the replica compares cores and steps per epoch there.
-            exact = cores == 1 or simulate is not None or runtime.backend() != "xla"
+            exact = placement.world_known
             print(check_resume(path, ckpt, cfg, self.model, max_lr, world if exact else None,
                                len(self.train_data) // (cfg.batch_size * world) // cfg.accum_steps),
                   flush=True)
             base_lr, lr_world = ckpt["base_lr"], ckpt.get("lr_world", 1)
             run_id = ckpt.get("run_id") or run_id  # the same run goes on (its files, keep_runs)
         else:
-            base_lr, lr_world = self._new_run_lr(cfg, max_lr, simulate, world, warn_if_trained)
+            base_lr, lr_world = self._new_run_lr(cfg, max_lr, placement, warn_if_trained)
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         if ckpt is None or ckpt["epoch"] < cfg.epochs:  # a complete run trains nothing
@@ -420,15 +423,16 @@ class OneCycleTrainer:
         return out
 
     def _inspect(self, data, name: str, verb: str, need_target: bool = True) -> InputSpec:
-        """``data``'s :class:`~xla_utils.train.inputs.InputSpec` (its samples refused here, on the
+        """``data``'s :class:`~xla_utils.step.inputs.InputSpec` (its samples refused here, on the
         host, when the trainer cannot feed them)."""
         return inspect_inputs(data, name, need_target=need_target, verb=verb, mean=self.config.mean)
 
-    def _new_run_lr(self, cfg: TrainerConfig, max_lr: float | str | None, simulate: int | None,
-                    world: int, warn_if_trained: bool = True) -> tuple[float | str, int]:
+    def _new_run_lr(self, cfg: TrainerConfig, max_lr: float | str | None,
+                    placement: runtime.Placement, warn_if_trained: bool = True
+                    ) -> tuple[float | str, int]:
         """``(base_lr, lr_world)`` of a run (configured as ``cfg``) that does not resume: the
-        configured or given ``max_lr`` for one core, or ``lr_find``'s answer for ``world``
-        cores."""
+        configured or given ``max_lr`` for one core, or ``lr_find``'s answer for the
+        ``placement``'s world of cores."""
         base_lr = cfg.max_lr if max_lr is None else max_lr
         if self._epochs_trained and warn_if_trained:
             warnings.warn(
@@ -444,9 +448,11 @@ class OneCycleTrainer:
         # Measure at the run's own global batch: k accumulated micro-batches of the per-core
         # batch are exactly one k-core step's gradient (a mesh strategy's find_lr does this
         # itself, or sweeps on the mesh): no scaling rule on top of the finder's rule.
+        world = placement.replicas
         extra = dict(accum_steps=world * cfg.accum_steps) if cfg.strategy == "spawn" else {}
-        res = self.find_lr(simulate=simulate, epochs=cfg.epochs, cores=1 if world == 1 else "all",
-                           max_share=FIT_SHARE, run_cores=world, **extra)
+        res = self.lr_finder_result = _mesh_tasks.find_lr(
+            self, placement, None, None,
+            dict(epochs=cfg.epochs, max_share=FIT_SHARE, run_cores=world, **extra))
         base_lr = res.suggestion
         if not math.isfinite(base_lr):
             raise RuntimeError(f"lr_find gave no suggestion (stopped: {res.stop_reason}); pass "
@@ -497,15 +503,15 @@ class OneCycleTrainer:
                 another shape than the training data's (a test cache built at another
                 size), ``tta`` exceeds the views ``data`` offers, or ``weights`` does
                 not fit the model.
-            ~xla_utils.train.inputs.InputRefused: before any device time, a sample the
+            ~xla_utils.step.inputs.InputRefused: before any device time, a sample the
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
-        self._refuse_compile(compile, simulate)  # issue 45: before any device time
-        runtime.prestart_simulation(simulate)
-        cores = _cores(cores)
+        placement = runtime.resolve(cores, simulate)
+        self._refuse_compile(compile, placement)  # issue 45: before any device time
+        runtime.prestart_simulation(placement)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         missing_note(data, show=True)  # images the cache build skipped get no row
-        return self._launch_inference(plan, cores, simulate, compile)
+        return self._launch_inference(plan, placement, compile)
 
     @keyword_help
     def evaluate(self, data, tta: int = 1, cores: int | str = "all", simulate: int | None = None,
@@ -523,33 +529,31 @@ class OneCycleTrainer:
         averaged prediction.
         """
         require_labels(data, "data", action="evaluate")
-        self._refuse_compile(compile, simulate)  # issue 45: before any device time
-        runtime.prestart_simulation(simulate)
-        cores = _cores(cores)
+        placement = runtime.resolve(cores, simulate)
+        self._refuse_compile(compile, placement)  # issue 45: before any device time
+        runtime.prestart_simulation(placement)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
-        return self._launch_inference(plan, cores, simulate, compile)
+        return self._launch_inference(plan, placement, compile)
 
-    def _launch_inference(self, plan: inference.InferencePlan, cores: int | str,
-                          simulate: int | None, compile: bool | str | None = None) -> Any:
-        """Run ``plan`` on every core (``"spawn"``) or on the strategy's mesh."""
-        device_plan.check_before_launch(self.config.precision, simulate=simulate,
+    def _launch_inference(self, plan: inference.InferencePlan, placement: runtime.Placement,
+                          compile: bool | str | None = None) -> Any:
+        """Run ``plan`` on every core of ``placement`` (``"spawn"``) or on the strategy's mesh."""
+        device_plan.check_before_launch(self.config.precision, placement,
                                         mesh=self.config.strategy != "spawn")
         if compile is not None:  # this call's compile= (issue 45), checked as the config's
             plan = dataclasses.replace(plan, config=dataclasses.replace(self.config,
                                                                         compile=compile))
         if self.config.strategy == "spawn":
-            return live_or_launch(self, inference_replica, (plan,), cores, simulate)
-        world = _strategy.planned_world_size(cores, simulate)
+            return live_or_launch(self, inference_replica, (plan,), placement)
         splan = _strategy.plan_strategy(self.config.devices, self.config.batch_size, self.model,
-                                        world, simulate)
+                                        placement)
         return _strategy.launch(inference_on_mesh, (plan,), splan, None)
 
-    def _refuse_compile(self, compile: bool | str | None, simulate: int | None) -> None:
-        """A predict/evaluate call's ``compile=`` (None: the configured one), refused on XLA."""
+    def _refuse_compile(self, compile: bool | str | None, placement: runtime.Placement) -> None:
+        """A run's ``compile=`` (None: the configured one), refused on XLA."""
         value = self.config.compile if compile is None else TrainerConfig(compile=compile).compile
-        refuse_on_xla(value, simulate=simulate, mesh=self.config.strategy != "spawn",
-                      backend=runtime.backend())
+        refuse_on_xla(value, placement, mesh=self.config.strategy != "spawn")
 
     # ------------------------------------------------------------- inference
     def _inference_plan(self, data, tta, batch_size, activation, weights, labelled: bool
@@ -619,7 +623,7 @@ class OneCycleTrainer:
             from ..diagnostics.device_check import check_device
 
             device = check_device(self.model, step, data, batch_size=cfg.batch_size,
-                                  replicas=_strategy.planned_world_size("all", None),
+                                  replicas=runtime.resolve().replicas,
                                   steps=steps, timeout=timeout)
             print(device.report, flush=True)
             if cfg.compile:  # issue 45: where dynamo breaks the model's forward, and why
@@ -679,8 +683,3 @@ class OneCycleTrainer:
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
         return loop.input_preparer(self.config.data, spec, train)
-
-
-def _cores(cores: int | str) -> int | str:
-    """``cores`` as the launch reads it: ``"all"`` in any case, or the number given."""
-    return choice(cores, ("all",), "cores", "1")

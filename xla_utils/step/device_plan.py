@@ -97,16 +97,17 @@ def resolve_precision(requested: str, device_type: str, capability: tuple[int, i
     return "fp32" if requested == "auto" else requested
 
 
-def check_before_launch(precision: str, *, simulate: int | None = None, mesh: bool = False) -> None:
+def check_before_launch(precision: str, placement: runtime.Placement, *,
+                        mesh: bool = False) -> None:
     """Refuse, in the calling process and before any device time, a precision the run's
-    device cannot use (:func:`resolve_precision`). XLA: ``simulate``, a mesh strategy or a
-    TPU. A GPU is read with ``nvidia-smi`` (:func:`xla_utils.env.gpu.torch_devices`), so
+    device (``placement``'s) cannot use (:func:`resolve_precision`). XLA: simulated
+    devices, a mesh strategy or a TPU. A GPU is read with ``nvidia-smi`` (:func:`xla_utils.env.gpu.torch_devices`), so
     CUDA is not initialised here; without it the replica decides, first thing.
 
     Raises:
         PrecisionError: as :func:`resolve_precision`.
     """
-    if simulate is not None or mesh or runtime.backend() == "xla":
+    if placement.backend == "xla" or mesh:
         resolve_precision(precision, "xla")
     elif precision == "bf16":  # the one a GPU can refuse
         # Not torch.cuda.is_available(): without PYTORCH_NVML_BASED_CUDA_CHECK=1 it starts
@@ -126,7 +127,7 @@ class DeviceRequest:
     Attributes:
         precision: One of :data:`PRECISIONS`.
         channels_last: ``"auto"``, True or False (see ``TrainerConfig.channels_last``).
-        inputs: The data's :class:`~xla_utils.train.inputs.InputSpec` (image inputs are what
+        inputs: The data's :class:`~xla_utils.step.inputs.InputSpec` (image inputs are what
             ``"auto"`` puts in channels_last), or None.
     """
 

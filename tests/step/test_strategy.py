@@ -1,4 +1,4 @@
-"""strategy="spmd" / "fsdp" (xla_utils.train.strategy, runtime.spmd, simulate.devices) on 8
+"""strategy="spmd" / "fsdp" (xla_utils.step.strategy, runtime.spmd, simulate.devices) on 8
 real XLA:CPU devices: same numbers as "spawn", exact resume, real shardings, ResNet-18,
 and every bad input refused before device time."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from helpers import digits_dataset, digits_rgb_uint8
 from xla_utils import OneCycleTrainer, runtime
 from xla_utils.train.checkpoint import ResumeError
 from xla_utils.diagnostics.memory import llama_shapes
-from xla_utils.train.strategy import (StrategyPlan, check_global_batch, consolidated_state_dict,
-                                resolve_wrap)
+from xla_utils.step.strategy import (StrategyPlan, check_global_batch, consolidated_state_dict,
+                                     resolve_wrap)
 
 pytestmark = pytest.mark.skipif(not runtime.xla_available(), reason="needs torch_xla")
 
@@ -185,7 +185,7 @@ def _inspect_fsdp_shards(tmp):
     """In the 8-device SPMD process: wrap Net under FSDPv2, run one step, read shardings."""
     from xla_utils.train import loop
     from xla_utils.runtime import spmd
-    from xla_utils.train.strategy import enter_mesh, load_sharded_checkpoint
+    from xla_utils.step.strategy import enter_mesh, load_sharded_checkpoint
 
     plan = StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block,))
     _, run = enter_mesh(plan, None)
@@ -263,7 +263,7 @@ def _setup_peak_memory():
     import torch_xla.distributed.spmd as xs
 
     from xla_utils.runtime import spmd
-    from xla_utils.train.strategy import MeshRun, enter_mesh
+    from xla_utils.step.strategy import MeshRun, enter_mesh
 
     _, run = enter_mesh(StrategyPlan("fsdp", DEVICES, DEVICES, wrap=(Block,)), None)
     total = sum(t.numel() * t.element_size() for t in [*Tower().parameters(), *Tower().buffers()])

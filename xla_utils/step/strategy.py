@@ -46,11 +46,11 @@ from .. import runtime
 from ..data import iterate_batches
 
 if TYPE_CHECKING:
-    from .config import DataSettings, DeviceSettings
+    from ..train.config import DataSettings, DeviceSettings
 
 __all__ = ["STRATEGIES", "StrategyPlan", "MeshRun", "plan_strategy",
            "resolve_wrap", "check_global_batch", "consolidated_state_dict", "launch",
-           "load_sharded_checkpoint", "planned_world_size", "enter_mesh"]
+           "load_sharded_checkpoint", "enter_mesh"]
 
 STRATEGIES = ("spawn", "spmd", "fsdp")
 AXIS = {"spmd": "data", "fsdp": "fsdp"}
@@ -126,9 +126,10 @@ class StrategyPlan:
 
 
 def plan_strategy(settings: DeviceSettings, batch_size: int, model: torch.nn.Module,
-                  devices: int, simulate: int | None) -> StrategyPlan:
+                  placement: runtime.Placement) -> StrategyPlan:
     """Check everything ``settings.strategy`` needs (with ``batch_size`` per device) before
-    any device time; return the plan.
+    any device time; return the plan of a mesh of ``placement``'s devices (its world size:
+    the simulated count, or the TPU's).
 
     Raises:
         ValueError: this torch_xla has no SPMD/FSDPv2, the wrap policy matches
@@ -139,6 +140,7 @@ def plan_strategy(settings: DeviceSettings, batch_size: int, model: torch.nn.Mod
     why = spmd_support()
     if why is not None:
         raise ValueError(f"strategy={settings.strategy!r}: {why}")
+    devices, simulate = placement.replicas, placement.simulated
     if simulate is None and not runtime.tpu_present():
         raise ValueError(f"strategy={settings.strategy!r} needs the devices of a TPU, and this "
                          "machine has none. Fix: pass simulate=8 (8 XLA:CPU devices) to try it here")
@@ -146,19 +148,6 @@ def plan_strategy(settings: DeviceSettings, batch_size: int, model: torch.nn.Mod
     wrap = resolve_wrap(model, settings.fsdp_wrap) if settings.strategy == "fsdp" else None
     return StrategyPlan(strategy=settings.strategy, devices=devices, simulate=simulate, wrap=wrap,
                         checkpointing=settings.activation_checkpointing)
-
-
-def planned_world_size(cores: int | str, simulate: int | None) -> int:
-    """The world size a launch will have (``cores``: ``"all"`` or 1; ``simulate``: N
-    simulated devices or None), found without touching the XLA runtime or CUDA."""
-    if cores == 1:
-        return 1
-    if simulate is not None:
-        return simulate
-    if runtime.backend() == "xla":
-        from .. import env
-        return max(env.detect().num_devices or 1, 1)
-    return runtime.torch_devices().count  # every GPU, or XLA_UTILS_CPU_REPLICAS
 
 
 def launch(fn: Callable, args: tuple, plan: StrategyPlan, timeout: float | None) -> Any:

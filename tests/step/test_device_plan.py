@@ -1,4 +1,4 @@
-"""xla_utils.train.device_plan: precision, layout and host buffers per device, decided once per run.
+"""xla_utils.step.device_plan: precision, layout and host buffers per device, decided once per run.
 
 On this CPU-only machine: precision resolution for the properties of a T4, P100, V100, A100
 and H100; refusals before any device time; the real GradScaler on the CPU (fp16 autocast)
@@ -19,9 +19,9 @@ from torch import nn
 
 from helpers import pooled_cnn
 
-from xla_utils import OneCycleTrainer, lr_find
-from xla_utils.train.device_plan import (DevicePlan, DeviceRequest, PrecisionError, _forward_fails,
-                                   check_before_launch, resolve_precision)
+from xla_utils import OneCycleTrainer, lr_find, runtime
+from xla_utils.step.device_plan import (DevicePlan, DeviceRequest, PrecisionError, _forward_fails,
+                                        check_before_launch, resolve_precision)
 from xla_utils.env.gpu import cuda_available, parse_nvidia_smi
 from xla_utils.train.trainer import TrainerConfig
 
@@ -124,9 +124,9 @@ def test_bf16_is_refused_on_a_t4_host_before_cuda_is_touched(tmp_path, monkeypat
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(PrecisionError, match=r"Tesla T4 \(sm_75, 15 GiB\), compute capability 7\.5"):
-        check_before_launch("bf16")
+        check_before_launch("bf16", runtime.resolve())
     for fine in ("auto", "fp16", "fp32"):
-        check_before_launch(fine)  # nvidia-smi is not even asked: only bf16 can be refused
+        check_before_launch(fine, runtime.resolve())  # nvidia-smi is not even asked: only bf16 can be refused
     t = OneCycleTrainer(Counting(), nn.CrossEntropyLoss(), _pairs(), batch_size=16,
                         precision="bf16")
     with pytest.raises(PrecisionError, match="precision='bf16' on"):
@@ -251,7 +251,7 @@ def test_scaler_state_is_checkpointed_and_resumed(tmp_path):
 def test_lr_find_and_debug_on_the_torch_backend_use_the_plan():
     from xla_utils import runtime
     from xla_utils.diagnostics.debug import _debug_steps
-    from xla_utils.train.inputs import inspect_inputs
+    from xla_utils.step.inputs import inspect_inputs
 
     data = _images()
     seen = []
@@ -290,7 +290,7 @@ def test_plan_on_this_gpu():
     dev = torch.device("cuda")
     facts = cuda_facts(dev)
     model = _cnn().to(dev)
-    spec = __import__("xla_utils.train.inputs", fromlist=["inspect_inputs"]).inspect_inputs(_images(), "d")
+    spec = __import__("xla_utils.step.inputs", fromlist=["inspect_inputs"]).inspect_inputs(_images(), "d")
     plan = DevicePlan.build(DeviceRequest(inputs=spec), dev, model)
     assert plan.precision == ("bf16" if facts.compute_capability >= (8, 0) else "fp16")
     assert plan.channels_last and plan.pinned and model[0].weight.is_contiguous(

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from xla_utils.train.optim import (Adam, avoid_special, avoid_special_momentum, get_hparams, make_optimizer,
-                                   set_hparams)
+from xla_utils.step.optim import (Adam, avoid_special, avoid_special_momentum, get_hparams, make_optimizer,
+                                  set_hparams)
 
 
 def _model():
@@ -157,7 +157,7 @@ def test_adam_no_recompile_on_xla_over_long_run():
 
 def test_one_name_for_each_optimizer():
     """The name every message uses (a run's first line, resume, check(), debug())."""
-    from xla_utils.train.optim import optimizer_label
+    from xla_utils.step.optim import optimizer_label
 
     assert [optimizer_label(n) for n in ("sgd", " AdamW", "ADAM")] == ["SGD", "AdamW", "Adam"]
     made = [make_optimizer(n, _model(), lr=1e-3) for n in ("sgd", "adam", "adamw")]

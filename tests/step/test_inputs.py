@@ -1,4 +1,4 @@
-"""xla_utils.train.inputs: the samples users bring (torchvision CHW tensors, tv_tensors.Image,
+"""xla_utils.step.inputs: the samples users bring (torchvision CHW tensors, tv_tensors.Image,
 numpy, PIL, ...) through fit / predict / evaluate / lr_find on real XLA:CPU, and the
 samples the trainer refuses before any device time."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from helpers import pooled_cnn
 
 from xla_utils import OneCycleTrainer, lr_find
 from xla_utils.data import images_to_float
-from xla_utils.train.inputs import HostFeed, InputRefused, inspect_inputs
+from xla_utils.step.inputs import HostFeed, InputRefused, inspect_inputs
 
 N, SIZE, BS = 32, 8, 8
 FORMATS = ("hwc", "chw", "tv", "float", "numpy", "pil")
