@@ -13,6 +13,7 @@ from torch import nn
 from xla_utils.train.config import (GROUPS, OPTION_GROUPS, AugmentSettings, CheckpointSettings,
                                     DataSettings, DeviceSettings, DiagnosticsSettings,
                                     OptimSettings, ScheduleSettings, TrainerConfig)
+from xla_utils import runtime
 from xla_utils.train.trainer import OneCycleTrainer
 
 # Every keyword of OneCycleTrainer before the groups (the flat TrainerConfig of 37 fields),
@@ -198,7 +199,7 @@ def test_fit_overrides_are_exactly_the_schedule_group():
         t.fit(lr_scaling="cubic")
     with pytest.raises(ValueError, match=r"fit\(epochs=0\): epochs must be a positive int"):
         t.fit(epochs=0)
-    run = t._run_config(epochs=3, moms=(0.9, 0.85, 0.9), max_lr=None)
+    run = t._run_config(runtime.resolve(), epochs=3, moms=(0.9, 0.85, 0.9), max_lr=None)
     assert (run.schedule.epochs, run.schedule.moms) == (3, (0.9, 0.85, 0.9))
     assert t.config.schedule.epochs == 2 and run.data == t.config.data
 

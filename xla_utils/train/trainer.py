@@ -306,9 +306,7 @@ class OneCycleTrainer:
         if check and (report := self.check()).errors:
             raise ReadinessError(report)
         if debug:
-            deprecated("fit(debug=True)", "trainer.debug(), which returns the same DebugReport")
-            return self._debug(inputs["train"], 5, None if cfg.strategy == "spawn" else
-                               runtime.resolve(simulate=None if runtime.tpu_present() else 8))
+            return self._fit_debug(cfg, inputs["train"])
         fit_plan, plan = self._plan_fit(cfg, inputs, placement, max_lr, resume, lr_groups,
                                         checkpoint_extra, warn_if_trained)
         out = self._launch_fit(fit_plan, plan, placement, timeout)
@@ -316,6 +314,13 @@ class OneCycleTrainer:
         for w in out.warnings:
             warnings.warn(w, RuntimeWarning, stacklevel=3)  # fit's caller: past keyword_help
         return out
+
+    def _fit_debug(self, cfg: TrainerConfig, train: tuple) -> DebugReport:
+        """``fit(debug=True)`` (deprecated): :meth:`debug`'s report, on 8 simulated devices
+        under a mesh strategy when there is no TPU."""
+        deprecated("fit(debug=True)", "trainer.debug(), which returns the same DebugReport")
+        return self._debug(train, 5, None if cfg.strategy == "spawn" else
+                           runtime.resolve(simulate=None if runtime.tpu_present() else 8))
 
     @staticmethod
     def _launch_fit(fit_plan: FitPlan, plan: _strategy.StrategyPlan | None,
