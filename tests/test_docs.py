@@ -5,7 +5,9 @@ links and their ``#anchors``, sections cited by name (``docs/BENCHMARKS.md "LR f
 rules"``, also from the package's docstrings and ``.ci/run``), every ``tpu_cache_ds``
 sub-command and option (against the argparse parser of :mod:`xla_utils.cli`, both ways
 for the README's cache section), ``python -m xla_utils.*`` modules, and dotted names
-``xla_utils.x.y`` (resolved by import). Each check fails with the names that are missing.
+``xla_utils.x.y`` (resolved by import); docs/ARCHITECTURE.md's map, its tree against the modules
+of xla_utils/ and its arrows against their imports (tests/import_graph.py). Each check fails with
+the names that are missing.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+import import_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -278,6 +282,139 @@ def test_the_map_check_reads_nesting_and_lists():
     block = ("xla_utils/\n├─ env   detection -> x\n├─ cache/   builder\n│  ├─ config, errors  c\n"
              "│  │                 continued\n│  └─ __main__   cli\n└─ cli   command\n")
     assert _map_names(block) == {"env", "cache", "cache.config", "cache.errors", "cache.__main__", "cli"}
+
+
+# The map's arrows, each line against tests/import_graph.py's reading of the code. The rules:
+# * every line of the tree names one module (a package line ``data/`` is its face,
+#   ``__init__.py``; the first line ``xla_utils/`` is the package's face) and ends with
+#   `` -> `` and its arrows, which wrap onto the next lines after a comma;
+# * an arrow is the name of a module of xla_utils/ that the module imports (``if
+#   TYPE_CHECKING:`` imports are none), with ``*`` when every import of it is inside a function
+#   and without when one runs at import time; ``nothing``: the module imports no module of
+#   xla_utils/; words in parentheses are comments (``nothing (NumPy)``);
+# * a name is looked up in the line's package first (inside train/ ``loop`` is
+#   ``xla_utils.train.loop``; on the line ``data/`` ``dataset`` is ``xla_utils.data.dataset``),
+#   then from xla_utils/ (``step.optim`` is ``xla_utils.step.optim``, ``runtime`` the face
+#   ``xla_utils.runtime``, ``runtime.world`` its module); ``xla_utils.x`` is ``xla_utils.x``;
+# * an import of a package's face (``from xla_utils.runtime import sync``) is an arrow to the
+#   face (``runtime``), of a module of it (``from xla_utils.runtime.world import sync``) one
+#   to the module (``runtime.world``); the parent packages Python imports on the way are none.
+
+_TREE_CHARS = "│├└─ "
+
+
+def _map_arrows(map_block: str) -> dict[str, tuple[str, str | None]]:
+    """Each line of the map's tree: the module(s) it names (dotted, relative to xla_utils/,
+    ``""`` for the first line's face; ``"cache.config, cache.errors"`` for a line naming two), with the
+    package its arrows are read in and its arrows' text (None: the line has no `` -> ``)."""
+    entries: dict[str, tuple[str, str | None]] = {}
+    parents: list[str] = []
+    current = None
+    for i, line in enumerate(map_block.strip("\n").splitlines()):
+        m = _MAP_LINE.match(line)
+        if i == 0 or m:  # the first line is xla_utils/ itself
+            parents = parents[:len(m.group(1)) // 3] if m else []
+            names = [n.strip() for n in m.group(2).split(",")] if m else [""]
+            current = ", ".join(".".join(parents + [n.rstrip("/")]) for n in names)
+            if m and len(names) == 1 and names[0].endswith("/"):  # a package: its face's line
+                parents = parents + [names[0][:-1]]
+            home = ".".join(["xla_utils", *parents])
+            entries[current] = (home, line.rpartition(" -> ")[2].strip() if " -> " in line else None)
+        elif current is not None and (entries[current][1] or "").endswith(","):  # wrapped arrows
+            home, arrows = entries[current]
+            entries[current] = (home, f"{arrows} {line.lstrip(_TREE_CHARS).strip()}")
+    return entries
+
+
+def _arrow_target(name: str, home: str, modules: dict[str, import_graph.Module]) -> str | None:
+    """The module an arrow ``name`` names on a line of package ``home`` (None: no module)."""
+    for candidate in (f"{home}.{name}", f"xla_utils.{name}", name):
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def _arrow_name(target: str, home: str, modules: dict[str, import_graph.Module]) -> str:
+    """How the map writes an arrow to ``target`` on a line of package ``home``."""
+    for prefix in (f"{home}.", "xla_utils."):
+        short = target.removeprefix(prefix)
+        if short != target and _arrow_target(short, home, modules) == target:
+            return short
+    return target
+
+
+def map_arrow_faults(map_block: str, modules: dict[str, import_graph.Module]) -> list[str]:
+    """Where the map's arrows and the import graph (``modules``: import_graph.analyse's
+    answer) differ, one line per module: the arrows missing from the map, those it has
+    that the code does not."""
+    faults = []
+    for entry, (home, text) in _map_arrows(map_block).items():
+        if ", " in entry:
+            faults.append(f"{entry}: one module per line (each with its own arrows)")
+            continue
+        name = f"xla_utils.{entry}" if entry else "xla_utils"
+        if text is None:
+            faults.append(f"{name}: no ' -> ' and arrows (write '-> nothing' for no import)")
+            continue
+        if name not in modules:
+            continue  # test_architecture_map_matches_the_tree names it
+        words = [w.strip() for w in re.sub(r"\([^)]*\)", "", text).split(",") if w.strip()]
+        listed, unknown = set(), []
+        for word in words if words != ["nothing"] else []:
+            target = _arrow_target(word.rstrip("*"), home, modules)
+            if target is None:
+                unknown.append(word)
+            else:
+                listed.add((target, word.endswith("*")))
+        mod = modules[name]
+        found = {(t, t not in mod.at_import) for t in mod.imports}
+        shown = [", ".join(sorted(_arrow_name(t, home, modules) + "*" * lazy for t, lazy in arrows))
+                 for arrows in (found - listed, listed - found)]
+        parts = [f"missing {shown[0]}" if shown[0] else "", f"extra {shown[1]}" if shown[1] else "",
+                 f"names no module: {', '.join(unknown)}" if unknown else ""]
+        if any(parts):
+            faults.append(f"{name}: " + "; ".join(p for p in parts if p))
+    return faults
+
+
+def test_architecture_map_has_the_arrows_of_the_code():
+    """docs/ARCHITECTURE.md's map lists, for every module, exactly the modules it imports
+    (tests/import_graph.py, the graph test_import and test_layering check), ``*`` on those
+    imported only inside functions."""
+    md = _text(ROOT / "docs" / "ARCHITECTURE.md")
+    block = md.split("## Map", 1)[1].split("```", 2)[1]
+    modules = import_graph.package()
+    assert "train.trainer" in _map_arrows(block)  # the reader works
+    faults = map_arrow_faults(block, modules)
+    assert not faults, ("docs/ARCHITECTURE.md's map and the code's imports differ (`*`: only "
+                        "inside functions):\n  " + "\n  ".join(faults))
+
+
+def test_the_map_arrows_check_finds_missing_and_extra_arrows(tmp_path):
+    top = tmp_path / "xla_utils"
+    for rel, text in {"__init__.py": "from . import low\n", "low.py": "",
+                      "pkg/__init__.py": "from .a import f\n",
+                      "pkg/a.py": "from ..low import x\ndef f():\n    from . import b\n",
+                      "pkg/b.py": "import xla_utils.low\nfrom xla_utils import pkg\n"}.items():
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_text(text)
+    modules = import_graph.analyse(top)
+    good = ("xla_utils/   face -> low\n├─ low   nothing here (really) -> nothing\n"
+            "├─ pkg/   a package -> a\n│  ├─ a   imports low, then b -> low,\n"
+            "│  │                                    b*\n│  └─ b   -> xla_utils.low, pkg\n")
+    assert map_arrow_faults(good, modules) == []
+    assert set(_map_arrows(good)) == {"", "low", "pkg", "pkg.a", "pkg.b"}
+    assert _map_arrows(good)["pkg.a"] == ("xla_utils.pkg", "low, b*")
+    bad = ("xla_utils/   face\n├─ low   -> pkg.a\n├─ pkg/   a package -> a\n"
+           "│  ├─ a   -> low*, b*, nope\n│  ├─ b   -> low\n│  └─ a, b   both -> low\n")
+    assert map_arrow_faults(bad, modules) == [
+        "xla_utils: no ' -> ' and arrows (write '-> nothing' for no import)",
+        "xla_utils.low: extra pkg.a",
+        "xla_utils.pkg.a: missing low; extra low*; names no module: nope",
+        "xla_utils.pkg.b: missing pkg",
+        "pkg.a, pkg.b: one module per line (each with its own arrows)",
+    ]
+
 
 def test_every_trainer_option_is_in_one_group():
     """docs/TRAINER.md's "Options by group" table is the groups' reference: one row per

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import import_graph
+
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
@@ -78,73 +80,14 @@ def test_cli_does_not_import_torch():
 
 
 # --------------------------------------------------------------------------- import graph
+# (tests/import_graph.py: the one reading of xla_utils/'s imports that the tests share)
 
 
 PKG = REPO / "xla_utils"
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
-def _imports(path: Path, import_time_only: bool) -> set[str]:
-    """xla_utils modules that the module in ``path`` imports.
-
-    ``import_time_only``: only the imports that run when the module is imported
-    (module level, ``if``/``try`` blocks included, ``if TYPE_CHECKING:`` excluded);
-    otherwise also those inside functions. ``from pkg import name`` counts as an
-    arrow to ``pkg.name`` when that is a module, else to ``pkg``.
-    """
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-
-    def visit(nodes: list[ast.AST]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.If) and _is_type_checking(node):
-                visit(node.orelse)
-                continue
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                if not import_time_only:
-                    visit(node.body if isinstance(node.body, list) else [])
-                continue
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                for a in node.names:
-                    sub = f"{base}.{a.name}"
-                    found.add(sub if _exists(sub) else base)
-            # nested statements: if/try/with/for bodies, except handlers, class bodies
-            visit([c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))])
-
-    visit(ast.parse(path.read_text(encoding="utf-8")).body)
-    return {m for m in found if m.split(".")[0] == "xla_utils" and m != name}
-
-
-def _exists(module: str) -> bool:
-    p = REPO.joinpath(*module.split("."))
-    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
-
-
-def _graph(import_time_only: bool) -> dict[str, set[str]]:
-    return {_module_name(p): _imports(p, import_time_only) for p in sorted(PKG.rglob("*.py"))}
-
-
 def test_import_graph_has_no_cycle():
-    graph = _graph(import_time_only=True)
+    graph = import_graph.graph(import_time_only=True)
     assert "xla_utils.cache.format" in graph and "xla_utils.cache.format" in graph["xla_utils.data.dataset"]
     done: set[str] = set()
 
@@ -161,14 +104,14 @@ def test_import_graph_has_no_cycle():
 
 def test_library_never_imports_its_cli():
     # only the command-line entry points (`python -m ...` modules) may reach xla_utils.cli
-    graph = _graph(import_time_only=False)
+    graph = import_graph.graph(import_time_only=False)
     offenders = sorted(m for m, deps in graph.items()
                        if "xla_utils.cli" in deps and m != "xla_utils.cli" and not m.endswith(".__main__"))
     assert offenders == []
 
 
 def test_cache_reader_imports_only_the_format_and_the_storage_room():
-    graph = _graph(import_time_only=False)
+    graph = import_graph.graph(import_time_only=False)
     reader = {"xla_utils.cache.format", "xla_utils.cache.storage", "xla_utils.cache.fetch", "xla_utils.cache.config"}
     cache_deps = {d for m, deps in graph.items() if m == "xla_utils.data" or m.startswith("xla_utils.data.")
                   for d in deps if d.startswith("xla_utils.cache")}
@@ -188,7 +131,7 @@ def _type_checking_imports(face: Path) -> dict[str, str]:
     tree = ast.parse(face.read_text(encoding="utf-8"))
     seen: dict[str, str] = {}
     for node in tree.body:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and import_graph.is_type_checking(node):
             for imp in node.body:
                 assert isinstance(imp, ast.ImportFrom) and imp.level == 1
                 for a in imp.names:
@@ -256,13 +199,13 @@ def test_simulate_is_a_package_whose_protocol_stands_alone():
     # and registers its launcher with runtime.launcher when imported, which the package
     # face does; simulate's protocol module, which both sides of a simulated job share,
     # imports nothing of xla_utils but the one atomic write, which imports nothing.
-    lazy = _graph(import_time_only=False)
+    lazy = import_graph.graph(import_time_only=False)
     assert (PKG / "simulate" / "__init__.py").is_file() and not (PKG / "simulate.py").exists()
     for mod, deps in lazy.items():
         if mod.startswith("xla_utils.runtime"):
             assert not [d for d in deps if d.startswith("xla_utils.simulate")], mod
     assert "xla_utils.runtime.launcher" in lazy["xla_utils.simulate"]
-    assert "xla_utils.simulate" in _graph(import_time_only=True)["xla_utils"]
+    assert "xla_utils.simulate" in import_graph.graph(import_time_only=True)["xla_utils"]
     assert lazy["xla_utils.simulate.protocol"] == {"xla_utils.utils.atomic"}
     assert lazy["xla_utils.utils.atomic"] == set()
     for name in ("CollectiveError", "run_script", "simulated_spawn", "main", "run_replicas",

@@ -1,15 +1,16 @@
 """Imports run one way, and no room takes another room's private names (issue 35).
 
-Read from the source (``ast``), counting every import, also those inside functions (a
-lazy import is still an arrow); ``if TYPE_CHECKING:`` blocks are left out: they never
-run, and they are how a module names a type from above it in an annotation.
+The import graph, the rooms and the private reaches are tests/import_graph.py's (the one
+reading of the source that the tests share): every import counts, also those inside functions
+(a lazy import is still an arrow); ``if TYPE_CHECKING:`` blocks are left out: they never run,
+and they are how a module names a type from above it in an annotation.
 
 * **No import circle** in ``xla_utils/``: the module graph has no strongly connected
   component of more than one module. ``from pkg import name`` is an arrow to ``pkg.name``
   when that is a module, else to ``pkg``. Parent packages that Python imports first are not
   arrows of their own (the package face ``xla_utils`` runs before any module of it).
 * **No private reach across rooms.** A room is a subpackage (``cache/``, ``data/``,
-  ``diagnostics/``, ``env/``, ``runtime/``, ``simulate/``, ``train/``, ``utils/``: its
+  ``diagnostics/``, ``env/``, ``runtime/``, ``simulate/``, ``step/``, ``train/``, ``utils/``: its
   modules may share their privates) or a top-level module of ``xla_utils/`` (``cli``,
   ``demo``: each a room of its own). Taken across rooms, a private name (one underscore;
   dunders are not private) is refused as ``from .x import _y``, as ``x._y`` where ``x`` is
@@ -23,176 +24,9 @@ run, and they are how a module names a type from above it in an annotation.
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PKG = REPO / "xla_utils"
-
-
-@dataclass
-class Module:
-    name: str  # dotted
-    path: Path
-    room: str
-    shown: str  # the path as messages show it: relative to the package's parent
-    imports: dict[str, int] = field(default_factory=dict)  # module -> first line
-    reaches: list[tuple[int, str, str]] = field(default_factory=list)  # line, name, why
-
-
-def _private(name: str) -> bool:
-    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
-
-
-def _module_name(path: Path, top: Path) -> str:
-    parts = list(path.relative_to(top.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _room(name: str, is_package: bool) -> str:
-    """The subpackage a module belongs to, or the top-level module itself."""
-    parts = name.split(".")
-    if len(parts) > 2 or (len(parts) == 2 and is_package):
-        return ".".join(parts[:2])
-    return name
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
-def _run_nodes(tree: ast.Module) -> list[ast.AST]:
-    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
-    out: list[ast.AST] = []
-
-    def visit(node: ast.AST) -> None:
-        out.append(node)
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for c in child.orelse:
-                    visit(c)
-            else:
-                visit(child)
-
-    visit(tree)
-    return out
-
-
-def _definitions(tree: ast.Module) -> set[str]:
-    """Private names a module defines: functions, classes, module and class attributes,
-    and ``self._y`` / ``cls._y`` assignments."""
-    found: set[str] = set()
-
-    def targets(node: ast.AST) -> list[ast.AST]:
-        if isinstance(node, (ast.Assign,)):
-            return list(node.targets)
-        if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-            return [node.target]
-        return []
-
-    def scan(body: list[ast.stmt], scope: str) -> None:
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                found.add(node.name)
-                scan(node.body, "class" if isinstance(node, ast.ClassDef) else "function")
-                continue
-            for t in targets(node):
-                for n in ast.walk(t):
-                    if isinstance(n, ast.Name) and scope in ("module", "class"):
-                        found.add(n.id)
-                    elif (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-                          and n.value.id in ("self", "cls")):
-                        found.add(n.attr)
-            for name in ("body", "orelse", "finalbody"):
-                inner = getattr(node, name, None)
-                if isinstance(inner, list) and not isinstance(node, ast.ClassDef):
-                    scan([s for s in inner if isinstance(s, ast.stmt)], scope)
-            for handler in getattr(node, "handlers", []):
-                scan(handler.body, scope)
-
-    scan(tree.body, "module")
-    return {n for n in found if _private(n)}
-
-
-def analyse(top: Path) -> dict[str, Module]:
-    """The modules of the package at ``top``: their import arrows (with lines) and their
-    private reaches into other rooms."""
-    paths = sorted(top.rglob("*.py"))
-    names = {_module_name(p, top): p for p in paths}
-    trees = {n: ast.parse(p.read_text(encoding="utf-8"), str(p)) for n, p in names.items()}
-    mods = {n: Module(n, p, _room(n, p.name == "__init__.py"),
-                      str(p.relative_to(top.parent)))
-            for n, p in names.items()}
-    defined: dict[str, set[str]] = defaultdict(set)  # room -> private names defined there
-    for n, tree in trees.items():
-        defined[mods[n].room] |= _definitions(tree)
-
-    for n, tree in trees.items():
-        mod = mods[n]
-        package = n if mod.path.name == "__init__.py" else n.rpartition(".")[0]
-        aliases: dict[str, str] = {}  # local name -> xla_utils module it is bound to
-
-        def arrow(target: str, line: int) -> None:
-            if target != n and target in mods:
-                mod.imports.setdefault(target, line)
-
-        def reach(line: int, name: str, owner: str) -> None:
-            if _private(name) and owner in mods and mods[owner].room != mod.room:
-                mod.reaches.append((line, name, f"private to {owner}"))
-
-        nodes = _run_nodes(tree)
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.split(".")[0] == top.name:
-                        arrow(a.name, node.lineno)
-                        if a.asname:
-                            aliases[a.asname] = a.name
-                        else:
-                            aliases[a.name.split(".")[0]] = a.name.split(".")[0]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                if base.split(".")[0] != top.name:
-                    continue
-                for a in node.names:
-                    sub = f"{base}.{a.name}"
-                    if sub in mods:
-                        arrow(sub, node.lineno)
-                        aliases[a.asname or a.name] = sub
-                        if _private(a.name) and mods[sub].room != mod.room:
-                            mod.reaches.append((node.lineno, a.name, f"private module {sub}"))
-                    else:
-                        arrow(base, node.lineno)
-                        reach(node.lineno, a.name, base)
-        for node in nodes:
-            if not isinstance(node, ast.Attribute) or not _private(node.attr):
-                continue
-            owner = _dotted(node.value, aliases)
-            if owner in mods:  # module._y
-                reach(node.lineno, node.attr, owner)
-            elif node.attr not in defined[mod.room]:  # obj._y
-                rooms = sorted(r for r, names in defined.items() if node.attr in names)
-                if rooms:
-                    mod.reaches.append((node.lineno, node.attr, f"defined only in {rooms}"))
-    return mods
-
-
-def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
-    """The xla_utils module an expression like ``runtime`` or ``xla_utils.runtime`` names."""
-    if isinstance(node, ast.Name):
-        return aliases.get(node.id)
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value, aliases)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
+from import_graph import PKG, REPO, Module, analyse, package
 
 
 def circles(mods: dict[str, Module]) -> list[list[str]]:
@@ -257,7 +91,7 @@ def _reach_lines(mods: dict[str, Module]) -> list[str]:
 
 
 def test_no_import_circle_inside_xla_utils():
-    mods = analyse(PKG)
+    mods = package()
     assert "xla_utils.train.trainer" in mods and mods["xla_utils.train.trainer"].imports  # the reader works
     found = circles(mods)
     assert not found, "import circles (move what both need down, or pass it in; a type " \
@@ -266,7 +100,7 @@ def test_no_import_circle_inside_xla_utils():
 
 
 def test_no_module_takes_another_rooms_private_names():
-    mods = analyse(PKG)
+    mods = package()
     lines = _reach_lines(mods)
     assert not lines, "private names taken across rooms (give the owner a public function " \
         "or argument instead):\n  " + "\n  ".join(lines)
@@ -304,6 +138,9 @@ def test_the_checks_find_circles_and_private_reaches(tmp_path):
     mods = analyse(top)
     assert circles(mods) == [["fake.cyc_b", "fake.high"]]
     assert "fake.high" not in mods["fake.low"].imports  # TYPE_CHECKING import left out
+    # which arrows run at import time, which only inside a function
+    assert set(mods["fake.high"].imports) == {"fake.low", "fake.cyc_b"}
+    assert mods["fake.high"].at_import == {"fake.low"} and mods["fake.cyc_b"].at_import == set()
     text = _cycle_text(circles(mods)[0], mods)
     assert text == "fake.cyc_b -[fake/cyc_b.py:2]-> fake.high -[fake/high.py:10]-> fake.cyc_b", text
     assert sorted((line, name) for line, name, _ in mods["fake.high"].reaches) == [
@@ -363,7 +200,7 @@ def room_graph(mods: dict[str, Module]) -> dict[str, Module]:
 
 
 def test_packages_stack_one_way():
-    mods = analyse(PKG)
+    mods = package()
     rooms = room_graph(mods)
     assert {"xla_utils.train", "xla_utils.diagnostics", "xla_utils.step", "xla_utils.cli"} <= set(rooms)
     assert "xla_utils.diagnostics" in rooms["xla_utils.train"].imports  # the reader sees lazy arrows
