@@ -50,7 +50,7 @@ from .replica_loops import (FitPlan, completed_run, fit_on_mesh, fit_replica, in
 from ..simulate.live import live_or_launch
 from .steps import TrainerStepPlan
 from .submission import missing_note, training_multilabel
-from .torch_compile import graph_breaks_report, refuse_on_xla
+from .torch_compile import check_compile_option, graph_breaks_report, refuse_on_xla
 from ..utils.suggest import choice, deprecated, keyword_help
 
 if TYPE_CHECKING:
@@ -347,14 +347,13 @@ class OneCycleTrainer:
         (None: the configured value), checked by the schedule group before any device time, and
         its ``compile=`` (the devices group's), refused on XLA (``placement`` is the run's)."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        if not given:
-            self._refuse_compile(self.config.compile, placement)  # issue 45
-            return self.config
-        try:
-            cfg = self.config.replace(**given)
-        except (TypeError, ValueError) as exc:
-            args = ", ".join(f"{k}={v!r}" for k, v in given.items())
-            raise ValueError(f"fit({args}): {exc}") from None
+        cfg = self.config
+        if given:
+            try:
+                cfg = self.config.replace(**given)
+            except (TypeError, ValueError) as exc:
+                args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+                raise ValueError(f"fit({args}): {exc}") from None
         self._refuse_compile(cfg.compile, placement)  # issue 45
         return cfg
 
@@ -557,7 +556,7 @@ class OneCycleTrainer:
 
     def _refuse_compile(self, compile: bool | str | None, placement: runtime.Placement) -> None:
         """A run's ``compile=`` (None: the configured one), refused on XLA."""
-        value = self.config.compile if compile is None else TrainerConfig(compile=compile).compile
+        value = self.config.compile if compile is None else check_compile_option(compile)
         refuse_on_xla(value, placement, mesh=self.config.strategy != "spawn")
 
     # ------------------------------------------------------------- inference
