@@ -301,16 +301,19 @@ def _mean_losses(text: str, cores: int) -> list[float]:
 def test_ddp_resnet18_on_8_simulated_cores_fits_12_gib(tmp_path):
     """torch_xla's DDP ResNet example (ResNet-18, 32 px, batch 8 per core) on 8 simulated
     cores within a 12 GiB cgroup limit (Colab's machine) learns as on 2 cores at the
-    same global batch of 64."""
+    same global batch of 64. Two steps: the second runs the whole step again (forward,
+    all-reduced backward, update) on the first's state; a third added 60 s to CI and
+    nothing the second does not show. This is also the corpus' run of
+    examples/data_parallel/train_resnet_ddp.py (tests/simulate/test_torch_xla_corpus.py)."""
     env = {"XLA_UTILS_SIM_FOOTPRINT_FILE": str(tmp_path / "footprint.json")}
     with open(LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with _memory_cgroup(12 * GIB) as cg:
-                p8 = _simulate(["--cores", "8", str(FIXTURE), "--steps", "3"], cg, env, 2400)
+                p8 = _simulate(["--cores", "8", str(FIXTURE), "--steps", "2"], cg, env, 2400)
                 peak = int((cg / "memory.max_usage_in_bytes").read_text())
                 failcnt = int((cg / "memory.failcnt").read_text())
-            p2 = _simulate(["--cores", "2", str(FIXTURE), "--steps", "3", "--batch-size", "32"],
+            p2 = _simulate(["--cores", "2", str(FIXTURE), "--steps", "2", "--batch-size", "32"],
                            None, env, 1200)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -318,7 +321,7 @@ def test_ddp_resnet18_on_8_simulated_cores_fits_12_gib(tmp_path):
     assert p8.returncode == 0, f"{where}\n{(p8.stdout + p8.stderr)[-4000:]}"
     assert p2.returncode == 0, (p2.stdout + p2.stderr)[-4000:]
     l8, l2 = _mean_losses(p8.stdout, 8), _mean_losses(p2.stdout, 2)
-    assert len(l8) == len(l2) == 3
+    assert len(l8) == len(l2) == 2  # the second step's loss is after one all-reduced update
     assert l8[-1] < l8[0]  # it learns
     # the same global batches, one gradient: the same losses up to float rounding
     assert l8 == pytest.approx(l2, rel=1e-4), (l8, l2, where)

@@ -44,9 +44,12 @@ PROGRAMS = [
     ("save", ["test/test_mp_save.py"], None),
     ("sync_batch_norm", ["test/test_mp_sync_batch_norm.py"], r"Ran 4 tests.*\n\s*OK"),
     ("train_resnet_xla_ddp", ["examples/data_parallel/train_resnet_xla_ddp.py"], "loss"),
-    ("train_resnet_ddp", ["examples/data_parallel/train_resnet_ddp.py"], "loss"),
-    ("train_resnet_spmd_data_parallel",
-     ["examples/data_parallel/train_resnet_spmd_data_parallel.py"], "loss"),
+    # examples/data_parallel/train_resnet_ddp.py runs in tests/simulate/test_footprint.py (its
+    # fixture is that example with GroupNorm and real data, on 8 simulated cores in 12 GiB, its
+    # losses compared with 2 cores): the same program form, once per CI run
+    pytest.param("train_resnet_spmd_data_parallel",
+                 ["examples/data_parallel/train_resnet_spmd_data_parallel.py"], "loss",
+                 marks=pytest.mark.xla_opt_level(1), id="train_resnet_spmd_data_parallel"),
     ("train_decoder_only_fsdp_v2", ["examples/fsdp/train_decoder_only_fsdp_v2.py"], "loss"),
     ("train_resnet_fsdp_auto_wrap", ["examples/fsdp/train_resnet_fsdp_auto_wrap.py"], "loss"),
 ]
@@ -85,7 +88,8 @@ def _losses(text: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(1800)  # may wait for the other suite's program (LOCK)
-@pytest.mark.parametrize("name,program,shows", PROGRAMS, ids=[p[0] for p in PROGRAMS])
+@pytest.mark.parametrize("name,program,shows", PROGRAMS,
+                         ids=[p[0] if isinstance(p, tuple) else None for p in PROGRAMS])
 def test_corpus_program_passes_on_8_simulated_cores(name, program, shows):
     p = _simulate([str(CORPUS / program[0]), *program[1:]])
     out = p.stdout + p.stderr
@@ -101,6 +105,7 @@ def test_corpus_program_passes_on_8_simulated_cores(name, program, shows):
 @pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(1600)
+@pytest.mark.xla_opt_level(1)  # 14 steps of one graph per replica: 86 s at level 0, 53 s at 1
 @pytest.mark.parametrize("mode", ["xm", "pjrt_distributed", "ddp"])
 def test_train_mp_mnist_three_modes(mode):
     extra = [] if mode == "xm" else [f"--{mode}"]

@@ -215,6 +215,7 @@ def _save_and_mesh_reduce(path: str, mb: int):
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(600)
 def test_xm_save_and_mesh_reduce_of_64_mb_on_8_cores(tmp_path):
