@@ -68,10 +68,6 @@ COLAB: list[str] = [
     "tests/simulate/test_simulate.py::test_50_launches_after_caller_side_backward",
     "tests/simulate/test_simulate.py::test_function_and_model_defined_in_main_work",
     "tests/simulate/test_forms.py::test_spmd_script_gets_8_devices_and_an_8_way_sharding_via_cli",
-    "tests/simulate/test_transport.py::test_xm_save_and_mesh_reduce_of_64_mb_on_8_cores",
-    "tests/cache/test_runners.py::test_a_node_killed_mid_build_changes_nothing",
-    "tests/simulate/test_simulate.py::test_run_script_exit_status_and_arguments",
-    "tests/simulate/test_simulate.py::test_runner_reports_replica_exception_with_status_1",
     # the simulator's memory (simulate/footprint.py reaches no torch_xla): the estimate, and
     # torch_xla's DDP ResNet on 8 cores in 12 GiB (it takes turns on the corpus' memory lock)
     "tests/simulate/test_footprint.py",
@@ -102,6 +98,10 @@ KAGGLE: list[str] = [
     "tests/simulate/test_simulate.py::test_torch_xla_launch_entry_point_via_run_script[4]",
     "tests/simulate/test_forms.py::test_spmd_script_via_run_script_4_devices",
     "tests/simulate/test_forms.py::test_mixing_spmd_and_spawn_is_named",
+    "tests/cache/test_runners.py::test_a_node_killed_mid_build_changes_nothing",
+    "tests/simulate/test_simulate.py::test_run_script_exit_status_and_arguments",
+    "tests/simulate/test_simulate.py::test_runner_reports_replica_exception_with_status_1",
+    "tests/simulate/test_transport.py::test_xm_save_and_mesh_reduce_of_64_mb_on_8_cores",
     "tests/data/",
     "tests/step/",
     "tests/train/",
