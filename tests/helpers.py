@@ -1,4 +1,5 @@
-"""Data sets and small models that the test modules share (import them as
+"""Data sets and small models that the test modules share, and their parameter lists marked
+with the XLA:CPU optimisation level (:func:`opt_level_params`) (import them as
 ``from helpers import ...``: tests/ is on ``sys.path`` in the test process, and every
 simulated job and replica process gets the caller's ``sys.path``).
 
@@ -15,11 +16,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 __all__ = ["digit_gray_images", "digit_images", "digits_dataset", "digits_rgb_uint8", "digits_split",
-           "digits_tensors", "pooled_cnn", "tiny_cnn", "tiny_mlp"]
+           "digits_tensors", "opt_level_params", "pooled_cnn", "tiny_cnn", "tiny_mlp"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,3 +141,15 @@ def pooled_cnn(classes: int = 2, *, seed: int | None = None) -> nn.Sequential:
         torch.manual_seed(seed)
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                          nn.Flatten(), nn.Linear(4, classes))
+
+
+def opt_level_params(values: list, ids: list[str], level_1: set[str]) -> list:
+    """``values`` as pytest parameters named ``ids`` (a tuple is the values of several argument
+    names); those whose id is in ``level_1`` are marked ``xla_opt_level(1)`` (tests/conftest.py:
+    the processes they start compile XLA:CPU at LLVM level 1, for programs that run many steps
+    of few graphs)."""
+    unknown = level_1 - set(ids)
+    assert not unknown, f"opt_level_params: no parameter named {sorted(unknown)}"
+    level = [pytest.mark.xla_opt_level(1)]
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i,
+                         marks=level if i in level_1 else ()) for v, i in zip(values, ids)]

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import opt_level_params
 from test_docs import _resolve  # the one resolver of dotted API names
 
 nbformat = pytest.importorskip("nbformat")
@@ -209,14 +210,9 @@ def _stream_text(nb) -> str:
 OPT_LEVEL_1 = {"kaggle_quickstart", "colab_quickstart"}
 
 
-def _params(paths):
-    return [pytest.param(p, marks=pytest.mark.xla_opt_level(1)) if p.stem in OPT_LEVEL_1 else p
-            for p in paths]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("path", _params(NOTEBOOKS), ids=_ids(NOTEBOOKS))
+@pytest.mark.parametrize("path", opt_level_params(NOTEBOOKS, _ids(NOTEBOOKS), OPT_LEVEL_1))
 def test_notebook_runs_in_tiny_mode(path, kernel_env, monkeypatch, tmp_path):
     root, env = kernel_env
     monkeypatch.setenv("JUPYTER_PATH", str(root))  # the kernelspec lookup happens in this process

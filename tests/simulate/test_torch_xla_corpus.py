@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import opt_level_params
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = Path("tests") / "fixtures" / "torch_xla_v2_9_0"
@@ -29,6 +30,7 @@ CORPUS = Path("tests") / "fixtures" / "torch_xla_v2_9_0"
 # 100% accuracy the test asserts in those 14 steps.
 MNIST = [str(CORPUS / "test" / "test_train_mp_mnist.py"), "--fake_data", "--num_epochs", "1",
          "--batch_size", "512", "--lr", "0.05"]
+MODES = ["xm", "pjrt_distributed", "ddp"]
 
 # (id, program and its arguments, what stdout/stderr must show)
 PROGRAMS = [
@@ -47,12 +49,15 @@ PROGRAMS = [
     # examples/data_parallel/train_resnet_ddp.py runs in tests/simulate/test_footprint.py (its
     # fixture is that example with GroupNorm and real data, on 8 simulated cores in 12 GiB, its
     # losses compared with 2 cores): the same program form, once per CI run
-    pytest.param("train_resnet_spmd_data_parallel",
-                 ["examples/data_parallel/train_resnet_spmd_data_parallel.py"], "loss",
-                 marks=pytest.mark.xla_opt_level(1), id="train_resnet_spmd_data_parallel"),
+    ("train_resnet_spmd_data_parallel",
+     ["examples/data_parallel/train_resnet_spmd_data_parallel.py"], "loss"),
     ("train_decoder_only_fsdp_v2", ["examples/fsdp/train_decoder_only_fsdp_v2.py"], "loss"),
     ("train_resnet_fsdp_auto_wrap", ["examples/fsdp/train_resnet_fsdp_auto_wrap.py"], "loss"),
 ]
+# compiled at XLA:CPU level 1 (tests/conftest.py's xla_opt_level): one process for all 8
+# devices running every step (47.0 s at level 0, 19.8 s at level 1, quiet); the programs of 8
+# replica processes that each compile large graphs for a few steps stay at level 0
+OPT_LEVEL_1 = {"train_resnet_spmd_data_parallel"}
 
 
 # CI runs the two stacks' suites side by side; two 8-replica ResNet programs at once can
@@ -88,8 +93,8 @@ def _losses(text: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(1800)  # may wait for the other suite's program (LOCK)
-@pytest.mark.parametrize("name,program,shows", PROGRAMS,
-                         ids=[p[0] if isinstance(p, tuple) else None for p in PROGRAMS])
+@pytest.mark.parametrize("name,program,shows",
+                         opt_level_params(PROGRAMS, [p[0] for p in PROGRAMS], OPT_LEVEL_1))
 def test_corpus_program_passes_on_8_simulated_cores(name, program, shows):
     p = _simulate([str(CORPUS / program[0]), *program[1:]])
     out = p.stdout + p.stderr
@@ -108,10 +113,7 @@ def test_corpus_program_passes_on_8_simulated_cores(name, program, shows):
 # xm and pjrt_distributed: 14 steps of one graph per replica (xm: 86 s at level 0, 53 s at level
 # 1, quiet); ddp cuts each step at its bucket all-reduces, more graphs to compile per replica
 # (CI: 97 s at level 0, 112 s at level 1)
-@pytest.mark.parametrize("mode", [pytest.param("xm", marks=pytest.mark.xla_opt_level(1)),
-                                  pytest.param("pjrt_distributed",
-                                               marks=pytest.mark.xla_opt_level(1)),
-                                  "ddp"])
+@pytest.mark.parametrize("mode", opt_level_params(MODES, MODES, {"xm", "pjrt_distributed"}))
 def test_train_mp_mnist_three_modes(mode):
     extra = [] if mode == "xm" else [f"--{mode}"]
     p = _simulate([*MNIST, *extra])
