@@ -295,16 +295,52 @@ def _mean_losses(text: str, cores: int) -> list[float]:
     return [sum(v.values()) / cores for _, v in sorted(steps.items())]
 
 
+# The fixture's training as one process of plain eager torch on the CPU: the same seed, model
+# (ResNet-18 with GroupNorm), SGD and samples (step s of a global batch G reads samples
+# s*G .. (s+1)*G - 1, see the fixture's docstring); prints the loss of each step. Its own
+# interpreter: the test process keeps no OpenMP team of its own.
+_EAGER = """
+import sys
+import torch, torch.nn as nn, torchvision
+from sklearn.datasets import load_digits
+G, STEPS = int(sys.argv[1]), int(sys.argv[2])
+d = load_digits()
+x = torch.tensor(d.images, dtype=torch.float32) / 16.0
+x = x.repeat_interleave(4, 1).repeat_interleave(4, 2).unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
+y = torch.tensor(d.target, dtype=torch.int64)
+torch.manual_seed(0)
+model = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [2, 2, 2, 2],
+                                         norm_layer=lambda c: nn.GroupNorm(32, c))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, weight_decay=1e-4)
+model.train()
+for s in range(STEPS):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x[s * G:(s + 1) * G]), y[s * G:(s + 1) * G])
+    loss.backward()
+    opt.step()
+    print("loss", repr(loss.item()))
+"""
+
+
+def _eager_losses(global_batch: int, steps: int) -> list[float]:
+    p = subprocess.run([sys.executable, "-c", _EAGER, str(global_batch), str(steps)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [float(v) for v in re.findall(r"^loss (\S+)$", p.stdout, re.M)]
+
+
 @pytest.mark.slow
 @pytest.mark.multicore
 @pytest.mark.timeout(3600)  # may wait for the other suite's heavy program (LOCK)
 def test_ddp_resnet18_on_8_simulated_cores_fits_12_gib(tmp_path):
     """torch_xla's DDP ResNet example (ResNet-18, 32 px, batch 8 per core) on 8 simulated
-    cores within a 12 GiB cgroup limit (Colab's machine) learns as on 2 cores at the
-    same global batch of 64. Two steps: the second runs the whole step again (forward,
-    all-reduced backward, update) on the first's state; a third added 60 s to CI and
-    nothing the second does not show. This is also the corpus' run of
-    examples/data_parallel/train_resnet_ddp.py (tests/simulate/test_torch_xla_corpus.py)."""
+    cores within a 12 GiB cgroup limit (Colab's machine) learns what one process of eager
+    torch learns at the same global batch of 64: the same losses. Two steps: the second runs
+    the whole step again (forward, all-reduced backward, update) on the first's state; a third
+    added 60 s to CI and nothing the second does not show. This is also the corpus' run of
+    examples/data_parallel/train_resnet_ddp.py (tests/simulate/test_torch_xla_corpus.py).
+    The reference was a 2-core simulated run at batch 32 (59 s of CPU); eager torch takes
+    about 1 s and depends on neither XLA nor the simulator."""
     env = {"XLA_UTILS_SIM_FOOTPRINT_FILE": str(tmp_path / "footprint.json")}
     with open(LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -313,15 +349,13 @@ def test_ddp_resnet18_on_8_simulated_cores_fits_12_gib(tmp_path):
                 p8 = _simulate(["--cores", "8", str(FIXTURE), "--steps", "2"], cg, env, 2400)
                 peak = int((cg / "memory.max_usage_in_bytes").read_text())
                 failcnt = int((cg / "memory.failcnt").read_text())
-            p2 = _simulate(["--cores", "2", str(FIXTURE), "--steps", "2", "--batch-size", "32"],
-                           None, env, 1200)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     where = f"(cgroup peak {peak / GIB:.2f} GiB, {failcnt} allocations refused)"
     assert p8.returncode == 0, f"{where}\n{(p8.stdout + p8.stderr)[-4000:]}"
-    assert p2.returncode == 0, (p2.stdout + p2.stderr)[-4000:]
-    l8, l2 = _mean_losses(p8.stdout, 8), _mean_losses(p2.stdout, 2)
-    assert len(l8) == len(l2) == 2  # the second step's loss is after one all-reduced update
+    l8, ref = _mean_losses(p8.stdout, 8), _eager_losses(64, 2)
+    assert len(l8) == len(ref) == 2  # the second step's loss is after one all-reduced update
     assert l8[-1] < l8[0]  # it learns
-    # the same global batches, one gradient: the same losses up to float rounding
-    assert l8 == pytest.approx(l2, rel=1e-4), (l8, l2, where)
+    # the same global batches, one gradient: the same losses up to float rounding (XLA:CPU
+    # and eager torch agreed to 1.3e-6 on the second step, 2026-11-28)
+    assert l8 == pytest.approx(ref, rel=1e-4), (l8, ref, where)

@@ -192,11 +192,11 @@ def test_check_reports_graph_breaks():
 _CHILD = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[2])
-    from test_compile import TRAIN, VAL, _cnn
+    from test_compile import TRAIN, _cnn
     from torch import nn
     from torch._dynamo.utils import counters
     from xla_utils import OneCycleTrainer
-    h = OneCycleTrainer(_cnn(), nn.CrossEntropyLoss(), TRAIN, VAL, batch_size=8, epochs=1,
+    h = OneCycleTrainer(_cnn(), nn.CrossEntropyLoss(), TRAIN, batch_size=8, epochs=1,
                         max_lr=1e-2, compile=True, compile_cache=sys.argv[1]).fit()
     print("RESULT", json.dumps(dict(
         fx_hit=counters["inductor"]["fxgraph_cache_hit"],
@@ -222,7 +222,9 @@ def _child(folder: Path) -> dict:
 @pytest.mark.slow
 def test_a_fresh_process_compiles_from_the_persistent_cache(tmp_path):
     """inductor, two fresh processes on one compile_cache folder: the first misses and fills
-    it, the second hits it (the caches' own counters, not timings); the same loss."""
+    it, the second hits it (the caches' own counters, not timings); the same loss. The fits
+    train without validation: its graph's C++ kernels added 4.5 s to the cold compile and
+    nothing to what the cache is tested for."""
     cold = _child(tmp_path / "cache")
     assert cold["fx_miss"] > 0 and cold["aot_miss"] > 0 and cold["aot_hit"] == 0
     assert any((tmp_path / "cache" / "inductor").iterdir())
