@@ -267,14 +267,19 @@ def test_transfer_fine_tune_beats_fit_from_pretrained_and_from_scratch():
     turned upside down, 10 epochs for everyone at the same peak LR. Medians over 3 seeds:
     fine_tune (library defaults: 1 frozen epoch, lr_mult 100) beats fit from the same weights
     and fit from scratch, each by 3 points (docs/BENCHMARKS.md has the figures: margins of 6-12
-    points; fit from the same weights and from scratch are about even on this task)."""
+    points; fit from the same weights and from scratch are about even on this task).
+
+    On plain torch (the script's ``--simulate 0``): what is tested is the method, and the ten
+    runs took 9.7 s there against about 50 s on a simulated XLA:CPU core, where every run is a
+    fresh launch that compiles its graphs. fine_tune's XLA path is tested above
+    (test_freeze_then_fine_tune_on_xla, test_fine_tune_resumes_in_the_frozen_phase)."""
     bench = _bench_finetune()
     source, _, _ = bench.transfer_data(3, 0)
-    pre = bench.pretrain(source, 8, simulate=1)
+    pre = bench.pretrain(source, 8, simulate=None)
     rows = []
     for seed in range(3):
         _, target, val = bench.transfer_data(3, seed, n_val=300)
-        rows.append(bench.run_all(pre, target, val, epochs=10, lr=5e-2, seed=seed, simulate=1))
+        rows.append(bench.run_all(pre, target, val, epochs=10, lr=5e-2, seed=seed, simulate=None))
     med = {k: sorted(r[k] for r in rows)[1] for k in rows[0]}
     assert med["fine_tune"] > med["fit_pretrained"] + 0.03, rows
     assert med["fine_tune"] > med["fit_scratch"] + 0.03, rows
