@@ -137,7 +137,8 @@ def _passes(p: subprocess.CompletedProcess, shows: str | None) -> None:
 # 14 steps per replica on 2 replicas: level 1 is faster in every mode (quiet, one thread each: xm
 # 17.3 s and pjrt_distributed 17.0 s at level 1, pjrt_distributed 23.8 s at level 0; ddp, whose
 # bucket all-reduces cut each step into more graphs, 21.4 s at level 1 and 26.4 s at level 0)
-@pytest.mark.parametrize("mode", opt_level_params(MODES, MODES, set(MODES)))
+@pytest.mark.xla_opt_level(1)
+@pytest.mark.parametrize("mode", MODES)
 def test_train_mp_mnist_three_modes(mode):
     extra = [] if mode == "xm" else [f"--{mode}"]
     p = _simulate([*MNIST, *extra], cores=MNIST_CORES)
