@@ -668,6 +668,25 @@ def test_torch_xla_that_fails_to_import_is_not_ready(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "RESULT False 0 []"
 
 
+@pytest.mark.parametrize("threads", [None, "3"])
+def test_the_import_check_starts_no_inductor_compile_workers(tmp_path, threads):
+    """The check's subprocess runs with TORCHINDUCTOR_COMPILE_THREADS=1 (torch_xla imports
+    torch._inductor, whose worker pool costs 2.7 s of CPU); a value the user set is kept."""
+    site, version = _broken_torch_xla(tmp_path)
+    seen = tmp_path / "seen.txt"
+    (site / "torch_xla" / "__init__.py").write_text(
+        "import os, pathlib\n"
+        f"pathlib.Path({str(seen)!r}).write_text(os.environ.get('TORCHINDUCTOR_COMPILE_THREADS', '-'))\n"
+        "raise ImportError('recorded')\n")
+    env = {k: v for k, v in _clean_env().items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")])
+    if threads:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = threads
+    data = json.loads(_cli("--json", env=env))
+    assert data["torch_xla"] == version and data["import_error"] == "ImportError: recorded"
+    assert seen.read_text() == (threads or "1")
+
+
 def test_broken_import_advice_and_fix_message(tmp_path):
     info, *_ = detect_on(tmp_path, "kaggle-v5e-8", vers=PAIRED_28)
     assert info.ready and info.import_error is None  # faked versions: no import check
