@@ -264,6 +264,8 @@ class CuttingProxy:
             return b""
 
     def close(self) -> None:
+        with __import__("contextlib").suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close() alone does not)
         self.server.close()
         with self.lock:
             for s in self.socks:

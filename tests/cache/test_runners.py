@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from PIL import Image
 from xla_utils.cache import CacheConfig, build_cache, read_manifest
 from xla_utils.cache.storage import Store, load_manifest
 
-from local_servers import free_port, ray_connect, start_ray_node, stop, wait_ray_nodes
+from local_servers import free_port, ray_connect, start_ray_node, stop, wait_port, wait_ray_nodes
 from slow_images import SlowImages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,11 +38,15 @@ def ray_cluster(gcs_emulator):
     ray = pytest.importorskip("ray")
     port = free_port()
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path,
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    procs = [start_ray_node(port, env, head_temp_dir=f"/tmp/xlr-{secrets.token_hex(3)}")]
+    # the head's GCS checks each node every second and declares it dead after 3 checks in a row
+    # fail (Ray's defaults: every 3 s, 5 failures; each check's own 10 s timeout is kept, so
+    # a busy node is not taken for a dead one): the killed node is found in about 3 s, not 15
+    env = {**os.environ, "PYTHONPATH": path, "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+    head_temp_dir = f"/tmp/xlr-{secrets.token_hex(3)}"
+    procs = [start_ray_node(port, env, head_temp_dir=head_temp_dir)]
     try:
-        time.sleep(3)
+        wait_port(port, procs[0], 120)  # the head's GCS: the second node joins it there
         procs.append(start_ray_node(port, env))
         address = f"127.0.0.1:{port}"
         ray_connect(address)
@@ -53,7 +58,8 @@ def ray_cluster(gcs_emulator):
         if ray.is_initialized():
             ray.shutdown()
         for p in reversed(procs):
-            stop(p)
+            stop(p, grace=0)  # a test cluster: nothing of it is kept
+        shutil.rmtree(head_temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
