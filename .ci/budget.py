@@ -2,7 +2,9 @@
 
 Usage: python3 .ci/budget.py TOTAL_S INSTALL_S STACK=SECONDS=JUNIT_XML [STACK=SECONDS=JUNIT_XML ...]
 
-Prints the whole run's wall time (builds and tests), each stack's test wall time, the 15
+Prints the machine (CPU model, cores, memory: the same tree's suites took 0.65x the time on
+one 2-core machine that they took on another, so a figure is read with its machine), the
+whole run's wall time (builds and tests), each stack's test wall time, the 15
 slowest tests of all stacks (pytest's junit XML), the tests over 20 s without the ``slow``
 marker (tests/conftest.py records the marker in the XML), and a warning line when the run passed
 40 minutes: the budget is 30 minutes from a fresh clone, 20 warm, and CI's hard limit 90.
@@ -10,6 +12,7 @@ Standard library only: it runs on the machine's own python3, outside the stacks.
 """
 from __future__ import annotations
 
+import os
 import sys
 import xml.etree.ElementTree as ET
 
@@ -20,6 +23,31 @@ SLOWEST = 15
 
 def _mmss(s: float) -> str:
     return f"{int(s) // 60} min {int(s) % 60:02d} s"
+
+
+def machine() -> str:
+    """``CPU model (family F model M), N cores, G GiB``, from /proc (``os.cpu_count()`` and
+    "unknown" parts elsewhere)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    cpu = info.get("model name", "unknown CPU")
+    if "cpu family" in info:
+        cpu += f" (family {info['cpu family']} model {info.get('model', '?')})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    mem = "unknown memory"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
+        mem = f"{kib / 2**20:.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    return f"{cpu}, {cores} cores, {mem}"
 
 
 def _cases(path: str):
@@ -39,6 +67,7 @@ def _cases(path: str):
 def main(argv: list[str]) -> int:
     total, install = float(argv[0]), float(argv[1])
     print("=== CI time budget ===")
+    print(f"machine: {machine()}")
     print(f"whole run: {_mmss(total)} (installs and builds {_mmss(install)}, "
           f"tests {_mmss(total - install)})")
     slow = []

@@ -1,8 +1,9 @@
-""".ci/budget.py, the time account that ends `.ci/run` (issue 42): the whole run split into
-builds and tests, each stack's wall time, the slowest tests of both stacks, the tests over
+""".ci/budget.py, the time account that ends `.ci/run` (issue 42): the machine, the whole run
+split into builds and tests, each stack's wall time, the slowest tests of both stacks, the tests over
 20 s without the ``slow`` marker, and the warning past 40 minutes."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,9 @@ def test_the_account_names_times_and_the_slowest_tests(tmp_path):
     assert "kaggle  tests/train/test_trainer.py::test_resume" in top
     assert "tests/cache/test_cache.py::TestShards::test_one[x]" in out
     assert "WARNING" not in out
+    machine = lines[1]  # right under the heading: the figures below are this machine's
+    assert lines[0] == "=== CI time budget ===" and machine.startswith("machine: ")
+    assert machine.endswith(" GiB") and f", {len(os.sched_getaffinity(0))} cores, " in machine
 
 
 def test_a_slow_test_without_the_marker_and_a_long_run_are_warned(tmp_path):
