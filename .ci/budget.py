@@ -26,8 +26,8 @@ def _mmss(s: float) -> str:
 
 
 def machine() -> str:
-    """``CPU model (family F model M), N cores, G GiB``, from /proc (``os.cpu_count()`` and
-    "unknown" parts elsewhere)."""
+    """``CPU model (family F model M), N cores, G GiB``: /proc's CPU model and memory, and
+    the cores this process may run on ("unknown" parts where /proc is missing)."""
     info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:

@@ -111,8 +111,8 @@ def _probe_torch_xla_import(timeout: float = IMPORT_PROBE_TIMEOUT) -> tuple[bool
     if key in _import_probes:
         return _import_probes[key]
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=child_pythonpath())
-    # importing torch_xla imports torch._inductor, whose compile-worker pool (another
-    # interpreter importing torch) added 2.7 s of CPU to the check (2 cores: 6.9 s, 4.5 s without)
+    # importing torch_xla imports torch._inductor, whose compile-worker pool is another
+    # interpreter importing torch: the check took 6.5 s with it, 4.6 s without (2 cores)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
         proc = subprocess.run([sys.executable, "-c", "import torch_xla"], env=env, capture_output=True,
