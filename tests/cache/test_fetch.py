@@ -3,6 +3,7 @@ GCS emulator started by tests/conftest.py: exactly the local samples, a bounded 
 downloads cut mid-body by a real TCP proxy in front of the emulator retried to exact bytes."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -246,13 +247,13 @@ class CuttingProxy:
             length = [int(v) for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:])
                       if k.strip().lower() == b"content-length"] if sep else []
             if body and (not length or len(body) >= length[0] // 2):  # a chunked body: half of what came
-                with __import__("contextlib").suppress(OSError):
+                with contextlib.suppress(OSError):
                     client.sendall(head + sep + body[:(length[0] if length else len(body)) // 2])
                 with self.lock:
                     self.cut += 1
                 break
         for s in (client, up):
-            with __import__("contextlib").suppress(OSError):
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
@@ -264,12 +265,12 @@ class CuttingProxy:
             return b""
 
     def close(self) -> None:
-        with __import__("contextlib").suppress(OSError):
+        with contextlib.suppress(OSError):
             self.server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close() alone does not)
         self.server.close()
         with self.lock:
             for s in self.socks:
-                with __import__("contextlib").suppress(OSError):
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
                 s.close()
         for t in self.threads:
