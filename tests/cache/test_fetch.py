@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from xla_utils.cache import build_cache
+from xla_utils.cache.fetch import LocalBudgetError
 from xla_utils.cache.storage import Store, StorageError
 from xla_utils.data import CachedImageDataset, ShardWindowSampler, iterate_batches
 
@@ -103,6 +104,17 @@ def test_quarter_budget_reads_every_sample_within_the_budget(caches, tmp_path):
         assert sorted(seen) == list(range(40))  # every sample once
     assert b._remote.downloaded > 14  # shards were evicted and fetched again
     assert sorted(str(p.name) for p in (tmp_path / "copy").iterdir() if ".part" in p.name) == []
+
+
+def test_a_budget_below_two_shards_is_refused_as_a_budget_not_a_damaged_cache(caches, tmp_path):
+    local, url = caches
+    shards = [s["bytes"] for s in CachedImageDataset(local).manifest["shards"] if s["num_images"]]
+    least = 2 * max(shards)
+    with pytest.raises(LocalBudgetError, match=rf"max_local_bytes={least - 1:,} is too small.*"
+                       rf"largest shard is {max(shards):,} bytes.*max_local_bytes={least:,}") as e:
+        CachedImageDataset(url, local_cache=tmp_path / "copy", max_local_bytes=least - 1)
+    assert "damaged" not in str(e.value) and "verify" not in str(e.value)
+    assert CachedImageDataset(url, local_cache=tmp_path / "copy", max_local_bytes=least).shard_aware
 
 
 def test_window_sampler_keeps_windows_and_is_the_same_on_every_rank():

@@ -33,11 +33,16 @@ from typing import Any, Callable, Iterable
 from ..utils.atomic import atomic_write
 from .storage import Store
 
-__all__ = ["ShardCache", "default_local_cache", "DOWNLOADS"]
+__all__ = ["ShardCache", "LocalBudgetError", "default_local_cache", "DOWNLOADS"]
 
 # Concurrent shard downloads per process.
 DOWNLOADS = 4
 _STAMP = ".xla_utils-manifest-sha256"
+
+
+class LocalBudgetError(ValueError):
+    """``max_local_bytes`` is too small for the cache's shards: a setting to change, not a
+    damaged cache (the message gives the shard size and the least budget that works)."""
 
 
 def default_local_cache(url: str) -> Path:
@@ -72,8 +77,8 @@ class ShardCache:
         downloads: concurrent downloads. Default :data:`DOWNLOADS`.
 
     Raises:
-        ValueError: ``max_bytes`` is smaller than the largest shard (the message gives
-            both sizes).
+        LocalBudgetError: ``max_bytes`` is smaller than two of the largest shards (or the
+            whole cache, when smaller): the message gives the sizes and the least budget.
     """
 
     def __init__(self, store: Store, manifest: dict[str, Any], folder: str | os.PathLike, max_bytes: int,
@@ -81,10 +86,14 @@ class ShardCache:
         self.store, self.folder, self.max_bytes = store, Path(folder), int(max_bytes)
         self.entries = {s["index"]: s for s in manifest["shards"] if s["num_images"]}
         biggest = max((s["bytes"] for s in self.entries.values()), default=0)
-        if biggest > self.max_bytes:
-            raise ValueError(f"max_local_bytes={self.max_bytes:,} is smaller than the largest shard of "
-                             f"{store.root} ({biggest:,} bytes): allow at least {2 * biggest:,} bytes "
-                             "(two shards, so that one downloads while the other is read)")
+        total = sum(s["bytes"] for s in self.entries.values())
+        if self.max_bytes < min(2 * biggest, total):
+            raise LocalBudgetError(
+                f"max_local_bytes={self.max_bytes:,} is too small for {store.root}: its largest "
+                f"shard is {biggest:,} bytes, and the local copy needs room for two (one downloads "
+                f"while the other is read). Fix: max_local_bytes={min(2 * biggest, total):,} or more "
+                "(the whole cache: "
+                f"{total:,} bytes), or max_local_bytes=None (90% of the free disk)")
         self.opener = opener
         self.fits = sum(s["bytes"] for s in self.entries.values()) <= self.max_bytes  # nothing is ever evicted
         self.biggest = biggest

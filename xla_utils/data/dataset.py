@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from ..cache.fetch import ShardCache, default_local_cache
+from ..cache.fetch import LocalBudgetError, ShardCache, default_local_cache
 from ..cache.format import (LABELS, cached_ids, read_jpeg_index, read_manifest, requested_ids,
                            skipped_records)
 from ..cache.storage import Store, is_url, load_manifest
@@ -77,6 +77,8 @@ class CachedImageDataset:
             ValueError: the cache is incomplete or damaged (unreadable ``manifest.json``,
                 missing or cut-short shard / ``labels.npy``); the message names the file
                 and the fix.
+            xla_utils.cache.fetch.LocalBudgetError: (a ``ValueError``) ``max_local_bytes`` has
+                no room for two shards; the message gives the least budget that works.
             ImportError: a URL whose protocol is not installed (the message names the package).
             xla_utils.cache.storage.StorageError: a missing bucket or credentials (named
                 with the fix), before any device time.
@@ -102,6 +104,8 @@ class CachedImageDataset:
                              "shards): rerun the same build command to finish it")
         try:
             self._open_files(m)
+        except LocalBudgetError:
+            raise  # a setting to change (max_local_bytes), not a damaged cache
         except (OSError, ValueError, EOFError) as e:
             raise ValueError(f"the cache in {self.path} is damaged ({type(e).__name__}: {e}): run "
                              f"`tpu_cache_ds verify {self.path}` to find the bad files, then rerun the same "
