@@ -84,7 +84,7 @@ from .compile_cache import (CompileCacheOption, check_compile_cache_option, comp
                             default_compile_cache_root, enable_compile_cache)
 from .counters import xla_counters, xla_counters_report
 from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
-                       register_simulator)
+                       register_simulator, same_everywhere)
 from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
 from .placement import Placement, resolve
 from .replica import ReplicaError
@@ -162,4 +162,5 @@ INTERNAL_API = (
     "host_copy",  # a CPU copy of a state dict (best weights, the last finite state)
     "resolve",  # the entry points' one placement of a run (cores=, simulate=, the host)
     "Placement",
+    "same_everywhere",  # a host-side decision (a run's id) made once in a torchrun world
 )

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .hosts import agreed, run_joined, torchrun_world
 from .placement import Placement, resolve
 from .replica import ReplicaError, job_main
 from .state import STATE
@@ -34,7 +35,7 @@ from .torch_launch import FreshStart, cuda_in_use, forks, sendable_call, torch_j
 from .xla import (RuntimeAlreadyInitializedError, load_xla, tpu_present, xla_installed,
                   xla_runtime_initialized)
 
-__all__ = ["launch", "Simulator", "register_simulator", "run_forked_job"]
+__all__ = ["launch", "Simulator", "register_simulator", "run_forked_job", "same_everywhere"]
 
 # After the first replica error, how long the others get to report before the
 # whole job is killed.
@@ -95,7 +96,9 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
 
     On a multi-host TPU pod slice run the same script on every host (e.g.
     ``gcloud compute tpus tpu-vm ssh ... --worker=all --command "python
-    train.py"``); ranks and world size are global.
+    train.py"``); ranks and world size are global. Under ``torchrun`` (one or several
+    nodes) every torchrun process is one replica: ``fn`` runs there, in torchrun's process
+    group, and every process gets global rank 0's result (``cores=1``: rank 0 alone runs it).
 
     Args:
         fn: The replica function; called as ``fn(*args)`` on every replica.
@@ -125,6 +128,15 @@ def launch(fn: Callable[..., Any], *args: Any, cores: int | str = "all",
     """
     return launch_job(fn, args, placement=resolve(cores, simulate), timeout=timeout,
                       sim_threads=False)
+
+
+def same_everywhere(value: Any, placement: Placement) -> Any:
+    """``value`` as the global master has it, on every process of ``placement``'s world when
+    other launchers started its processes (torchrun: each runs the script and decides on its
+    own); ``value`` itself when this process is the world's only caller."""
+    if placement.joined == "torchrun":
+        return agreed(value, kind=placement.kind, world=torchrun_world())
+    return value
 
 
 def prestart_simulation(placement: Placement) -> None:
@@ -171,6 +183,9 @@ def launch_job(fn: Callable[..., Any], args: tuple, *, placement: Placement,
         return _launch_xla(fn, args, placement, timeout=timeout, sim_threads=sim_threads)
     if STATE.local.in_replica:  # a replica's own launch (lr_find inside fit): here
         return fn(*args)
+    if placement.joined == "torchrun":  # torchrun's processes are the replicas
+        return run_joined(fn, args, kind=placement.kind, one_core=placement.one_core,
+                          world=torchrun_world())
     if placement.host_devices > 1:
         # CPU replicas take the GPU replicas' decision (fork, or fresh interpreters)
         why = None if placement.one_core and placement.kind != "cuda" else cuda_in_use()

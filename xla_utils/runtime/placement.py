@@ -9,7 +9,9 @@ read the backend, the device kind and the world size from it and never work them
 :func:`resolve` reads the environment once, without initialising CUDA or the XLA runtime:
 whether a TPU is present and torch_xla usable, the TPU's devices
 (:func:`xla_utils.env.detect`), or the torch backend's replicas (``nvidia-smi`` or
-``XLA_UTILS_CPU_REPLICAS``: :func:`xla_utils.env.gpu.torch_devices`).
+``XLA_UTILS_CPU_REPLICAS``: :func:`xla_utils.env.gpu.torch_devices`); under ``torchrun`` the
+world torchrun started, over its hosts (:func:`xla_utils.runtime.hosts.torchrun_world`),
+which a launch joins instead of starting replicas of its own.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from ..env.gpu import torch_devices
 from ..utils.suggest import choice
+from .hosts import torchrun_world
 from .xla import tpu_present, xla_available
 
 __all__ = ["Placement", "resolve", "KINDS"]
@@ -36,7 +39,13 @@ class Placement:
         one_core: The user asked for one core (``cores=1``).
         simulated: N simulated XLA:CPU devices (``simulate=N``), or None: real devices.
         host_devices: Devices of ``kind`` on this host (a torch launch's replica
-            processes when all are used; a TPU's devices; the simulated count).
+            processes when all are used; a TPU's devices; the simulated count; under
+            torchrun, its processes on this host).
+        hosts: Hosts the run spans (torchrun's nodes; 1 otherwise).
+        host: This host's index among them (torchrun's ``GROUP_RANK``; 0 otherwise).
+        joined: ``"torchrun"``: the replicas are the processes torchrun started, which a
+            launch joins (:func:`xla_utils.runtime.hosts.run_joined`); None: a launch starts
+            its own.
     """
 
     backend: str
@@ -45,6 +54,9 @@ class Placement:
     one_core: bool = False
     simulated: int | None = None
     host_devices: int = 1
+    hosts: int = 1
+    host: int = 0
+    joined: str | None = None
 
     @property
     def is_simulated(self) -> bool:
@@ -71,7 +83,8 @@ def resolve(cores: int | str = "all", simulate: int | None = None) -> Placement:
 
     Raises:
         ValueError: ``cores`` or ``simulate`` is not one of those, naming the setting and
-            what it takes; ``XLA_UTILS_CPU_REPLICAS`` is not a positive integer.
+            what it takes; ``XLA_UTILS_CPU_REPLICAS`` is not a positive integer; torchrun's
+            variables disagree.
     """
     cores = choice(cores, ("all",), "cores", "1")
     if cores not in ("all", 1):
@@ -88,4 +101,9 @@ def resolve(cores: int | str = "all", simulate: int | None = None) -> Placement:
         count = max(env.detect().num_devices or 1, 1)
         return Placement("xla", "tpu", 1 if one else count, one, None, count)
     devices = torch_devices()
+    world = torchrun_world()
+    if world is not None:  # each torchrun process is one replica; its device is its LOCAL_RANK's
+        kind = "cuda" if devices.kind == "cuda" else "cpu"
+        return Placement("torch", kind, 1 if one else world.world_size, one, None,
+                         world.local_world_size, world.hosts, world.host, "torchrun")
     return Placement("torch", devices.kind, 1 if one else devices.count, one, None, devices.count)

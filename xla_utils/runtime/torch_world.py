@@ -20,10 +20,11 @@ import contextlib
 import math
 import os
 import sys
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 __all__ = ["active", "world_size", "rank", "local_rank", "all_reduce_sum", "host_sum",
-           "barrier", "reduce_gradients", "data_parallel", "gradient_reductions", "BUCKET_BYTES"]
+           "barrier", "solo", "broadcast_object", "reduce_gradients", "data_parallel", "gradient_reductions", "BUCKET_BYTES"]
 
 # Gradients are all-reduced flattened into buckets of about this many bytes (torch's DDP
 # uses 25 MiB): few collectives, and no copy of the whole model's gradients at once.
@@ -36,10 +37,36 @@ def _dist():
     return dist
 
 
+_SOLO = threading.local()  # .on: this thread runs a one-replica job inside a joined world
+
+
 def active() -> bool:
-    """Whether this process belongs to an initialised process group of more than one rank."""
+    """Whether this process belongs to an initialised process group of more than one rank
+    (and is not running a one-replica job inside it: :func:`solo`)."""
     dist = _dist()
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and not getattr(_SOLO, "on", False))
+
+
+@contextlib.contextmanager
+def solo() -> Iterator[None]:
+    """Inside the block this thread's world is one replica (rank 0 of 1, no collective),
+    though the process belongs to a larger group (a one-core job of a joined world)."""
+    before = getattr(_SOLO, "on", False)
+    _SOLO.on = True
+    try:
+        yield
+    finally:
+        _SOLO.on = before
+
+
+def broadcast_object(payload: bytes | None) -> bytes:
+    """Global rank 0's ``payload`` on every rank of the whole process group (the others
+    pass None); every rank must call it."""
+    dist = _dist()
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def world_size() -> int:

@@ -378,7 +378,9 @@ class OneCycleTrainer:
         plan = None
         if cfg.strategy != "spawn":
             plan = _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model, placement)
-        ckpt, run_id = None, time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        ckpt = None
+        run_id = runtime.same_everywhere(time.strftime("%Y%m%d-%H%M%S") + "-"
+                                         + secrets.token_hex(2), placement)
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
             # On a TPU the world is detected, not known (pod slices span hosts):
