@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from xla_utils.runtime import resolve
 from xla_utils.runtime.hosts import TorchrunWorld, torchrun_world
 
 SCRIPT = Path(__file__).parents[1] / "fixtures" / "hosts" / "torchrun_fit.py"
+STRATEGIES = Path(__file__).parents[2] / "docs" / "STRATEGIES.md"
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "t", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
 
@@ -67,9 +69,15 @@ def test_two_torchrun_nodes_train_as_one_four_replica_run(tmp_path):
     ref.mkdir(), two.mkdir()
     _run([sys.executable, str(SCRIPT), str(ref)], {**env, "XLA_UTILS_CPU_REPLICAS": "4"},
          tmp_path, 200)
-    agent = (f"{sys.executable} -m torch.distributed.run --nnodes 2 --nproc-per-node 2 "
-             "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 --rdzv-id rehearsal "
-             f"--node-rank {{n}} {SCRIPT} {two} > {two}/agent{{n}}.log 2>&1")
+    # docs/STRATEGIES.md's command, on this machine (tests/test_readme.py counts it as run here)
+    doc = next(b for b in re.findall(r"```bash\n(.*?)```", STRATEGIES.read_text(), re.S)
+               if b.startswith("torchrun"))
+    agent = (doc.replace("\\\n", " ").strip().replace("torchrun", f"{sys.executable} -m "
+             "torch.distributed.run", 1).replace("--nproc-per-node 4", "--nproc-per-node 2")
+             .replace("HOST_OF_NODE_0", "127.0.0.1").replace("my-run", "rehearsal")
+             .replace("--node-rank N", "--node-rank {n}").replace("train.py", f"{SCRIPT} {two}")
+             + f" > {two}/agent{{n}}.log 2>&1")
+    assert "127.0.0.1:29500" in agent and "--nnodes 2" in agent and "{n} " in agent, agent
     _run(["unshare", "--net", "sh", "-c", "ip link set lo up && { "
           + agent.format(n=0) + " & " + agent.format(n=1) + " & wait %1 && wait %2; }"],
          {**env, "GLOO_SOCKET_IFNAME": "lo"}, tmp_path, 300)
