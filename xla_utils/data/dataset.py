@@ -31,17 +31,24 @@ class CachedImageDataset:
     """Map-style dataset over a complete cache directory.
 
     ``ds[i]`` is ``(image, label)``: ``image`` a ``uint8[H, W, 3]`` array (a copy),
-    ``label`` an ``int`` class index (-1 = unlabelled) or, for multi-label caches, a
-    ``float32[num_classes]`` multi-hot array. Indices follow the source order with
+    ``label`` an ``int`` class index (-1 = unlabelled), for multi-label caches a
+    ``float32[num_classes]`` multi-hot array, for regression caches a
+    ``float32[num_targets]`` array of targets. Indices follow the source order with
     skipped images left out (``source_indices`` maps back to the source).
 
     Attributes:
-        classes: class names (``list[str]``); ``num_classes`` is their count.
+        task: ``"classification"`` (single- or multi-label) or ``"regression"`` (a cache
+            built from numeric targets, see ``build_cache(task=...)``).
+        classes: class names (``list[str]``; empty for regression); ``num_classes`` is
+            their count (None for regression).
+        targets, num_targets: a regression cache's target names and their count (None
+            for classification).
         multilabel: labels are multi-hot vectors.
         unlabeled: a test set: every label is -1.
         image_size: ``(H, W)`` in pixels.
         num_variants: stored variants per image; ``codec``: ``"raw"`` or ``"jpeg"``.
-        labels: ``int64[N]`` or ``float32[N, C]``.
+        labels: ``int64[N]``, ``float32[N, C]`` (multi-label) or ``float32[N, k]``
+            (regression).
         ids: each image's id (see the property); ``skipped`` and ``requested_ids``: the
             images the build skipped and every id it was asked for.
         source_indices: ``int64[N]``, each image's index in the build's source.
@@ -110,8 +117,12 @@ class CachedImageDataset:
 
     def _open_files(self, m: dict[str, Any]) -> None:
         self.manifest = m
-        self.classes: list[str] = list(m["classes"])
-        self.num_classes = len(self.classes)
+        self.task: str = m.get("task", "classification")
+        regression = self.task == "regression"
+        self.classes: list[str] = list(m["classes"] or [])
+        self.num_classes: int | None = None if regression else len(self.classes)
+        self.targets: list[str] | None = list(m["targets"]) if regression else None
+        self.num_targets: int | None = len(self.targets) if regression else None
         self.multilabel: bool = bool(m["multilabel"])
         self.image_size: tuple[int, int] = tuple(m["image_size"])
         self.num_variants: int = int(m["num_variants"])
@@ -120,7 +131,8 @@ class CachedImageDataset:
             labels = np.load(io.BytesIO(Store(self.path).read_bytes(LABELS)))
         else:
             labels = np.load(self.path / LABELS)
-        self.labels = labels.astype(np.float32) if self.multilabel else labels.astype(np.int64)
+        floats = self.multilabel or regression
+        self.labels = labels.astype(np.float32) if floats else labels.astype(np.int64)
         counts = np.array([s["num_images"] for s in m["shards"]], dtype=np.int64)
         self._n = int(counts.sum())
         # Caches written before the flag existed: unlabelled iff single-label and all -1.
@@ -229,7 +241,8 @@ class CachedImageDataset:
 
     def __repr__(self) -> str:
         h, w = self.image_size
-        kind = "unlabelled" if self.unlabeled else f"{self.num_classes} classes"
+        kind = ("unlabelled" if self.unlabeled else f"regression, {self.num_targets} target(s)"
+                if self.task == "regression" else f"{self.num_classes} classes")
         return (f"CachedImageDataset({str(self.path)!r}: {self._n} images, {w}x{h}, "
                 f"{self.num_variants} variant(s), {self.codec}, {kind}"
                 f"{', multi-label' if self.multilabel else ''})")
@@ -251,9 +264,10 @@ class CachedImageDataset:
         return i
 
     def label(self, i: int) -> int | np.ndarray:
-        """Label of image ``i``: a class index (-1 = unlabelled) or a ``float32[C]`` multi-hot copy."""
+        """Label of image ``i``: a class index (-1 = unlabelled), or a copy of its row of
+        :attr:`labels` (multi-hot, regression targets)."""
         i = self._check(i)
-        return self.labels[i].copy() if self.multilabel else int(self.labels[i])
+        return self.labels[i].copy() if self.labels.dtype.kind == "f" else int(self.labels[i])
 
     def image(self, i: int, variant: int = 0) -> np.ndarray:
         """Variant ``variant`` of image ``i`` as a new ``uint8[H, W, 3]`` array."""
