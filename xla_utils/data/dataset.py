@@ -247,6 +247,15 @@ class CachedImageDataset:
                 f"{self.num_variants} variant(s), {self.codec}, {kind}"
                 f"{', multi-label' if self.multilabel else ''})")
 
+    def float_targets(self, shape: Sequence[int]) -> "CachedImageDataset":
+        """This cache with each label as ``float32`` of ``shape`` (``(1,)``: a one-logit
+        binary model's 0./1. targets, or a regression target per output): a view sharing
+        the memory maps (no image copied); itself when its labels already are that."""
+        shape = tuple(int(d) for d in shape)
+        if self.labels.dtype == np.float32 and self.labels.shape[1:] == shape:
+            return self
+        return _FloatTargets(self, shape)
+
     def set_epoch(self, epoch: int) -> None:
         """Select the variant that ``ds[i]`` shows (``epoch % num_variants``)."""
         self.epoch = int(epoch)
@@ -340,6 +349,41 @@ class CachedImageDataset:
                     self._read_from(shard, v, int(self._local[idx[k]]), out[k])
             finally:
                 self._remote.release(s)
+
+
+class _FloatTargets(CachedImageDataset):
+    """A cache whose labels are fed as float32 of one shape (:meth:`CachedImageDataset.float_targets`)."""
+
+    def __init__(self, parent: CachedImageDataset, shape: tuple[int, ...]):  # noqa: D107 (no super().__init__)
+        self.__dict__.update(parent.__dict__)
+        self._parent, self._shape = parent, shape
+        self.labels = parent.labels.astype(np.float32).reshape(len(parent), *shape)
+        self._rings, self._rings_lock = {}, threading.Lock()
+
+    @property
+    def ids(self) -> list[str]:
+        """The parent's ids (a view of a subset has the subset's)."""
+        return self._parent.ids
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """The parent's skipped images."""
+        return self._parent.skipped
+
+    @property
+    def requested_ids(self) -> list[str]:
+        """The parent's requested ids."""
+        return self._parent.requested_ids
+
+    def __repr__(self) -> str:
+        return f"{self._parent!r} with float32{list(self._shape)} targets"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"parent": self._parent, "shape": self._shape, "epoch": self.epoch}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["parent"], state["shape"])
+        self.epoch = state["epoch"]
 
 
 def _open_remote(url: str, m: dict[str, Any], local_cache: str | os.PathLike | None,
