@@ -177,14 +177,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             real cluster); see :mod:`xla_utils.cache.runners`.
         ray_address: the cluster's ``HOST:PORT`` for ``engine="ray"``. Default: Ray's own
             ``RAY_ADDRESS``, else a local Ray (or the one this process already joined).
-        task: how labels are read. Default None: a CSV's labels that are all numbers, some
-            of them not integers (``2.75``), are regression targets, others class names
-            (integers ``0..K-1`` are classes ``"0".."K-1"``); a dataset's labels are
-            regression targets when its first label is a float scalar. ``"regression"``:
-            every label is ``k`` numbers (a CSV cell: space-separated), stored as
-            ``float32[N, k]`` (``CachedImageDataset.task == "regression"``; the CSV
-            header's label column names the target); ``"classification"``: classes
-            whatever they look like. The summary says which reading was used.
+        task: ``"regression"``, ``"classification"`` or None (numbers not all integers: regression).
 
     Every cache records each image's id (``CachedImageDataset.ids``): its path
     relative to ``source`` (folders), the CSV's first-column value as written, or
@@ -198,8 +191,6 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
     engine = choice(engine, ENGINES, "engine")
     workers = _checked_workers(engine, workers)
     out = Store(out)  # a URL whose protocol is not installed: ImportError naming the package
-    if task is not None:
-        task = choice(task, ("classification", "regression"), "task")
     src = resolve_source(source, labels, cfg, classes, unlabeled, task)
     if src.num_items == 0:
         raise BuildError(f"no images found in {src.description}")

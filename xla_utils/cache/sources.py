@@ -25,7 +25,7 @@ from .config import CacheConfig
 from .errors import BuildError
 from .images import decode_source
 from .storage import filesystem, is_url, retry
-from ..utils.suggest import similar_path
+from ..utils.suggest import choice, similar_path
 
 __all__ = ["IMAGE_EXTENSIONS", "TASKS", "Source", "resolve_source", "load_item"]
 
@@ -93,6 +93,7 @@ def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: Cache
     if unlabeled and labels_csv is not None:
         raise BuildError("unlabeled=True (--unlabeled) and labels= (--labels) contradict each other: "
                          "pass the test set's CSV of file names as the source instead")
+    task = choice(task, TASKS, "task", "None (read from the labels)")
     if task is not None and task not in TASKS:
         raise BuildError(f"task={task!r} must be one of {TASKS} or None (read from the labels)")
     if task == "regression" and classes is not None:

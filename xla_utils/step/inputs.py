@@ -177,17 +177,15 @@ def check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
     dataset's classes, before any training, and say what problem they make.
 
     Class indices must lie within the outputs and the classes; multi-hot rows must be as
-    wide as the outputs. Two classes with a one-output model and a BCE loss are a
-    one-logit binary task (labels 0/1, fed as float32 of the output's shape). Regression
-    (a regression cache, or an MSE/L1/Huber/SmoothL1 loss) needs finite targets, as many
-    per sample as the model has outputs (fed as float32 of the output's shape).
+    wide as the outputs; a one-output model with a BCE loss takes labels 0/1 (one-logit
+    binary); regression (a regression cache, or an MSE/L1/Huber/SmoothL1 loss) finite
+    targets, as many per sample as the model has outputs.
 
-    Returns:
-        The :class:`TargetPlan`: the problem's kind and the target shape to feed.
+    Returns: the :class:`TargetPlan`: the problem's kind and the target shape to feed.
 
     Raises:
-        ValueError: targets the model, the loss or the dataset cannot take; the message
-            names the first bad sample and the fix.
+        ValueError: targets the model, the loss or the dataset cannot take (the first bad
+            sample and the fix named).
     """
     targets, where = targets_of(data)
     lk = loss_kind(loss)

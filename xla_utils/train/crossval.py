@@ -283,9 +283,8 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
             or any map-style ``(x, y)`` dataset (``torch.utils.data.Subset``).
         folds: Number of folds k (>= 2). Default 5.
         test: An unlabelled test set to predict with every fold's model; default None.
-        stratify: Keep each class's share in every fold (single-label ``int`` labels),
-            or for one regression target the spread of its values (sorted, dealt in
-            blocks); ignored otherwise. Default True.
+        stratify: Keep each class's share (``int`` labels) or one regression target's
+            spread (see :func:`fold_assignment`) in every fold. Default True.
         seed: Seeds the fold assignment. Default 0.
         folder: Persist each finished fold there (``cv.json`` + ``fold_<k>.npz``); a
             rerun with the same split skips finished folds (resume after a crash).
@@ -294,10 +293,8 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
         train: ``train(trainer) -> History``; default ``trainer.fit(cores=cores,
             simulate=simulate)``. Pass e.g. ``lambda t: t.fine_tune(3, simulate=8)``.
         cores, simulate: For the default ``train`` and for ``predict``.
-        score: ``score(labels, preds) -> float``; default accuracy (single-label; a
-            one-logit binary model's at 0.5), micro F1 at 0.5 (multi-label), or RMSE
-            (regression: float targets; lower is better). The OOF predictions are
-            ``predict``'s: raw outputs for regression.
+        score: ``score(labels, preds) -> float``; default :func:`default_score` (RMSE
+            for regression: lower is better).
 
     Returns:
         The :class:`CVResult`.

@@ -44,32 +44,27 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
 
     Args:
         preds: ``[N, C]`` predictions, e.g. ``trainer.predict(test, tta=2)`` (numpy
-            array, torch tensor or nested list), one row per image of ``data``: class
-            scores, a one-logit binary model's ``[N, 1]`` (or ``[N]``) probabilities, or a
-            regression model's ``[N, k]`` values.
+            array, torch tensor or nested list), one row per image of ``data`` (``[N]``:
+            one column).
         data: the test set: a dataset with ``ids`` (a :class:`CachedImageDataset`),
             or the list of ids itself. Ids must be unique and ``N`` long. A cache
             also knows the ids its build skipped (``data.requested_ids``): their
             rows are missing (see ``missing``).
         path: the CSV to write (folders created; written atomically, so an interrupted
             or refused write never touches the existing file).
-        id_column, label_column: headers of the id and (``kind="label"``, or one value
-            column) label columns. Default: the ``sample``'s first two headers, else
-            ``"image_id"`` and ``"label"`` (values: the regression cache's target name, else
-            ``"target"``).
+        id_column, label_column: headers of the id and label (or one value) columns.
+            Default: the ``sample``'s first two, else ``"image_id"`` and ``"label"``
+            (values: the regression cache's target name, else ``"target"``).
         classes: class names, ``C`` of them, in the model's output order. Default: the
             training data's (``train``), else ``data.classes`` when the test cache was
             built with ``classes=train.classes``.
-        kind: ``"label"``: the argmax class name (single-label), the space-separated
-            names of every class above ``threshold`` (multi-label), or for a one-logit
-            binary model the positive class's name above ``threshold`` (else the
-            negative's); ``"probabilities"``: one column per class holding ``preds`` (the
-            plant-pathology format ``image_id,healthy,multiple_diseases,rust,scab``),
-            which must then be probabilities; ``"values"``: ``preds``' columns as they are
-            (the sample's target columns, e.g. ``id,target``): a regression model's
-            outputs, or a one-logit binary model's probabilities (an AUC competition).
-            Default None: ``"values"`` for regression (``train``'s task, see
-            :func:`training_task`) and for one column of predictions, else ``"label"``.
+        kind: ``"label"``: the argmax class name (single-label), the names of every class
+            above ``threshold`` (multi-label; a one-logit binary model: its positive class
+            or else the negative); ``"probabilities"``: one column per class (the format
+            ``image_id,healthy,multiple_diseases,rust,scab``); ``"values"``: ``preds``'
+            columns as numbers under the sample's target columns (``id,target``: regression,
+            or a one-logit model's probabilities). Default None: ``"values"`` for
+            regression (:func:`training_task`) and one column, else ``"label"``.
         threshold: multi-label decision threshold on probabilities. Default 0.5.
         overwrite: replace an existing ``path`` that is not a submission with the same
             header (default False: refused).
@@ -95,10 +90,9 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
         fill: the row of a missing id with ``missing="fill"``: ``"prior"`` (default) the
             training set's class prior (``kind="label"``: its most frequent class, or for
             multi-label the classes more frequent than ``threshold``; ``"probabilities"``:
-            the class frequencies; ``"values"``: the training targets' mean, or the
-            positive class's frequency), which needs ``train``; or class name(s), space
-            separated for multi-label (a one-hot row of probabilities); or for
-            ``"values"`` a number.
+            the class frequencies; ``"values"``: the targets' mean or positive rate), which
+            needs ``train``; or class name(s), space separated for multi-label (a one-hot
+            row of probabilities); or for ``"values"`` a number.
 
     Returns the path written.
 
@@ -117,6 +111,16 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
     if kind == "values":
         return _write_values(p, task, data, ids, seen, sample, path, train, id_column,
                              label_column, overwrite, missing, fill, verbose)
+    return _write_classes(p, task, data, ids, seen, sample, path, train, id_column, label_column,
+                          classes, kind, threshold, overwrite, multilabel, missing, fill, verbose)
+
+
+def _write_classes(p: np.ndarray, task: str | None, data: Any, ids: list[str],
+                   seen: dict[str, int], sample: Any, path: str | os.PathLike, train: Any,
+                   id_column: str | None, label_column: str | None,
+                   classes: Sequence[str] | None, kind: str, threshold: float, overwrite: bool,
+                   multilabel: bool | None, missing: str, fill: str, verbose: bool) -> Path:
+    """``kind="label"`` or ``"probabilities"``: class names, or one column per class."""
     p, binary = _one_logit_columns(p, task, kind, train, data, classes)
     classes, multilabel, prior = _checked_classes(p, train, data, classes, multilabel)
     multilabel = False if binary else _check_values(p, kind, multilabel)
