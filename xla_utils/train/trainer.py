@@ -439,7 +439,7 @@ class OneCycleTrainer:
         :func:`~xla_utils.train.submission.write_submission` writes."""
         if self.train_data is None:
             return None
-        spec = self._inspect(self.train_data, "train_data", "training")
+        spec = self._inspect(self.train_data, "train_data", "training", need_target=False)
         return self._plan_targets(self.train_data, spec, "train_data")[1].kind
 
     def _inspect(self, data, name: str, verb: str, need_target: bool = True) -> InputSpec:
@@ -613,7 +613,10 @@ class OneCycleTrainer:
     def _auto_activation(self) -> str | None:
         """``activation="auto"``: none for regression (raw outputs), sigmoid for one-logit
         binary and multi-label (a BCE loss or multi-label data), softmax otherwise."""
-        task = self.task
+        try:
+            task = self.task
+        except ValueError:  # labels fit would refuse: predict still follows the loss
+            task = None
         if task == "regression":
             return None
         if task in ("binary", "multilabel") or training_multilabel(self):
