@@ -404,15 +404,16 @@ def _fed(data: Any, batch_tfm: Callable | None, model: Any, loss: Callable
     trainer's feeding, :func:`xla_utils.step.inputs.inspect_inputs`) and their ``InputSpec``;
     refuses, before any device time, a sample that cannot be fed. Targets are fed as a fit
     feeds them (:func:`xla_utils.step.inputs.plan_targets`: float32 for regression and
-    one-logit binary), when ``model`` is a module."""
+    one-logit binary), when ``model`` is a module and the loss or data is of those kinds."""
     from ..data import IMAGENET_MEAN, IMAGENET_STD
-    from ..step.inputs import inspect_inputs, plan_targets
+    from ..step.inputs import inspect_inputs, loss_kind, plan_targets
 
     spec = inspect_inputs(data, "data", verb="lr_find")
     if batch_tfm is None:
         batch_tfm = functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                                       flip=False)
-    if isinstance(model, torch.nn.Module):
+    floats = loss_kind(loss) in ("regression", "binary") or getattr(data, "task", None) == "regression"
+    if floats and isinstance(model, torch.nn.Module):  # (its one CPU forward only where it matters)
         spec, _ = plan_targets(model, loss, data, spec, "data", batch_tfm, lambda m, b: m(b[0]))
     return spec.feed(data), batch_tfm, spec
 
