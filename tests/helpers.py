@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-__all__ = ["digit_gray_images", "digit_images", "digits_dataset", "digits_rgb_uint8", "digits_split",
-           "digits_tensors", "opt_level_params", "pooled_cnn", "tiny_cnn", "tiny_mlp"]
+__all__ = ["digit_gray_images", "digit_images", "digit_score_csv", "digits_dataset", "digits_rgb_uint8",
+           "digits_split", "digits_tensors", "opt_level_params", "pooled_cnn", "tiny_cnn", "tiny_mlp"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,6 +88,28 @@ def digit_images(n: int, *, seed: int = 0, classes: int = 5) -> list[tuple[np.nd
         g = (d.images[i] * 15).astype(np.uint8)
         out.append((np.stack([g, np.roll(g, 1, axis=1), 255 - g], axis=-1), int(d.target[i]) % classes))
     return out
+
+
+def digit_score_csv(root, n: int, *, seed: int = 0, name: str = "train.csv"):
+    """A regression task on disk: the first ``n`` :func:`digit_images` (seed ``seed``, 10
+    classes) as ``root/img/<k>.png`` and ``root/<name>`` with rows ``img/<k>.png,<score>`` under
+    the header ``image_id,score``, the score the digit's value plus Gaussian noise (sd 0.3,
+    written with 3 decimals). Returns the CSV's path and the scores (``float32[n]``)."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    root = Path(root)
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    items = digit_images(n, seed=seed, classes=10)
+    noise = np.random.default_rng(seed).normal(0.0, 0.3, n)
+    scores = np.round(np.array([y for _, y in items]) + noise, 3).astype(np.float32)
+    rows = ["image_id,score"]
+    for k, ((img, _), s) in enumerate(zip(items, scores)):
+        Image.fromarray(img).save(root / "img" / f"{k}.png")
+        rows.append(f"img/{k}.png,{s:.3f}")
+    (root / name).write_text("\n".join(rows) + "\n")
+    return root / name, scores
 
 
 def digit_gray_images(n: int, *, classes: int | None = None) -> list[tuple[np.ndarray, int]]:

@@ -87,6 +87,9 @@ def _add_build(sub: Any) -> None:
     b.add_argument("--unlabeled", action="store_true", help="a test set: cache every image of SRC (or the "
                    "file names in a CSV's first column, e.g. sample_submission.csv) without labels; "
                    "image ids are recorded for predict() and write_submission()")
+    b.add_argument("--task", choices=("classification", "regression"), default=None,
+                   help="how labels are read (default: numbers that are not all integers are "
+                   "regression targets, others class names)")
     b.add_argument("--classes-from", metavar="CACHE", help="reuse the class list of another cache "
                    "(e.g. the training cache when building the validation cache)")
     b.add_argument("--strict", action="store_true", help="stop at the first bad image instead of skipping it")
@@ -191,7 +194,7 @@ def _cmd_build(a: argparse.Namespace) -> int:
                       max_pixels=a.max_pixels, multilabel=a.multilabel)
     report = build_cache(a.src, a.out, cfg, labels=a.labels, classes=classes, workers=a.workers,
                          strict=a.strict, overwrite=a.overwrite, dry_run=a.dry_run, verbose=not a.quiet,
-                         unlabeled=a.unlabeled, engine=a.engine, ray_address=a.ray_address)
+                         unlabeled=a.unlabeled, engine=a.engine, ray_address=a.ray_address, task=a.task)
     warning = None if a.dry_run else missing_rows_warning(report)
     if warning and a.quiet:  # quiet hides the summary, not a submission's missing rows
         print(warning, file=sys.stderr)
@@ -212,6 +215,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
         f"images:   {info['num_images']:,} of {info['num_sources']:,} sources ({len(info['skipped'])} skipped, "
         f"{info['upscaled']} upscaled), {info['num_variants']} variant(s) at {w}x{h}, {info['codec']}",
         ("labels:   none (unlabelled: a test set)" if info["unlabeled"] else
+         f"labels:   regression targets: {', '.join(info['targets'])}" if info.get("targets") else
          f"labels:   {info['num_classes']} classes{' (multi-label)' if info['multilabel'] else ''}: {shown}"),
         f"files:    {info['files']} ({info['shards_done']}/{info['num_shards']} shards), {format_bytes(info['bytes'])}",
         f"augment:  {cfg['augment']} (scale {cfg['scale']}, ratio {[round(r, 3) for r in cfg['ratio']]}, "
@@ -251,7 +255,9 @@ def _cmd_preview(a: argparse.Namespace) -> int:
     for r, i in enumerate(rows):
         y = pad + r * (h + text + pad)
         label = ds.label(i)
-        if ds.multilabel:
+        if ds.task == "regression":
+            name = " ".join(f"{v:.4g}" for v in np.atleast_1d(label))
+        elif ds.multilabel:
             name = " ".join(ds.classes[c] for c in np.flatnonzero(label)) or "-"
         else:
             name = ds.classes[label] if 0 <= label < len(ds.classes) else "unlabelled"

@@ -491,6 +491,50 @@ def test_csv_source_multilabel_missing_files_and_ids_without_extension(tmp_path)
     assert not ds.multilabel and ds.classes == ["0", "1", "2"] and [ds[0][1], ds[1][1]] == [2, 0]
 
 
+def test_csv_of_numbers_is_a_regression_cache(tmp_path, capsys):
+    """Numbers that are not all integers are regression targets (float32 [N, k], named by the
+    header); integers stay classes unless task='regression'; the summary says which reading."""
+    from helpers import digit_score_csv
+
+    from xla_utils.data import CachedImageDataset
+
+    csv_path, scores = digit_score_csv(tmp_path, 24)
+    build_cache(csv_path, tmp_path / "reg", size=8)
+    said = capsys.readouterr().out
+    assert "regression targets (1 per image, float32, read as numbers because some are not integers" in said
+    ds = CachedImageDataset(tmp_path / "reg")
+    assert (ds.task, ds.targets, ds.num_targets, ds.num_classes, ds.classes) == (
+        "regression", ["score"], 1, None, [])
+    assert ds.labels.dtype == np.float32 and ds.labels.shape == (24, 1)
+    np.testing.assert_array_equal(ds.labels[:, 0], scores)
+    assert ds[3][1].dtype == np.float32 and ds[3][1].shape == (1,) and "regression" in repr(ds)
+    manifest = json.loads((tmp_path / "reg" / "manifest.json").read_text())
+    assert (manifest["format_version"], manifest["task"], manifest["targets"]) == (2, "regression", ["score"])
+    rerun = build_cache(csv_path, tmp_path / "reg", size=8, verbose=False)  # the same cache: nothing built
+    assert rerun.shards_built == 0
+
+    ints = tmp_path / "ints.csv"
+    ints.write_text("image_id,count\n" + "".join(f"img/{k}.png,{k % 3}\n" for k in range(6)))
+    build_cache(ints, tmp_path / "cls", size=8)
+    assert "integers read as 3 classes (task='regression'" in capsys.readouterr().out
+    ds = CachedImageDataset(tmp_path / "cls")
+    assert ds.task == "classification" and ds.classes == ["0", "1", "2"] and ds.labels.dtype == np.int64
+    assert json.loads((tmp_path / "cls" / "manifest.json").read_text())["format_version"] == 1
+    build_cache(ints, tmp_path / "count", size=8, task="Regression", verbose=False)
+    ds = CachedImageDataset(tmp_path / "count")
+    assert ds.targets == ["count"] and ds.labels[:, 0].tolist() == [0, 1, 2, 0, 1, 2]
+    two = tmp_path / "two.csv"  # several targets per image: space-separated; a non-number: skipped
+    two.write_text("".join(f"img/{k}.png,{k}.5 -{k}\n" for k in range(4)) + "img/5.png,n/a 1\n")
+    r = build_cache(two, tmp_path / "two", size=8, task="regression", verbose=False)
+    assert len(r.skipped) == 1 and "target 'n/a' is not a finite number" in r.skipped[0]["reason"]
+    ds = CachedImageDataset(tmp_path / "two")
+    assert ds.targets == ["target_0", "target_1"] and ds.labels.tolist()[1] == [1.5, -1.0]
+    with pytest.raises(BuildError, match="task='regression' and classes= contradict"):
+        build_cache(csv_path, tmp_path / "x", size=8, task="regression", classes=["a"], verbose=False)
+    with pytest.raises(ValueError, match="did you mean 'regression'"):
+        build_cache(csv_path, tmp_path / "x", size=8, task="regresion", verbose=False)
+
+
 def test_dataset_sources(tmp_path):
     from xla_utils.data import CachedImageDataset
 

@@ -241,3 +241,46 @@ def test_standalone_check_and_debug_run_decide_the_layout_as_the_trainer_does():
                     print_report=False)
     assert "PIL.Image (mode RGB) converted on the host to uint8 [B,8,8,3]" in dbg.inputs
     assert len(dbg.losses) == 3 and all(np.isfinite(dbg.losses))
+
+
+# ----------------------------------------------------------------------------- targets
+def _plan(model, loss, data):
+    from xla_utils.step.inputs import plan_targets
+
+    spec = inspect_inputs(data, "train_data")
+    return plan_targets(model, loss, data, spec, "train_data", lambda x: x, lambda m, b: m(b[0]))
+
+
+def test_targets_plan_the_problem_and_feed_float_targets_of_the_output_shape():
+    """Regression and one-logit binary targets are fed as float32 of the model output's
+    shape; class indices and multi-hot rows as they are; mismatches refused with the fix."""
+    from helpers import digits_tensors, tiny_mlp
+
+    x, y = digits_tensors(64)
+    ints = torch.utils.data.TensorDataset(x, y)
+    floats = torch.utils.data.TensorDataset(x, y.double() + 0.5)  # float64 [N]: a scalar per sample
+    spec, plan = _plan(tiny_mlp(1), nn.MSELoss(), floats)
+    assert (plan.kind, plan.shape) == ("regression", (1,))
+    batch = torch.utils.data.default_collate([spec.feed(floats)[i] for i in range(3)])
+    assert batch[1].dtype == torch.float32 and batch[1].tolist() == [[0.5], [1.5], [2.5]]
+    assert _plan(tiny_mlp(1), nn.L1Loss(), ints)[1].kind == "regression"  # counts: numbers too
+    with pytest.raises(ValueError, match=r"1 regression target\(s\) per sample but the model outputs 10 "
+                                         r"value\(s\).*build the model with 1 output"):
+        _plan(tiny_mlp(10), nn.HuberLoss(), floats)
+    binary = torch.utils.data.TensorDataset(x, (y == 3).long())
+    spec, plan = _plan(tiny_mlp(1), nn.BCEWithLogitsLoss(), binary)
+    assert (plan.kind, plan.shape) == ("binary", (1,))
+    assert spec.feed(binary)[3][1].dtype == np.float32 and spec.feed(binary)[3][1].tolist() == [1.0]
+    with pytest.raises(ValueError, match=r"label 2 at sample 2 is not 0 or 1.*one-logit binary.*"
+                                         r"CrossEntropyLoss\(\) and a model with 10 outputs"):
+        _plan(tiny_mlp(1), nn.BCEWithLogitsLoss(), ints)
+    with pytest.raises(ValueError, match=r"label 1 at sample \d+ is outside the model's 1 outputs.*"
+                                         r"loss=nn.BCEWithLogitsLoss\(\)"):
+        _plan(tiny_mlp(1), nn.CrossEntropyLoss(), binary)
+    assert _plan(tiny_mlp(10), nn.CrossEntropyLoss(), ints)[1] == \
+        type(_plan(tiny_mlp(10), nn.CrossEntropyLoss(), ints)[1])("multiclass", None)
+    hot = torch.utils.data.TensorDataset(x, torch.nn.functional.one_hot(y, 10).float())
+    assert _plan(tiny_mlp(10), nn.BCEWithLogitsLoss(), hot)[1].kind == "multilabel"
+    nan = torch.utils.data.TensorDataset(x, torch.where(y == 5, float("nan"), y.float()))
+    with pytest.raises(ValueError, match=r"the target of sample 5 is not finite"):
+        _plan(tiny_mlp(1), nn.MSELoss(), nan)

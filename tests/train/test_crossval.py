@@ -107,6 +107,39 @@ def test_fold_assignment_stratified_and_covering():
         cross_validate(_make, list(range(10)), folds=1)
 
 
+def test_fold_assignment_of_regression_targets_spans_their_range():
+    values = np.random.default_rng(0).normal(size=103).astype(np.float32)
+    f = fold_assignment(values, 5, seed=3)
+    assert sorted(np.bincount(f).tolist()) == [20, 20, 21, 21, 21]
+    dealt = f[np.argsort(values)]
+    for start in range(0, 100, 5):  # every 5 neighbouring values go to 5 different folds
+        assert sorted(dealt[start:start + 5].tolist()) == [0, 1, 2, 3, 4]
+    np.testing.assert_array_equal(f, fold_assignment(values[:, None], 5, seed=3))  # [N, 1] alike
+
+
+def test_cross_validate_a_regression_cache_gives_the_oof_rmse(tmp_path):
+    from helpers import digit_score_csv
+
+    csv_path, _ = digit_score_csv(tmp_path, 48)
+    build_cache(csv_path, tmp_path / "train", size=8, verbose=False)
+    data = CachedImageDataset(tmp_path / "train")
+
+    def make(train, val):
+        return OneCycleTrainer(partial(tiny_cnn, 1, size=8, seed=0), nn.MSELoss(), train, val,
+                               batch_size=8, epochs=1, max_lr=1e-2, mean=MEAN, std=STD)
+
+    res = cross_validate(make, data, folds=2, cores=1)
+    assert res.oof.shape == (48, 1) and np.isfinite(res.oof).all()
+    rmse = float(np.sqrt(((res.oof - data.labels) ** 2).mean()))
+    assert res.oof_score == pytest.approx(rmse, rel=1e-5) and rmse > 0
+    for rec in res.folds:
+        k = rec["fold"]
+        fold = res.fold_of == k
+        assert rec["score"] == pytest.approx(float(np.sqrt(((res.oof[fold] - data.labels[fold]) ** 2).mean())),
+                                             rel=1e-5)
+        assert rec["val_loss"] == pytest.approx(rec["score"] ** 2, rel=1e-3)  # the fold's MSE
+
+
 @pytest.mark.parametrize("simulate", [1, pytest.param(2, marks=pytest.mark.multicore)])
 @pytest.mark.timeout(600)
 def test_cross_validate_oof_test_average_and_resume(caches, tmp_path, simulate):

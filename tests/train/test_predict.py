@@ -195,3 +195,72 @@ def test_building_a_trainer_starts_the_simulation_interpreter():
                        env=dict(os.environ, PJRT_DEVICE="CPU"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "RESULT (8, 3) True" in p.stdout, p.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------- regression
+@pytest.fixture(scope="module")
+def scores(tmp_path_factory):
+    """A regression task from a CSV of numbers (a digit's value + noise per image), its cache
+    and a test cache built from a sample submission of ``id,score`` rows."""
+    from helpers import digit_score_csv
+
+    root = tmp_path_factory.mktemp("scores")
+    csv_path, _ = digit_score_csv(root, 64)
+    build_cache(csv_path, root / "train", size=8, verbose=False)
+    (root / "sample.csv").write_text("id,score\n" + "".join(f"img/{k}.png,0\n" for k in (5, 2, 7)))
+    build_cache(root / "sample.csv", root / "test", size=8, unlabeled=True, verbose=False)
+    return root
+
+
+def _raw(model, ds):
+    x = images_to_float(torch.from_numpy(np.stack([ds.image(i) for i in range(len(ds))])),
+                        (0.5,) * 3, (0.25,) * 3)
+    with torch.no_grad():
+        return model.eval()(x).numpy()
+
+
+def _regressor(train, **kw):
+    return OneCycleTrainer(tiny_cnn(1, size=8, seed=0), nn.MSELoss(), train, train, batch_size=8,
+                           max_lr=1e-2, mean=(0.5,) * 3, std=(0.25,) * 3, flip=False, **kw)
+
+
+def test_regression_from_a_csv_of_numbers_on_the_cpu(scores, tmp_path):
+    """A 1-output model with MSELoss trains on a regression cache: the validation loss is the
+    MSE of what predict returns, the model's raw outputs; the submission holds those values."""
+    import csv
+
+    from xla_utils import write_submission
+
+    train, test = CachedImageDataset(scores / "train"), CachedImageDataset(scores / "test")
+    t = _regressor(train, epochs=2)
+    assert t.task == "regression"
+    h = t.fit(cores=1)
+    assert h.epochs[1]["train_loss"] < h.epochs[0]["train_loss"]
+    p = t.predict(train, batch_size=5)
+    assert p.shape == (64, 1) and p.dtype == np.float32
+    np.testing.assert_allclose(p, _raw(t.model, train), atol=1e-5)  # no activation
+    mse = float(((p - train.labels) ** 2).mean())
+    assert h.epochs[-1]["val_loss"] == pytest.approx(mse, rel=1e-4)
+    assert t.evaluate(train)["loss"] == pytest.approx(mse, rel=1e-4)
+    np.testing.assert_allclose(t.predict(train, activation="sigmoid"), 1 / (1 + np.exp(-p)), atol=1e-5)
+    out = write_submission(t.predict(test), test, tmp_path / "s.csv", train=t,
+                           sample=scores / "sample.csv")
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    raw = _raw(t.model, test)[:, 0]
+    assert rows[0] == ["id", "score"] and [r[0] for r in rows[1:]] == ["img/5.png", "img/2.png", "img/7.png"]
+    np.testing.assert_allclose([float(r[1]) for r in rows[1:]], raw, rtol=1e-5)
+    with pytest.raises(ValueError, match="regression model's predictions.*kind='values'"):
+        write_submission(p, train, tmp_path / "l.csv", train=t, kind="label")
+
+
+@pytest.mark.multicore
+def test_regression_on_2_simulated_cores_predicts_the_raw_outputs(scores):
+    train = CachedImageDataset(scores / "train")
+    t = _regressor(train, epochs=1)
+    h = t.fit(simulate=2)
+    assert np.isfinite(h.epochs[-1]["val_loss"])
+    p = t.predict(train, simulate=2)
+    assert p.shape == (64, 1)
+    np.testing.assert_allclose(p, _raw(t.model, train), atol=1e-4)
+    assert h.epochs[-1]["val_loss"] == pytest.approx(float(((p - train.labels) ** 2).mean()), rel=1e-3)

@@ -354,3 +354,58 @@ def test_competition_in_miniature(tmp_path, capsys):
     ev = trainer.evaluate(labelled, tta=2, simulate=2)
     assert ev["samples"] == 21
     assert ev["accuracy"] == pytest.approx(score, abs=1e-9)
+
+
+def test_one_logit_binary_model_fills_the_samples_target_column(tmp_path):
+    """A 10%-positive binary task with a one-output model and BCEWithLogitsLoss trains; predict
+    gives the positive class's probability; the submission follows the sample's id,target."""
+    import torch
+    from torch import nn
+
+    from helpers import digit_images, tiny_cnn
+
+    from xla_utils import OneCycleTrainer
+
+    items = [(img, int(y == 3)) for img, y in digit_images(160, classes=10)]
+    assert 0.05 < np.mean([y for _, y in items]) < 0.15
+    build_cache(items[:128], tmp_path / "train", size=8, verbose=False)
+    build_cache([x for x, _ in items[128:]], tmp_path / "test", size=8, unlabeled=True, verbose=False)
+    train, test = CachedImageDataset(tmp_path / "train"), CachedImageDataset(tmp_path / "test")
+    t = OneCycleTrainer(tiny_cnn(1, size=8, seed=0), nn.BCEWithLogitsLoss(), train, train,
+                        batch_size=8, epochs=1, max_lr=1e-2, mean=(0.5,) * 3, std=(0.25,) * 3,
+                        label_smoothing=0.1)  # soft 0/1 targets of one logit
+    assert t.task == "binary"
+    h = t.fit(cores=1)
+    assert np.isfinite(h.epochs[-1]["val_loss"])
+    p = t.predict(test)
+    assert p.shape == (32, 1) and 0.0 <= p.min() and p.max() <= 1.0
+    ids = test.ids
+    sample = tmp_path / "sample_submission.csv"
+    sample.write_text("id,target\n" + "".join(f"{x},0.5\n" for x in reversed(ids)))
+    write_submission(p, test, tmp_path / "s.csv", train=t, sample=sample)
+    rows = _read(tmp_path / "s.csv")
+    assert rows[0] == ["id", "target"] and [r[0] for r in rows[1:]] == ids[::-1]
+    np.testing.assert_allclose([float(r[1]) for r in rows[1:]], p[::-1, 0], rtol=1e-5)
+    write_submission(p, test, tmp_path / "l.csv", train=t, kind="label", threshold=0.3)
+    assert [r[1] for r in _read(tmp_path / "l.csv")[1:]] == ["1" if v > 0.3 else "0" for v in p[:, 0]]
+    raw = t.predict(test, activation=None)
+    with pytest.raises(ValueError, match=r"one-logit binary.*probabilities in \[0, 1\].*activation='auto'"):
+        write_submission(raw - 5.0, test, tmp_path / "r.csv", train=t, sample=sample)
+    torch.testing.assert_close(torch.from_numpy(p), torch.sigmoid(torch.from_numpy(raw)))
+
+
+def test_values_and_the_advice_of_one_column_samples(tmp_path):
+    ids = ["a", "b"]
+    write_submission(np.array([[2.5, -1.0], [0.25, 3.0]]), ids, tmp_path / "v.csv", kind="values")
+    assert _read(tmp_path / "v.csv") == [["image_id", "target_0", "target_1"], ["a", "2.5", "-1"],
+                                         ["b", "0.25", "3"]]
+    sample = tmp_path / "sample.csv"
+    sample.write_text("id,target\na,0\nb,0\n")
+    soft = np.array([[0.8, 0.2], [0.3, 0.7]])
+    with pytest.raises(ValueError, match=r"2 column\(s\).*write_submission\(preds\[:, 1:\]"):
+        write_submission(soft, ids, tmp_path / "x.csv", sample=sample, kind="values")
+    with pytest.raises(ValueError, match=r"'target'.*kind='values' with preds\[:, 1:\]"):
+        write_submission(soft, ids, tmp_path / "x.csv", sample=sample, classes=["0", "1"],
+                         kind="probabilities")
+    write_submission(soft[:, 1:], ids, tmp_path / "p.csv", sample=sample)  # one column: values
+    assert _read(tmp_path / "p.csv") == [["id", "target"], ["a", "0.2"], ["b", "0.7"]]

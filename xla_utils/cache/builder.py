@@ -131,7 +131,8 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
                 labels: str | os.PathLike | None = None, classes: Sequence[str] | None = None,
                 workers: int | None = None, strict: bool = False, overwrite: bool = False,
                 dry_run: bool = False, verbose: bool = True, unlabeled: bool = False, engine: str = "local",
-                ray_address: str | None = None, **config_fields: Any) -> BuildReport | DryRunEstimate:
+                ray_address: str | None = None, task: str | None = None,
+                **config_fields: Any) -> BuildReport | DryRunEstimate:
     """Build (or resume) a sharded uint8 image cache in ``out``.
 
     Args:
@@ -176,6 +177,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
             real cluster); see :mod:`xla_utils.cache.runners`.
         ray_address: the cluster's ``HOST:PORT`` for ``engine="ray"``. Default: Ray's own
             ``RAY_ADDRESS``, else a local Ray (or the one this process already joined).
+        task: ``"regression"``, ``"classification"`` or None (numbers not all integers: regression).
 
     Every cache records each image's id (``CachedImageDataset.ids``): its path
     relative to ``source`` (folders), the CSV's first-column value as written, or
@@ -189,7 +191,7 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
     engine = choice(engine, ENGINES, "engine")
     workers = _checked_workers(engine, workers)
     out = Store(out)  # a URL whose protocol is not installed: ImportError naming the package
-    src = resolve_source(source, labels, cfg, classes, unlabeled)
+    src = resolve_source(source, labels, cfg, classes, unlabeled, task)
     if src.num_items == 0:
         raise BuildError(f"no images found in {src.description}")
     out.check()  # a missing bucket or credentials: named now, before any work
@@ -242,6 +244,8 @@ def _labels_note(report: BuildReport, src: Source, intended: bool, verbose: bool
     """Mark an unlabelled cache on its report and, when verbose, say so and how to add labels,
     and that its skipped images will be missing from a submission."""
     report.unlabeled = src.unlabeled
+    if verbose and src.note and not src.unlabeled:
+        print(src.note, flush=True)
     if verbose and src.unlabeled:
         print(_unlabeled_note(src, intended))
         if missing_rows_warning(report):
@@ -338,7 +342,8 @@ def _new_manifest(src: Source, cfg: CacheConfig, per_shard: int) -> dict[str, An
 
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        # version 2 only where an older reader would misread the cache (regression targets)
+        "format_version": FORMAT_VERSION if src.task == "regression" else 1,
         "complete": False,
         "num_images": None,
         "image_size": list(cfg.size),
@@ -347,6 +352,7 @@ def _new_manifest(src: Source, cfg: CacheConfig, per_shard: int) -> dict[str, An
         "multilabel": src.multilabel,
         "unlabeled": src.unlabeled,
         "classes": src.classes,
+        **({"task": src.task, "targets": src.target_names} if src.task == "regression" else {}),
         "images_per_shard": per_shard,
         "num_shards": math.ceil(src.num_items / per_shard),
         "labels_file": LABELS,
@@ -499,7 +505,9 @@ def _finish(out: Store, manifest: dict[str, Any], done: dict[int, dict[str, Any]
     labels = [lab for k in sorted(done) for lab in done[k]["labels"]]
     n = len(labels)
     classes = manifest["classes"]
-    if manifest["multilabel"]:
+    if manifest.get("task") == "regression":
+        arr = np.asarray(labels, dtype=np.float32).reshape(n, len(manifest["targets"]))
+    elif manifest["multilabel"]:
         arr = np.zeros((n, len(classes)), np.uint8)
         for r, lab in enumerate(labels):
             arr[r, lab] = 1

@@ -12,8 +12,9 @@ Layout of a cache directory:
     their ids: a test set remembers every id it was asked for) and upscaled images,
     and ``complete`` (false until the last shard and ``labels.npy`` are in place).
 ``labels.npy``
-    labels in cache order: ``int64[N]`` class indices (-1 = unlabelled) or
-    ``uint8[N, C]`` multi-hot.
+    labels in cache order: ``int64[N]`` class indices (-1 = unlabelled),
+    ``uint8[N, C]`` multi-hot, or ``float32[N, k]`` regression targets (manifest
+    ``"task": "regression"`` and ``"targets"``: the k targets' names; ``classes`` empty).
 ``shard-00000.npy`` ... (codec ``raw``, the default)
     a standard ``.npy`` array ``uint8[V, n, H, W, 3]``: every variant of a
     contiguous block of ``n`` source images, variant-major, so epoch ``e`` reads
@@ -42,7 +43,9 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "LABELS", "JPEG_MAGIC", "shar
            "cached_ids", "skipped_records", "requested_ids"]
 
 FORMAT = "xla_utils-image-cache"
-FORMAT_VERSION = 1
+# 2: regression caches (manifest "task": "regression", "targets": names; float32 labels).
+# Classification caches are still written as version 1, which every reader reads.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LABELS = "labels.npy"
 JPEG_MAGIC = b"XLUJPG01"

@@ -25,9 +25,12 @@ from .config import CacheConfig
 from .errors import BuildError
 from .images import decode_source
 from .storage import filesystem, is_url, retry
-from ..utils.suggest import similar_path
+from ..utils.suggest import choice, similar_path
 
-__all__ = ["IMAGE_EXTENSIONS", "Source", "resolve_source", "load_item"]
+__all__ = ["IMAGE_EXTENSIONS", "TASKS", "Source", "resolve_source", "load_item"]
+
+# build_cache(task=...): None (read from the labels), or one of these.
+TASKS = ("classification", "regression")
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .bmp .gif .tif .tiff .webp .ppm .pgm .pbm .pnm".split()
@@ -43,7 +46,7 @@ class Source:
     num_items: int
     paths: list[str] | None = None  # absolute file paths (folder / csv)
     names: list[str] | None = None  # relative names for reports
-    labels: list[Any] | None = None  # int, list[int] (multi-label) or -1
+    labels: list[Any] | None = None  # int, list[int] (multi-label), -1, or list[float] (regression)
     errors: dict[int, str] = field(default_factory=dict)  # item -> reason it will be skipped
     classes: list[str] | None = None
     multilabel: bool = False
@@ -51,6 +54,9 @@ class Source:
     ignored: list[str] = field(default_factory=list)
     dataset: Any = None
     unlabeled: bool = False  # no labels at all (a test set, or a flat folder without labels=)
+    task: str = "classification"  # or "regression": labels are lists of float targets
+    target_names: list[str] | None = None  # regression: each target's name (the CSV header's)
+    note: str = ""  # how the labels were read, for the build's summary
 
     def name(self, i: int) -> str:
         """Item ``i``'s name in reports: its relative path or ``dataset[i]``."""
@@ -72,8 +78,13 @@ class Source:
 
 
 def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: CacheConfig,
-                   classes: Sequence[str] | None, unlabeled: bool = False) -> Source:
+                   classes: Sequence[str] | None, unlabeled: bool = False,
+                   task: str | None = None) -> Source:
     """The :class:`Source` of ``build_cache``'s arguments (see :func:`xla_utils.cache.build_cache`).
+
+    ``task``: None reads a CSV's labels as regression targets when they are numbers and
+    some are not integers (a dataset's when its first label is a float), else as classes;
+    ``"classification"`` or ``"regression"`` decides.
 
     Raises:
         BuildError: the source does not exist or contradicts the other arguments.
@@ -82,6 +93,12 @@ def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: Cache
     if unlabeled and labels_csv is not None:
         raise BuildError("unlabeled=True (--unlabeled) and labels= (--labels) contradict each other: "
                          "pass the test set's CSV of file names as the source instead")
+    task = choice(task, TASKS, "task", "None (read from the labels)")
+    if task is not None and task not in TASKS:
+        raise BuildError(f"task={task!r} must be one of {TASKS} or None (read from the labels)")
+    if task == "regression" and classes is not None:
+        raise BuildError("task='regression' and classes= contradict each other: regression targets "
+                         "are numbers, not classes")
     if is_url(source):
         if labels_csv is not None:
             raise BuildError(f"labels= (--labels) with a URL source ({source}): put the CSV's rows as full URLs "
@@ -92,9 +109,9 @@ def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: Cache
         if labels_csv is not None:
             if not p.is_dir():
                 raise BuildError(f"source {p} must be the image folder the CSV {labels_csv} refers to")
-            return _csv_source(Path(labels_csv).expanduser().resolve(), p, cfg, classes)
+            return _csv_source(Path(labels_csv).expanduser().resolve(), p, cfg, classes, task=task)
         if p.is_file() and p.suffix.lower() in (".csv", ".tsv", ".txt"):
-            return _csv_source(p, p.parent, cfg, classes, unlabeled)
+            return _csv_source(p, p.parent, cfg, classes, unlabeled, task)
         if p.is_dir():
             return _folder_source(p, classes, unlabeled)
         if not p.exists():
@@ -106,7 +123,7 @@ def resolve_source(source: Any, labels_csv: str | os.PathLike | None, cfg: Cache
     if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
         if labels_csv is not None:
             raise BuildError("labels=FILE.csv only applies to folder sources")
-        return _dataset_source(source, classes, unlabeled)
+        return _dataset_source(source, classes, unlabeled, task)
     raise TypeError(f"source must be a folder, a CSV file or a map-style dataset, got {type(source).__name__}")
 
 
@@ -214,7 +231,7 @@ def _url_folder_source(url: str, classes: Sequence[str] | None, unlabeled: bool 
 
 
 def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[str] | None,
-                unlabeled: bool = False) -> Source:
+                unlabeled: bool = False, task: str | None = None) -> Source:
     if not csv_path.is_file():
         guess, _ = similar_path(csv_path)
         raise BuildError(f"labels CSV {csv_path} does not exist"
@@ -225,9 +242,10 @@ def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[
         delimiter = "\t" if sample.count("\t") > sample.count(",") else ","
         rows = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
     first = rows[0][0].strip() if rows else ""
+    header = None
     if rows and not _csv_path(root, first).exists() and (
             first.lower() in _HEADER_NAMES or (len(rows) > 1 and _csv_path(root, rows[1][0].strip()).exists())):
-        rows = rows[1:]  # a header such as "image,labels"
+        header, rows = rows[0], rows[1:]  # a header such as "image,labels"
     if not rows:
         raise BuildError(f"labels CSV {csv_path} has no rows")
     cells = [(r[0].strip(), r[1].strip() if len(r) > 1 and not unlabeled else "") for r in rows]
@@ -240,6 +258,10 @@ def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[
             src.labels.append(-1)
         return _finish_file_source(src)
     token_lists = [cell.split() for _, cell in cells]
+    numeric = bool(token_lists) and all(ts and all(_is_number(t) for t in ts) for ts in token_lists)
+    if task == "regression" or (task is None and classes is None and numeric
+                                and not all(t.lstrip("+-").isdigit() for ts in token_lists for t in ts)):
+        return _regression_csv(csv_path, root, cells, token_lists, header, task is None)
     multi = cfg.multilabel
     if multi is None:
         multi = any(len(t) > 1 for t in token_lists)
@@ -258,6 +280,9 @@ def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[
     index = {c: i for i, c in enumerate(class_list)}
     src = Source(kind="csv", description=str(csv_path), num_items=0, paths=[], names=[], labels=[],
                   classes=class_list, multilabel=multi)
+    if numeric and classes is None and task is None and not multi:
+        src.note = (f"labels: integers read as {len(class_list)} classes (task='regression', "
+                    "--task regression, reads them as numeric targets)")
     for n, ((rel, _), ts) in enumerate(zip(cells, token_lists)):
         p = _csv_path(root, rel)
         unknown = [t for t in ts if t not in index]
@@ -268,6 +293,39 @@ def _csv_source(csv_path: Path, root: Path, cfg: CacheConfig, classes: Sequence[
         else:
             src.labels.append(index[ts[0]] if ts and ts[0] in index else -1)
         src.paths.append(str(p))
+        src.names.append(rel)
+    return _finish_file_source(src)
+
+
+def _is_number(t: str) -> bool:
+    try:
+        return np.isfinite(float(t))
+    except ValueError:
+        return False
+
+
+def _regression_csv(csv_path: Path, root: Path, cells: list[tuple[str, str]],
+                    token_lists: list[list[str]], header: list[str] | None, detected: bool) -> Source:
+    """A CSV source of numeric targets (regression): each row's cell holds ``k`` numbers
+    (space-separated when ``k > 1``); a row with another count or a non-number is skipped."""
+    counts = [len(ts) for ts in token_lists if ts]
+    k = max(set(counts), key=counts.count) if counts else 1
+    name = header[1].strip() if header is not None and len(header) > 1 and header[1].strip() else "target"
+    names = [name] if k == 1 else [f"{name}_{j}" for j in range(k)]
+    src = Source(kind="csv", description=str(csv_path), num_items=0, paths=[], names=[], labels=[],
+                 classes=[], task="regression", target_names=names)
+    src.note = (f"labels: regression targets ({k} per image, float32"
+                + (", read as numbers because some are not integers; task='classification' reads "
+                   "them as class names" if detected else "") + ")")
+    for n, ((rel, cell), ts) in enumerate(zip(cells, token_lists)):
+        bad = [t for t in ts if not _is_number(t)]
+        if bad or len(ts) != k:
+            src.errors[n] = (f"target {bad[0]!r} is not a finite number" if bad else
+                             f"{len(ts)} target value(s) {cell!r}, expected {k}")
+            src.labels.append([float("nan")] * k)
+        else:
+            src.labels.append([float(t) for t in ts])
+        src.paths.append(str(_csv_path(root, rel)))
         src.names.append(rel)
     return _finish_file_source(src)
 
@@ -304,13 +362,16 @@ def _finish_file_source(src: Source, sizes: dict[str, int] | None = None) -> Sou
             size = -1
         h.update(f"{name}\0{size}\0{label}\n".encode())
     h.update(json.dumps([src.classes, src.multilabel, sorted(src.errors.items())]).encode())
+    if src.task != "classification":  # (classification fingerprints as before: old caches resume)
+        h.update(json.dumps([src.task, src.target_names]).encode())
     # (src.unlabeled is not hashed: a flat folder built without unlabeled=True and
     # rebuilt with it is the same cache, and the rerun finds it complete)
     src.fingerprint = h.hexdigest()[:16]
     return src
 
 
-def _dataset_source(ds: Any, classes: Sequence[str] | None, unlabeled: bool = False) -> Source:
+def _dataset_source(ds: Any, classes: Sequence[str] | None, unlabeled: bool = False,
+                    task: str | None = None) -> Source:
     desc = f"{type(ds).__module__}.{type(ds).__qualname__}"
     if unlabeled:  # items are images, or tuples whose first element is the image
         n = len(ds)
@@ -323,14 +384,22 @@ def _dataset_source(ds: Any, classes: Sequence[str] | None, unlabeled: bool = Fa
             classes = found
     n = len(ds)
     multi = False
+    first = np.asarray(0)
     if n:  # the first item's label says single- or multi-label (and the multi-hot width)
         try:
             first = np.asarray(_as_numpy(ds[0][1]))
         except Exception:
-            first = np.asarray(0)
-        multi = first.ndim == 1
-        if multi and classes is None:
-            classes = [str(i) for i in range(first.shape[0])]
+            pass
+    if task == "regression" or (task is None and first.dtype.kind == "f" and first.ndim == 0):
+        k = int(first.size) or 1
+        names = ["target"] if k == 1 else [f"target_{j}" for j in range(k)]
+        fp = hashlib.sha256(f"{desc}\0{n}\0regression\0{names}".encode())
+        return Source(kind="dataset", description=desc, num_items=n, dataset=ds, classes=[],
+                      task="regression", target_names=names, fingerprint=fp.hexdigest()[:16],
+                      note=f"labels: regression targets ({k} per image, float32)")
+    multi = first.ndim == 1
+    if multi and classes is None:
+        classes = [str(i) for i in range(first.shape[0])]
     fp = hashlib.sha256(f"{desc}\0{n}\0{multi}\0{list(classes) if classes is not None else None}".encode())
     return Source(kind="dataset", description=desc, num_items=n, dataset=ds, multilabel=multi,
                    classes=list(classes) if classes is not None else None, fingerprint=fp.hexdigest()[:16])
@@ -342,9 +411,15 @@ def _as_numpy(x: Any) -> Any:
     return x
 
 
-def _dataset_label(label: Any, multilabel: bool) -> int | list[int]:
-    """int-like -> int; a 1-D multi-hot vector -> sorted indices of its positives."""
+def _dataset_label(label: Any, multilabel: bool, targets: int = 0) -> int | list[int] | list[float]:
+    """int-like -> int; a 1-D multi-hot vector -> sorted indices of its positives;
+    regression (``targets`` values per item) -> the list of float targets."""
     arr = np.asarray(-1 if label is None else _as_numpy(label))
+    if targets:
+        values = arr.astype(np.float64).reshape(-1)
+        if values.size != targets or not np.isfinite(values).all():
+            raise ValueError(f"target {arr.tolist()!r} is not {targets} finite number(s) like the first item's")
+        return values.tolist()
     if arr.ndim == 0 and not multilabel:
         return int(arr)
     if arr.ndim == 1 and multilabel:
@@ -359,8 +434,8 @@ def load_item(src: Source, cfg: CacheConfig, i: int) -> tuple[Image.Image, int |
 
     Returns:
         ``(RGB image, label, (width, height))``: the label is a class index (-1 =
-        unlabelled) or a list of class indices (multi-label); the size is the source's
-        in pixels.
+        unlabelled), a list of class indices (multi-label) or a list of float targets
+        (regression); the size is the source's in pixels.
 
     Raises:
         Exception: any failure of the item (bad file, user dataset error, unknown label).
@@ -375,7 +450,8 @@ def load_item(src: Source, cfg: CacheConfig, i: int) -> tuple[Image.Image, int |
         if not isinstance(item, (tuple, list)) or len(item) < 2:
             raise ValueError(f"dataset items must be (image, label) pairs, got {type(item).__name__}")
         img, wh = decode_source(item[0], cfg)
-        return img, _dataset_label(item[1], src.multilabel), wh
+        k = len(src.target_names or []) if src.task == "regression" else 0
+        return img, _dataset_label(item[1], src.multilabel, k), wh
     path = src.paths[i]
     if is_url(path):
         fs, key = filesystem(path)

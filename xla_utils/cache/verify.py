@@ -31,7 +31,9 @@ def cache_info(path: str | os.PathLike) -> dict[str, Any]:
         A JSON-ready dict: ``path``, ``complete``, ``num_images``, ``num_sources``,
         ``image_size`` (H, W), ``num_variants``, ``codec``, ``num_shards``,
         ``shards_done``, ``files``, ``bytes`` (on disk), ``multilabel``, ``unlabeled``,
-        ``num_classes``, ``classes``, ``skipped`` (records), ``upscaled`` (a count),
+        ``num_classes``, ``classes``, ``task`` (``"classification"`` or ``"regression"``),
+        ``targets`` (a regression cache's target names, else None), ``skipped`` (records),
+        ``upscaled`` (a count),
         ``config``, ``source`` and ``software`` (versions that built it).
 
     Raises:
@@ -58,6 +60,8 @@ def cache_info(path: str | os.PathLike) -> dict[str, Any]:
         "unlabeled": bool(m.get("unlabeled", False)),
         "num_classes": len(m["classes"] or []),
         "classes": m["classes"],
+        "task": m.get("task", "classification"),
+        "targets": m.get("targets"),
         "skipped": m["skipped"],
         "upscaled": len(m["upscaled"]),
         "config": m["config"],

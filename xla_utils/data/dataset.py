@@ -31,17 +31,24 @@ class CachedImageDataset:
     """Map-style dataset over a complete cache directory.
 
     ``ds[i]`` is ``(image, label)``: ``image`` a ``uint8[H, W, 3]`` array (a copy),
-    ``label`` an ``int`` class index (-1 = unlabelled) or, for multi-label caches, a
-    ``float32[num_classes]`` multi-hot array. Indices follow the source order with
+    ``label`` an ``int`` class index (-1 = unlabelled), for multi-label caches a
+    ``float32[num_classes]`` multi-hot array, for regression caches a
+    ``float32[num_targets]`` array of targets. Indices follow the source order with
     skipped images left out (``source_indices`` maps back to the source).
 
     Attributes:
-        classes: class names (``list[str]``); ``num_classes`` is their count.
+        task: ``"classification"`` (single- or multi-label) or ``"regression"`` (a cache
+            built from numeric targets, see ``build_cache(task=...)``).
+        classes: class names (``list[str]``; empty for regression); ``num_classes`` is
+            their count (None for regression).
+        targets, num_targets: a regression cache's target names and their count (None
+            for classification).
         multilabel: labels are multi-hot vectors.
         unlabeled: a test set: every label is -1.
         image_size: ``(H, W)`` in pixels.
         num_variants: stored variants per image; ``codec``: ``"raw"`` or ``"jpeg"``.
-        labels: ``int64[N]`` or ``float32[N, C]``.
+        labels: ``int64[N]``, ``float32[N, C]`` (multi-label) or ``float32[N, k]``
+            (regression).
         ids: each image's id (see the property); ``skipped`` and ``requested_ids``: the
             images the build skipped and every id it was asked for.
         source_indices: ``int64[N]``, each image's index in the build's source.
@@ -114,8 +121,12 @@ class CachedImageDataset:
 
     def _open_files(self, m: dict[str, Any]) -> None:
         self.manifest = m
-        self.classes: list[str] = list(m["classes"])
-        self.num_classes = len(self.classes)
+        self.task: str = m.get("task", "classification")
+        regression = self.task == "regression"
+        self.classes: list[str] = list(m["classes"] or [])
+        self.num_classes: int | None = None if regression else len(self.classes)
+        self.targets: list[str] | None = list(m["targets"]) if regression else None
+        self.num_targets: int | None = len(self.targets) if regression else None
         self.multilabel: bool = bool(m["multilabel"])
         self.image_size: tuple[int, int] = tuple(m["image_size"])
         self.num_variants: int = int(m["num_variants"])
@@ -124,7 +135,8 @@ class CachedImageDataset:
             labels = np.load(io.BytesIO(Store(self.path).read_bytes(LABELS)))
         else:
             labels = np.load(self.path / LABELS)
-        self.labels = labels.astype(np.float32) if self.multilabel else labels.astype(np.int64)
+        floats = self.multilabel or regression
+        self.labels = labels.astype(np.float32) if floats else labels.astype(np.int64)
         counts = np.array([s["num_images"] for s in m["shards"]], dtype=np.int64)
         self._n = int(counts.sum())
         # Caches written before the flag existed: unlabelled iff single-label and all -1.
@@ -233,10 +245,20 @@ class CachedImageDataset:
 
     def __repr__(self) -> str:
         h, w = self.image_size
-        kind = "unlabelled" if self.unlabeled else f"{self.num_classes} classes"
+        kind = ("unlabelled" if self.unlabeled else f"regression, {self.num_targets} target(s)"
+                if self.task == "regression" else f"{self.num_classes} classes")
         return (f"CachedImageDataset({str(self.path)!r}: {self._n} images, {w}x{h}, "
                 f"{self.num_variants} variant(s), {self.codec}, {kind}"
                 f"{', multi-label' if self.multilabel else ''})")
+
+    def float_targets(self, shape: Sequence[int]) -> "CachedImageDataset":
+        """This cache with each label as ``float32`` of ``shape`` (``(1,)``: a one-logit
+        binary model's 0./1. targets, or a regression target per output): a view sharing
+        the memory maps (no image copied); itself when its labels already are that."""
+        shape = tuple(int(d) for d in shape)
+        if self.labels.dtype == np.float32 and self.labels.shape[1:] == shape:
+            return self
+        return _FloatTargets(self, shape)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the variant that ``ds[i]`` shows (``epoch % num_variants``)."""
@@ -255,9 +277,10 @@ class CachedImageDataset:
         return i
 
     def label(self, i: int) -> int | np.ndarray:
-        """Label of image ``i``: a class index (-1 = unlabelled) or a ``float32[C]`` multi-hot copy."""
+        """Label of image ``i``: a class index (-1 = unlabelled), or a copy of its row of
+        :attr:`labels` (multi-hot, regression targets)."""
         i = self._check(i)
-        return self.labels[i].copy() if self.multilabel else int(self.labels[i])
+        return self.labels[i].copy() if self.labels.dtype.kind == "f" else int(self.labels[i])
 
     def image(self, i: int, variant: int = 0) -> np.ndarray:
         """Variant ``variant`` of image ``i`` as a new ``uint8[H, W, 3]`` array."""
@@ -330,6 +353,41 @@ class CachedImageDataset:
                     self._read_from(shard, v, int(self._local[idx[k]]), out[k])
             finally:
                 self._remote.release(s)
+
+
+class _FloatTargets(CachedImageDataset):
+    """A cache whose labels are fed as float32 of one shape (:meth:`CachedImageDataset.float_targets`)."""
+
+    def __init__(self, parent: CachedImageDataset, shape: tuple[int, ...]):  # noqa: D107 (no super().__init__)
+        self.__dict__.update(parent.__dict__)
+        self._parent, self._shape = parent, shape
+        self.labels = parent.labels.astype(np.float32).reshape(len(parent), *shape)
+        self._rings, self._rings_lock = {}, threading.Lock()
+
+    @property
+    def ids(self) -> list[str]:
+        """The parent's ids (a view of a subset has the subset's)."""
+        return self._parent.ids
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """The parent's skipped images."""
+        return self._parent.skipped
+
+    @property
+    def requested_ids(self) -> list[str]:
+        """The parent's requested ids."""
+        return self._parent.requested_ids
+
+    def __repr__(self) -> str:
+        return f"{self._parent!r} with float32{list(self._shape)} targets"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"parent": self._parent, "shape": self._shape, "epoch": self.epoch}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["parent"], state["shape"])
+        self.epoch = state["epoch"]
 
 
 def _open_remote(url: str, m: dict[str, Any], local_cache: str | os.PathLike | None,

@@ -78,10 +78,10 @@ class _Ring:
 
     def __init__(self, ds: CachedImageDataset, batch_size: int, size: int, pin: bool = False):
         self.size, self.base, self.in_use = size, 0, False
-        y = (size, batch_size, ds.num_classes) if ds.multilabel else (size, batch_size)
+        y = (size, batch_size, *ds.labels.shape[1:])  # each batch's labels as the dataset's
         t = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in (
             ((size, batch_size, *ds.image_size, 3), torch.uint8),
-            (y, torch.float32 if ds.multilabel else torch.int64), ((size, batch_size), torch.bool))]
+            (y, torch.from_numpy(ds.labels[:0]).dtype), ((size, batch_size), torch.bool))]
         self.xs, self.ys, self.vs = (a.numpy() for a in t)
         self.slots = [tuple(a[r] for a in t) for r in range(size)]
 
@@ -205,7 +205,8 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
     :class:`ShardWindowSampler` for a remote cache larger than its ``max_local_bytes``.
 
     * :class:`CachedImageDataset`: ``x`` is ``uint8[B, H, W, 3]``, ``y`` is
-      ``int64[B]`` or ``float32[B, C]``, filled by ``num_workers`` background
+      ``int64[B]`` or ``float32[B, C]`` (multi-label, regression: ``dataset.labels``'
+      rows), filled by ``num_workers`` background
       threads (default ``min(4, cores)``; 0 = in the caller) into a ring of
       preallocated buffers. A yielded batch stays valid until two further
       batches have been requested (``.valid_for``): copy it (or move it to the

@@ -20,7 +20,7 @@ from .. import runtime
 from ..data import IMAGENET_MEAN, IMAGENET_STD
 from ..step.device_plan import DevicePlan, DeviceRequest
 from .findings import WARMUP_STEPS
-from ..step.inputs import InputSpec, check_targets, inspect_inputs
+from ..step.inputs import InputSpec, inspect_inputs, plan_targets
 from ..step.plain import default_eval_step, default_train_step
 from ..step.optim import make_optimizer, resolve_optimizer
 from ..step.plain import PlainStep
@@ -124,10 +124,12 @@ def debug_run(model: torch.nn.Module | Callable[[], torch.nn.Module], loss: Call
     """
     optimizer = resolve_optimizer(optimizer)
     spec = inputs if inputs is not None else inspect_inputs(data, "data", verb="debug")
-    data = spec.feed(data)
     module = model if isinstance(model, torch.nn.Module) else model()
     to_input = functools.partial(_to_input, prepare, spec)
-    check_targets(module, loss, data, "data", to_input, eval_step or default_eval_step)
+    planned, _ = plan_targets(module, loss, data, spec, "data", to_input, eval_step or default_eval_step)
+    if spec.targets is None:  # (a given spec says how its targets are fed already)
+        spec = planned
+    data = spec.feed(data)
     args = (module, loss, data, train_step or default_train_step, to_input, optimizer, lr,
             batch_size, steps, make_step)
     rep = _launch_steps(args, mesh, DeviceRequest(precision, channels_last, spec))

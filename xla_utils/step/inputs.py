@@ -29,7 +29,8 @@ from ..data import IMAGE_CHANNELS, CachedImageDataset, image_layout, images_to_f
 
 __all__ = ["check_batches", "check_targets", "require_labels", "shape_mismatch",
            "AsPairs", "InputSpec", "InputRefused", "inspect_inputs", "HostFeed", "pil_array",
-           "INPUT_KEYS", "TARGET_KEYS", "targets_of", "output_width"]
+           "INPUT_KEYS", "TARGET_KEYS", "targets_of", "output_width", "output_shape",
+           "TargetPlan", "loss_kind", "plan_targets", "TASKS"]
 
 # Keys of dict samples (Hugging Face ``datasets`` style) taken as input and target, first found wins
 # (``input_ids``/``labels``: token sequences of a language model, fed unchanged).
@@ -99,9 +100,11 @@ def targets_of(data) -> tuple[np.ndarray | None, np.ndarray | None]:
     return np.stack(found), np.asarray(idx)
 
 
-def output_width(model: torch.nn.Module, data, prepare: Callable, eval_step: Callable) -> int | None:
-    """Width of the model's 2-D output for two samples, from one CPU forward in
-    eval mode (None when that is not possible: the forward is then left to fit)."""
+def output_shape(model: torch.nn.Module, data, prepare: Callable, eval_step: Callable
+                 ) -> tuple[int, ...] | None:
+    """One sample's output shape (``(C,)`` for ``[B, C]`` outputs, ``()`` for ``[B]``), from
+    one CPU forward of two samples in eval mode (None when that is not possible: the
+    forward is then left to fit)."""
     params = list(model.parameters())
     if params and params[0].device.type not in ("cpu", "cuda"):
         return None
@@ -119,36 +122,99 @@ def output_width(model: torch.nn.Module, data, prepare: Callable, eval_step: Cal
     finally:
         for m, mode in zip(model.modules(), modes):
             m.training = mode
-    if isinstance(out, torch.Tensor) and out.dim() == 2:
-        return int(out.shape[1])
+    if isinstance(out, torch.Tensor) and out.dim() >= 1:
+        return tuple(int(d) for d in out.shape[1:])
     return None
 
 
+def output_width(model: torch.nn.Module, data, prepare: Callable, eval_step: Callable) -> int | None:
+    """Width of the model's 2-D output for two samples (:func:`output_shape`'s ``C`` of
+    ``[B, C]``; None for other outputs or when the forward is not possible)."""
+    shape = output_shape(model, data, prepare, eval_step)
+    return shape[0] if shape is not None and len(shape) == 1 else None
+
+
+# The problems check_targets tells apart (TargetPlan.kind).
+TASKS = ("multiclass", "multilabel", "binary", "regression")
+_REGRESSION_LOSSES = ("MSELoss", "L1Loss", "HuberLoss", "SmoothL1Loss", "mse_loss", "l1_loss",
+                      "huber_loss", "smooth_l1_loss")
+_BINARY_LOSSES = ("BCEWithLogitsLoss", "BCELoss", "binary_cross_entropy_with_logits",
+                  "binary_cross_entropy")
+_INDEX_LOSSES = ("CrossEntropyLoss", "NLLLoss", "cross_entropy", "nll_loss")
+
+
+def loss_kind(loss: Any) -> str | None:
+    """What a loss is for, by its class or function name: ``"regression"`` (MSE, L1,
+    Huber, SmoothL1), ``"binary"`` (the BCE family: one-logit binary or multi-label),
+    ``"index"`` (cross-entropy, NLL: class indices) or None (unknown)."""
+    name = getattr(loss, "__name__", None)
+    if not isinstance(name, str):
+        name = type(loss).__name__
+    return ("regression" if name in _REGRESSION_LOSSES else "binary" if name in _BINARY_LOSSES
+            else "index" if name in _INDEX_LOSSES else None)
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """What :func:`check_targets` found out about a run's targets, on the host.
+
+    Attributes:
+        kind: ``"multiclass"`` (class indices), ``"multilabel"`` (multi-hot rows),
+            ``"binary"`` (2 classes, a one-output model and a BCE loss), ``"regression"``
+            (float targets, a regression cache or an MSE/L1/Huber loss), or None (unknown).
+        shape: one sample's target as the loader feeds it: float32 of this shape (the
+            model output's, e.g. ``(1,)``; :attr:`InputSpec.targets`), or None: as the
+            dataset gives it.
+    """
+
+    kind: str | None
+    shape: tuple[int, ...] | None = None
+
+
 def check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
-                   prepare: Callable, eval_step: Callable) -> None:
-    """Check class-index targets (or multi-hot widths) of ``data`` against the
-    model's output width and the dataset's classes, before any training."""
+                   prepare: Callable, eval_step: Callable) -> TargetPlan:
+    """Check the targets of ``data`` against the model's outputs, the loss and the
+    dataset's classes, before any training, and say what problem they make.
+
+    Class indices must lie within the outputs and the classes; multi-hot rows must be as
+    wide as the outputs; a one-output model with a BCE loss takes labels 0/1 (one-logit
+    binary); regression (a regression cache, or an MSE/L1/Huber/SmoothL1 loss) finite
+    targets, as many per sample as the model has outputs.
+
+    Returns: the :class:`TargetPlan`: the problem's kind and the target shape to feed.
+
+    Raises:
+        ValueError: targets the model, the loss or the dataset cannot take (the first bad
+            sample and the fix named).
+    """
     targets, where = targets_of(data)
+    lk = loss_kind(loss)
+    regression = getattr(data, "task", None) == "regression" or lk == "regression"
     if targets is None or targets.size == 0:
-        return
+        return TargetPlan("regression" if regression else None)
     int_labels = targets.dtype.kind in "iu" and targets.ndim == 1
-    multi_hot = targets.dtype.kind == "f" and targets.ndim == 2
-    if not (int_labels or multi_hot):
-        return  # regression or something else: nothing to check
+    multi_hot = targets.dtype.kind == "f" and targets.ndim == 2 and not regression
+    if not (int_labels or multi_hot or regression):
+        return TargetPlan(None)  # something else: nothing to check
     classes = getattr(data, "num_classes", None)
     if classes is None and isinstance(getattr(data, "classes", None), (list, tuple)):
         classes = len(data.classes)
-    width = output_width(model, data, prepare, eval_step)
+    out = output_shape(model, data, prepare, eval_step)
+    width = out[0] if out is not None and len(out) == 1 else None
     scope = "" if where is None else f" (checked {len(where)} evenly spread samples)"
+    if regression:
+        return _regression_plan(targets, where, out, lk, loss, name, scope)
     if multi_hot:
         if width is not None and targets.shape[1] != width:
             raise ValueError(f"{name} has multi-label targets of width {targets.shape[1]} but the "
                              f"model outputs {width} values per sample: build the model with "
                              f"{targets.shape[1]} outputs (num_classes={targets.shape[1]})")
-        return
+        return TargetPlan("multilabel")
+    if lk == "binary" and out in ((1,), ()):
+        return _binary_plan(targets, where, out, loss, name, classes, scope)
     limits = [v for v in (width, classes) if v is not None]
     if not limits:
-        return
+        return TargetPlan("multiclass")
     limit = min(limits)
     bad = (targets < 0) | (targets >= limit)
     ignore = getattr(loss, "ignore_index", None)
@@ -162,6 +228,15 @@ def check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
         if label == -1 and classes is not None:
             fix = ("-1 marks an unlabelled image: build the cache with labels= (a CSV "
                    "path,label or a dict), or one sub-folder per class")
+        elif width == 1 and int(targets.max()) <= 1:
+            fix = ("a one-output model is a one-logit binary classifier: train it with "
+                   "loss=nn.BCEWithLogitsLoss() (the labels 0/1 are fed as floats), or build the "
+                   "model with 2 outputs for CrossEntropyLoss")
+        elif width == 1:
+            fix = ("a one-output model with these numeric labels is a regression: train it with "
+                   "loss=nn.MSELoss() (or L1Loss, HuberLoss), and build the cache with "
+                   "task='regression' for float targets; for classes build the model with "
+                   f"{classes or int(targets.max()) + 1} outputs")
         elif classes is not None and width is not None and label < classes:
             fix = f"build the model with {classes} outputs (num_classes={classes})"
         else:
@@ -175,6 +250,72 @@ def check_targets(model: torch.nn.Module, loss: Callable, data, name: str,
     if width is not None and classes is not None and width != classes:
         warnings.warn(f"the model outputs {width} classes but {name} has {classes}: build "
                       f"it with num_classes={classes}", UserWarning, stacklevel=3)
+    return TargetPlan("multiclass")
+
+
+def plan_targets(model: torch.nn.Module, loss: Callable, data, spec: "InputSpec", name: str,
+                 prepare: Callable, eval_step: Callable) -> tuple["InputSpec", TargetPlan]:
+    """:func:`check_targets` of ``data`` (fed as ``spec`` says), and ``spec`` feeding the
+    targets as the :class:`TargetPlan` says (``spec.feed(data)`` then gives float32 targets
+    of the output's shape to a regression or one-logit binary run: converted on the host,
+    so the step's graph never changes)."""
+    plan = check_targets(model, loss, spec.feed(data), name, prepare, eval_step)
+    return spec.with_targets(plan), plan
+
+
+def _loss_name(loss: Any) -> str:
+    name = getattr(loss, "__name__", None)
+    return name if isinstance(name, str) else type(loss).__name__
+
+
+def _regression_plan(targets: np.ndarray, where: np.ndarray | None, out: tuple[int, ...] | None,
+                     lk: str | None, loss: Any, name: str, scope: str) -> TargetPlan:
+    """The :class:`TargetPlan` of regression targets, refusing what cannot train."""
+    if lk in ("index", "binary"):
+        raise ValueError(
+            f"{name} holds regression targets (a cache built from numeric labels: "
+            f"task='regression') but the loss is {_loss_name(loss)}, a classification loss. Fix: "
+            "loss=nn.MSELoss() (or nn.L1Loss(), nn.HuberLoss()) and a model with one output per "
+            "target, or rebuild the cache with task='classification' for class labels")
+    values = targets.astype(np.float64, copy=False).reshape(len(targets), -1)
+    finite = np.isfinite(values).all(axis=1)
+    if not finite.all():
+        j = int(np.argmin(finite))
+        raise ValueError(f"{name}: the target of sample {int(j if where is None else where[j])} is "
+                         f"not finite ({values[j].tolist()}; {int((~finite).sum())} such sample(s)"
+                         f"{scope}). On XLA a NaN target turns every weight into NaN. Fix: drop "
+                         "those samples or fill their targets")
+    k = values.shape[1]
+    if out is None:
+        return TargetPlan("regression", (k,) if targets.ndim == 1 else None)
+    m = int(np.prod(out)) if out else 1
+    if m != k:
+        raise ValueError(
+            f"{name} has {k} regression target(s) per sample but the model outputs {m} value(s) "
+            f"(shape {list(out)}): build the model with {k} output(s) (e.g. nn.Linear(..., {k}))"
+            + (", not one per class: a regression cache has no classes" if m > k else ""))
+    return TargetPlan("regression", out)
+
+
+def _binary_plan(targets: np.ndarray, where: np.ndarray | None, out: tuple[int, ...],
+                 loss: Any, name: str, classes: int | None, scope: str) -> TargetPlan:
+    """The :class:`TargetPlan` of a one-output model with a BCE loss: labels 0 and 1."""
+    bad = (targets != 0) & (targets != 1)
+    if bad.any():
+        j = int(np.argmax(bad))
+        n = classes or int(targets.max()) + 1
+        raise ValueError(
+            f"{name}: label {int(targets[j])} at sample {int(j if where is None else where[j])} is "
+            f"not 0 or 1 ({int(bad.sum())} such sample(s){scope}), but a one-output model with "
+            f"{_loss_name(loss)} is a one-logit binary classifier (the output is the logit of "
+            f"class 1). Fix: for {n} classes use loss=nn.CrossEntropyLoss() and a model with {n} "
+            "outputs" + ("; -1 marks an unlabelled image: build the cache with labels="
+                         if int(targets[j]) == -1 else ""))
+    if classes is not None and classes != 2:
+        raise ValueError(f"{name} has {classes} classes, but a one-output model with "
+                         f"{_loss_name(loss)} is a one-logit binary classifier (2 classes). Fix: "
+                         f"loss=nn.CrossEntropyLoss() and a model with {classes} outputs")
+    return TargetPlan("binary", out)
 
 
 def require_labels(data, name: str, action: str = "train") -> None:
@@ -249,6 +390,8 @@ class InputSpec:
         keys: ``(input key, target key or None)`` of dict samples, else None.
         ambiguous: both ends of the image shape could be the channel axis; the
             layout followed the rule of :func:`xla_utils.data.image_layout`.
+        targets: each target is fed as float32 of this shape (:attr:`TargetPlan.shape`:
+            regression, one-logit binary), else None: as the dataset gives it.
     """
 
     layout: str | None
@@ -258,6 +401,7 @@ class InputSpec:
     pil: bool = False
     keys: tuple[str, str | None] | None = None
     ambiguous: bool = False
+    targets: tuple[int, ...] | None = None
 
     @property
     def channels(self) -> int | None:
@@ -284,8 +428,16 @@ class InputSpec:
                                channels_first=self.layout == "channels_first")
 
     def feed(self, data: Any) -> Any:
-        """``data`` as the loader can collate it (a :class:`HostFeed` when samples need host work)."""
-        return HostFeed(data, self) if (self.pil or self.keys is not None) else data
+        """``data`` as the loader can collate it (a :class:`HostFeed` when samples need host
+        work; a cache's float-target view with :attr:`targets`)."""
+        if isinstance(data, CachedImageDataset):
+            return data if self.targets is None else data.float_targets(self.targets)
+        host = self.pil or self.keys is not None or self.targets is not None
+        return HostFeed(data, self) if host else data
+
+    def with_targets(self, plan: TargetPlan) -> "InputSpec":
+        """This spec feeding targets as ``plan`` says (:attr:`targets`)."""
+        return dataclasses.replace(self, targets=plan.shape)
 
     def describe(self, flip: bool) -> str:
         """One line: the inputs seen and what the trainer does with them."""
@@ -312,7 +464,7 @@ class HostFeed:
     """``data`` with each sample made collatable on the host: dict samples become
     ``(input, target)`` (by :data:`INPUT_KEYS` / :data:`TARGET_KEYS`), PIL images
     uint8 ``[H, W, C]`` arrays (``np.array``, the work of ``PILToTensor`` minus its
-    transpose). Other attributes (``targets``, ``classes``, ``set_epoch`` ...) are
+    transpose), targets float32 arrays of ``spec.targets``' shape when it is set. Other attributes (``targets``, ``classes``, ``set_epoch`` ...) are
     those of ``data``."""
 
     def __init__(self, data: Any, spec: InputSpec):
@@ -331,6 +483,9 @@ class HostFeed:
         keys = self.spec.keys
         if keys is not None:
             item = (item[keys[0]],) if keys[1] is None else (item[keys[0]], item[keys[1]])
+        if self.spec.targets is not None and isinstance(item, (tuple, list)) and len(item) > 1:
+            y = item[1].detach().cpu().numpy() if isinstance(item[1], torch.Tensor) else item[1]
+            item = (item[0], np.asarray(y, dtype=np.float32).reshape(self.spec.targets), *item[2:])
         if not self.spec.pil:
             return item
         if isinstance(item, (tuple, list)):

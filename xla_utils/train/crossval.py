@@ -113,10 +113,19 @@ def fold_assignment(labels: np.ndarray, folds: int, stratify: bool = True, seed:
     """``int64[N]``: the fold of each item. Stratified (single-label ``int`` labels):
     each class's items are shuffled and dealt round-robin from a running offset, so
     every fold gets each class's share (+-1) and fold sizes differ by at most one.
-    Otherwise (``stratify=False``, multi-label or float targets): a shuffled split."""
+    One regression target (float ``[N]`` or ``[N, 1]``): sorted by value and dealt in
+    blocks of ``folds`` (ties and blocks shuffled), so every fold spans the whole range.
+    Otherwise (``stratify=False``, multi-label or several targets): a shuffled split."""
     n = len(labels)
     rng = np.random.default_rng(seed)
     out = np.empty(n, dtype=np.int64)
+    if stratify and labels.dtype.kind == "f" and labels.reshape(n, -1).shape[1] == 1 \
+            and not _multi_hot(labels):
+        order = np.lexsort((rng.random(n), labels.reshape(n)))  # by value, ties at random
+        for start in range(0, n, folds):
+            block = order[start:start + folds]
+            out[block] = rng.permutation(folds)[:len(block)]
+        return out
     if stratify and labels.ndim == 1 and np.issubdtype(labels.dtype, np.integer):
         start = 0
         for c in np.unique(labels):
@@ -210,7 +219,8 @@ class CVResult:
         oof: ``float32[N, C]`` out-of-fold predictions in dataset order (each row from
             the one model that did not train on it; activation as ``predict``'s).
         fold_of: ``int64[N]``: each item's fold.
-        oof_score: The score of ``oof`` against the labels (accuracy by default).
+        oof_score: The score of ``oof`` against the labels (accuracy by default; RMSE
+            for regression targets, where lower is better).
         test: ``float32[M, C]``: the mean of the folds' test predictions (ready for
             :func:`xla_utils.write_submission`), or None without ``test``.
         test_folds: ``float32[k, M, C]``: each fold's own test predictions, or None.
@@ -234,9 +244,20 @@ class CVResult:
         return "\n".join(rows + [f"OOF score {self.oof_score:.4f} (mean of folds {mean:.4f})"])
 
 
+def _multi_hot(labels: np.ndarray) -> bool:
+    """Float labels of 0s and 1s in rows of more than one: multi-label, not regression."""
+    return labels.ndim == 2 and labels.shape[1] > 1 and bool(np.isin(labels, (0.0, 1.0)).all())
+
+
 def default_score(labels: np.ndarray, preds: np.ndarray) -> float:
-    """Accuracy of ``argmax(preds)`` (single-label), or the micro F1 of
-    ``preds > 0.5`` (multi-hot labels)."""
+    """Accuracy of ``argmax(preds)`` (single-label; a one-column ``preds`` of a one-logit
+    binary model: ``preds > 0.5``), the micro F1 of ``preds > 0.5`` (multi-hot labels), or
+    for float targets (regression) the RMSE (lower is better)."""
+    if labels.dtype.kind == "f" and not _multi_hot(labels):
+        diff = preds.astype(np.float64).reshape(len(preds), -1) - labels.reshape(len(labels), -1)
+        return float(np.sqrt(np.mean(diff ** 2)))
+    if labels.ndim == 1 and preds.ndim == 2 and preds.shape[1] == 1:
+        return float(((preds[:, 0] > 0.5) == (labels == 1)).mean())
     if labels.ndim == 1:
         return float((preds.argmax(1) == labels).mean())
     pred = preds > 0.5
@@ -262,8 +283,8 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
             or any map-style ``(x, y)`` dataset (``torch.utils.data.Subset``).
         folds: Number of folds k (>= 2). Default 5.
         test: An unlabelled test set to predict with every fold's model; default None.
-        stratify: Keep each class's share in every fold (single-label ``int`` labels;
-            ignored otherwise). Default True.
+        stratify: Keep each class's share (``int`` labels) or one regression target's
+            spread (see :func:`fold_assignment`) in every fold. Default True.
         seed: Seeds the fold assignment. Default 0.
         folder: Persist each finished fold there (``cv.json`` + ``fold_<k>.npz``); a
             rerun with the same split skips finished folds (resume after a crash).
@@ -272,8 +293,8 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
         train: ``train(trainer) -> History``; default ``trainer.fit(cores=cores,
             simulate=simulate)``. Pass e.g. ``lambda t: t.fine_tune(3, simulate=8)``.
         cores, simulate: For the default ``train`` and for ``predict``.
-        score: ``score(labels, preds) -> float`` (higher better); default accuracy
-            (single-label) or micro F1 at 0.5 (multi-label).
+        score: ``score(labels, preds) -> float``; default :func:`default_score` (RMSE
+            for regression: lower is better).
 
     Returns:
         The :class:`CVResult`.

@@ -198,11 +198,14 @@ def inference_metrics(acc: list[torch.Tensor], targets: list[tuple[torch.Tensor,
     """Loss and metrics of the (TTA-averaged) predictions ``acc`` against ``targets``.
 
     With ``tta > 1`` the averaged probabilities are turned back into the logits
-    the loss expects: ``log(mean softmax)`` or ``logit(mean sigmoid)``.
+    the loss expects: ``log(mean softmax)`` or ``logit(mean sigmoid)``; raw outputs
+    (regression: no activation) are averaged.
     """
     metrics = None
     for out, (y, valid) in zip(acc, targets):
-        if plan.tta > 1:  # averaged probabilities -> the logits the loss expects
+        if plan.tta > 1 and plan.activation is None:
+            out = out / plan.tta
+        elif plan.tta > 1:  # averaged probabilities -> the logits the loss expects
             p = out / plan.tta
             if plan.activation == "sigmoid":
                 p = p.clamp(1e-7, 1 - 1e-7)

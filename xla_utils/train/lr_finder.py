@@ -320,7 +320,7 @@ def lr_find(model: torch.nn.Module | Callable[[], torch.nn.Module],
     placement = (placement or runtime.resolve(1, simulate)).one()
     runtime.prestart_simulation(placement)
     check_before_launch(precision, placement, mesh=mesh is not None)
-    data, batch_tfm, spec = _fed(data, batch_tfm)
+    data, batch_tfm, spec = _fed(data, batch_tfm, model, loss)
     planned_steps = _check_sweep(data, batch_size, start_lr, end_lr, num_it, accum_steps,
                                  beta, diverge_factor, rule, planned_steps, epochs)
     num_it, start_lr, beta, note = _sized(num_it, planned_steps, run_cores, max_share,
@@ -398,17 +398,23 @@ def _doubt(res: LRFinderResult, cfg: _Config) -> str | None:
     return why
 
 
-def _fed(data: Any, batch_tfm: Callable | None) -> tuple[Any, Callable, Any]:
+def _fed(data: Any, batch_tfm: Callable | None, model: Any, loss: Callable
+         ) -> tuple[Any, Callable, Any]:
     """``data`` as the loader collates it, the device transform of its inputs (the
     trainer's feeding, :func:`xla_utils.step.inputs.inspect_inputs`) and their ``InputSpec``;
-    refuses, before any device time, a sample that cannot be fed."""
+    refuses, before any device time, a sample that cannot be fed. Targets are fed as a fit
+    feeds them (:func:`xla_utils.step.inputs.plan_targets`: float32 for regression and
+    one-logit binary), when ``model`` is a module and the loss or data is of those kinds."""
     from ..data import IMAGENET_MEAN, IMAGENET_STD
-    from ..step.inputs import inspect_inputs
+    from ..step.inputs import inspect_inputs, loss_kind, plan_targets
 
     spec = inspect_inputs(data, "data", verb="lr_find")
     if batch_tfm is None:
         batch_tfm = functools.partial(spec.prepare, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                                       flip=False)
+    floats = loss_kind(loss) in ("regression", "binary") or getattr(data, "task", None) == "regression"
+    if floats and isinstance(model, torch.nn.Module):  # (its one CPU forward only where it matters)
+        spec, _ = plan_targets(model, loss, data, spec, "data", batch_tfm, lambda m, b: m(b[0]))
     return spec.feed(data), batch_tfm, spec
 
 

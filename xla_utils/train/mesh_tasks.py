@@ -16,7 +16,7 @@ import torch
 
 from .. import runtime
 from ..data import iterate_batches
-from ..step.inputs import inspect_inputs, require_labels
+from ..step.inputs import inspect_inputs, plan_targets, require_labels
 from .loop import input_preparer
 from ..step.strategy import plan_strategy
 from ..utils.units import format_bytes
@@ -91,6 +91,8 @@ def find_lr(trainer: OneCycleTrainer, placement: runtime.Placement, on_mesh: boo
     require_labels(trainer.train_data, "train_data")
     spec = inspect_inputs(trainer.train_data, "train_data", verb="lr_find", mean=cfg.mean)
     kwargs.setdefault("batch_tfm", input_preparer(cfg.data, spec, train=False))
+    spec, _ = plan_targets(trainer.model, trainer.loss, trainer.train_data, spec, "train_data",
+                           input_preparer(cfg.data, spec, train=False), trainer.eval_step)
     kwargs.setdefault("compile_cache", cfg.compile_cache)
     kwargs.setdefault("precision", cfg.precision)
     kwargs.setdefault("channels_last", cfg.channels_last)

@@ -99,9 +99,10 @@ def check_mix_loss(loss: Callable, targets_kind: str, input_shape: tuple | None,
     if not isinstance(name, str):
         name = type(loss).__name__
     if targets_kind == "other":
-        raise ValueError("mixup/cutmix/label_smoothing need classification targets (class indices "
-                         "or multi-hot rows); these targets look like regression. Fix: mixup=0, "
-                         "cutmix=0, label_smoothing=0")
+        raise ValueError("mixup/cutmix/label_smoothing need classification targets (class indices, "
+                         "multi-hot rows or a one-logit binary model's 0/1); these targets are "
+                         "regression targets (a regression cache or loss), which the trainer does not "
+                         "mix. Fix: mixup=0, cutmix=0, label_smoothing=0")
     if name not in SOFT_TARGET_LOSSES and not getattr(loss, "soft_targets", False):
         raise ValueError(f"mixup/cutmix/label_smoothing turn targets into [B, C] probabilities, "
                          f"which the loss {name} does not take (a regression or hard-label loss). "
@@ -483,14 +484,16 @@ def mix_config_for(augment: AugmentSettings, loss: Callable, model: torch.nn.Mod
     """
     if not (augment.mixup > 0 or augment.cutmix > 0 or augment.label_smoothing > 0):
         return None
-    from ..step.inputs import output_width, targets_of
+    from ..step.inputs import loss_kind, output_width, targets_of
 
     targets, _ = targets_of(data)
     kind = "other"
-    if targets is not None and targets.dtype.kind in "iu" and targets.ndim == 1:
+    if getattr(data, "task", None) == "regression" or loss_kind(loss) == "regression":
+        kind = "other"  # regression targets are not mixed
+    elif targets is not None and targets.dtype.kind in "iu" and targets.ndim == 1:
         kind = "index"
     elif targets is not None and targets.dtype.kind == "f" and targets.ndim == 2:
-        kind = "multihot"
+        kind = "multihot"  # (also a one-logit binary model's float32 [N, 1] targets)
     shape = getattr(spec, "shape", None)
     check_mix_loss(loss, kind, shape, augment.cutmix)
     width = targets.shape[1] if kind == "multihot" else output_width(model, data, prepare,

@@ -8,7 +8,9 @@ one row per id of the test set, in its order, with the ids the cache recorded
 build skipped (a truncated file) has no prediction, and the write is refused,
 naming it, unless ``missing="fill"`` says what to write for it. Single- or
 multi-label comes from the training data (``train=``) or ``multilabel=``, never
-from the predictions' scale. Needs neither torch nor torch_xla.
+from the predictions' scale. A regression model's outputs and a one-logit binary
+model's probabilities are written as values under the sample's target column(s).
+Needs neither torch nor torch_xla.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ import numpy as np
 from ..utils.atomic import atomic_write
 from ..cache.sources import IMAGE_EXTENSIONS
 
-__all__ = ["write_submission", "competition_sample", "training_multilabel", "missing_note"]
+__all__ = ["write_submission", "competition_sample", "training_multilabel", "training_task",
+           "missing_note"]
 
-KINDS = ("label", "probabilities")
+KINDS = ("label", "probabilities", "values")
 SAMPLE_NAME = "sample_submission.csv"  # Kaggle's name, next to the test folder
 MISSING = ("error", "fill")
 SHOWN = 5  # ids named in a message
@@ -33,7 +36,7 @@ SHOWN = 5  # ids named in a message
 
 def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: str | None = None,
                      label_column: str | None = None, classes: Sequence[str] | None = None,
-                     kind: str = "label", threshold: float = 0.5, overwrite: bool = False,
+                     kind: str | None = None, threshold: float = 0.5, overwrite: bool = False,
                      multilabel: bool | None = None, verbose: bool = True, *, train: Any = None,
                      sample: str | os.PathLike | None = "auto", missing: str = "error",
                      fill: str = "prior") -> Path:
@@ -41,23 +44,27 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
 
     Args:
         preds: ``[N, C]`` predictions, e.g. ``trainer.predict(test, tta=2)`` (numpy
-            array, torch tensor or nested list), one row per image of ``data``.
+            array, torch tensor or nested list), one row per image of ``data`` (``[N]``:
+            one column).
         data: the test set: a dataset with ``ids`` (a :class:`CachedImageDataset`),
             or the list of ids itself. Ids must be unique and ``N`` long. A cache
             also knows the ids its build skipped (``data.requested_ids``): their
             rows are missing (see ``missing``).
         path: the CSV to write (folders created; written atomically, so an interrupted
             or refused write never touches the existing file).
-        id_column, label_column: headers of the id and (``kind="label"``) label columns.
-            Default: the ``sample``'s first two headers, else ``"image_id"`` and ``"label"``.
+        id_column, label_column: headers of the id and label (or one value) columns.
+            Default: the ``sample``'s first two, else ``"image_id"`` and ``"label"``
+            (values: the regression cache's target name, else ``"target"``).
         classes: class names, ``C`` of them, in the model's output order. Default: the
             training data's (``train``), else ``data.classes`` when the test cache was
             built with ``classes=train.classes``.
-        kind: ``"label"`` (default): the argmax class name (single-label) or the
-            space-separated names of every class above ``threshold`` (multi-label);
-            ``"probabilities"``: one column per class holding ``preds`` (the
-            plant-pathology format ``image_id,healthy,multiple_diseases,rust,scab``),
-            which must then be probabilities.
+        kind: ``"label"``: the argmax class name (single-label), the names of every class
+            above ``threshold`` (multi-label; a one-logit binary model: its positive class
+            or else the negative); ``"probabilities"``: one column per class (the format
+            ``image_id,healthy,multiple_diseases,rust,scab``); ``"values"``: ``preds``'
+            columns as numbers under the sample's target columns (``id,target``: regression,
+            or a one-logit model's probabilities). Default None: ``"values"`` for
+            regression (:func:`training_task`) and one column, else ``"label"``.
         threshold: multi-label decision threshold on probabilities. Default 0.5.
         overwrite: replace an existing ``path`` that is not a submission with the same
             header (default False: refused).
@@ -83,8 +90,9 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
         fill: the row of a missing id with ``missing="fill"``: ``"prior"`` (default) the
             training set's class prior (``kind="label"``: its most frequent class, or for
             multi-label the classes more frequent than ``threshold``; ``"probabilities"``:
-            the class frequencies), which needs ``train``; or class name(s), space
-            separated for multi-label (a one-hot row of probabilities).
+            the class frequencies; ``"values"``: the targets' mean or positive rate), which
+            needs ``train``; or class name(s), space separated for multi-label (a one-hot
+            row of probabilities); or for ``"values"`` a number.
 
     Returns the path written.
 
@@ -97,20 +105,145 @@ def write_submission(preds: Any, data: Any, path: str | os.PathLike, id_column: 
     """
     _check_options(kind, missing, threshold)
     p, ids, seen = _checked_predictions(preds, data)
-    classes, multilabel, prior = _checked_classes(p, train, data, classes, multilabel)
-    multilabel = _check_values(p, kind, multilabel)
+    task = training_task(train) if train is not None else None
+    kind = _resolved_kind(kind, task, p)
     sample = _sample_path(sample, data, verbose)
+    if kind == "values":
+        return _write_values(p, task, data, ids, seen, sample, path, train, id_column,
+                             label_column, overwrite, missing, fill, verbose)
+    return _write_classes(p, task, data, ids, seen, sample, path, train, id_column, label_column,
+                          classes, kind, threshold, overwrite, multilabel, missing, fill, verbose)
+
+
+def _write_classes(p: np.ndarray, task: str | None, data: Any, ids: list[str],
+                   seen: dict[str, int], sample: Any, path: str | os.PathLike, train: Any,
+                   id_column: str | None, label_column: str | None,
+                   classes: Sequence[str] | None, kind: str, threshold: float, overwrite: bool,
+                   multilabel: bool | None, missing: str, fill: str, verbose: bool) -> Path:
+    """``kind="label"`` or ``"probabilities"``: class names, or one column per class."""
+    p, binary = _one_logit_columns(p, task, kind, train, data, classes)
+    classes, multilabel, prior = _checked_classes(p, train, data, classes, multilabel)
+    multilabel = False if binary else _check_values(p, kind, multilabel)
     wanted, order, head = _wanted_rows(data, ids, seen, sample)
     header = _header(kind, classes, head, id_column, label_column)
     gaps = [x for x, r in zip(wanted, order) if r is None]
     if gaps and missing == "error":
         raise ValueError(_missing_error(gaps, data, len(wanted), sample))
     filler = _fill_row(fill, classes, prior, multilabel, threshold, kind, gaps) if gaps else None
-    rows = _rows(p, wanted, order, header, classes, kind, multilabel, threshold, filler)
+    rows = _rows(p, wanted, order, header, classes, kind, multilabel, threshold, filler, binary)
     path = _checked_path(path, header, overwrite)
     _write_atomic(path, header, rows)
     _say_written(path, header, rows, gaps, filler, kind, fill, threshold, verbose)
     return path
+
+
+def training_task(train: Any) -> str | None:
+    """The problem ``train`` (a trainer, or a training dataset) makes: a trainer's
+    :attr:`~xla_utils.train.trainer.OneCycleTrainer.task` (``"regression"``, ``"binary"``:
+    a one-logit model, ``"multiclass"``, ``"multilabel"``), a dataset's ``"regression"``
+    (a regression cache) or ``"multilabel"``; None when it does not say."""
+    task = getattr(train, "task", None)
+    if isinstance(task, str) and task != "classification":
+        return task
+    if getattr(train, "multilabel", False):
+        return "multilabel"
+    return None
+
+
+def _resolved_kind(kind: str | None, task: str | None, p: np.ndarray) -> str:
+    """``kind``, or the default: values for regression and one column, else labels;
+    class names for a regression model refused with the fix."""
+    if kind is None:
+        return "values" if task == "regression" or p.shape[1] == 1 else "label"
+    if task == "regression" and kind != "values":
+        raise ValueError(f"kind={kind!r}: these are a regression model's predictions (numbers, "
+                         "not classes): write them with kind='values' (the default), under the "
+                         "sample's target column(s)")
+    return kind
+
+
+def _one_logit_columns(p: np.ndarray, task: str | None, kind: str, train: Any, data: Any,
+                       classes: Sequence[str] | None) -> tuple[np.ndarray, bool]:
+    """A one-logit binary model's ``[N, 1]`` probabilities as the two classes' ``[N, 2]``
+    (``kind="label"`` or ``"probabilities"`` with two class names), and whether they are."""
+    if p.shape[1] != 1:
+        return p, False
+    tdata = getattr(train, "train_data", train) if train is not None else None
+    names = classes if classes is not None else (getattr(tdata, "classes", None)
+                                                 or getattr(data, "classes", None))
+    if not names or len(names) != 2:
+        return p, False
+    lo, hi = float(p.min()), float(p.max())
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(f"a one-logit binary model's predictions must be probabilities in [0, 1]; "
+                         f"these range {lo:.3g}..{hi:.3g} (raw outputs? predict with "
+                         "activation='auto', the default, which applies the sigmoid)")
+    return np.concatenate([1.0 - p, p], axis=1), True
+
+
+def _write_values(p: np.ndarray, task: str | None, data: Any, ids: list[str], seen: dict[str, int],
+                  sample: Any, path: str | os.PathLike, train: Any, id_column: str | None,
+                  label_column: str | None, overwrite: bool, missing: str, fill: Any,
+                  verbose: bool) -> Path:
+    """``kind="values"``: ``p``'s columns as numbers under the sample's target columns."""
+    if task == "binary":
+        lo, hi = float(p.min()), float(p.max())
+        if lo < 0.0 or hi > 1.0:
+            raise ValueError(f"a one-logit binary model's predictions must be probabilities in [0, "
+                             f"1]; these range {lo:.3g}..{hi:.3g} (raw outputs? predict with "
+                             "activation='auto', the default, which applies the sigmoid)")
+    wanted, order, head = _wanted_rows(data, ids, seen, sample)
+    k = p.shape[1]
+    if head is not None:
+        if len(head) - 1 != k:
+            raise ValueError(
+                f"the sample's header {head[:6]} has {len(head) - 1} column(s) after the id but the "
+                f"predictions have {k} column(s)"
+                + (": a sample of id + one column per class wants kind='probabilities' (or "
+                   "kind='label' for class names)" if k == 1 else
+                   ": for a 2-class softmax model in a sample of id,target (e.g. an AUC "
+                   "competition) write the positive class's column: write_submission(preds[:, 1:], "
+                   "...)" if k == 2 and len(head) == 2 else ""))
+        names = head[1:]
+    else:
+        tdata = getattr(train, "train_data", train) if train is not None else None
+        found = getattr(tdata, "targets", None) if task == "regression" else None
+        if k == 1:
+            names = [label_column or (found[0] if isinstance(found, list) and found else "target")]
+        else:
+            names = list(found) if isinstance(found, list) and len(found) == k else \
+                [f"target_{j}" for j in range(k)]
+    header = [id_column or (head[0] if head else "image_id"), *names]
+    gaps = [x for x, r in zip(wanted, order) if r is None]
+    if gaps and missing == "error":
+        raise ValueError(_missing_error(gaps, data, len(wanted), sample))
+    filler = _fill_values(fill, train, k, gaps) if gaps else None
+    rows = [[x] + [f"{v:.6g}" for v in (p[r] if r is not None else filler)]
+            for x, r in zip(wanted, order)]
+    path = _checked_path(path, header, overwrite)
+    _write_atomic(path, header, rows)
+    _say_written(path, header, rows, gaps, filler, "values", fill, 0.5, verbose)
+    return path
+
+
+def _fill_values(fill: Any, train: Any, k: int, gaps: list[str]) -> np.ndarray:
+    """The values written for a missing id: the training targets' mean (``"prior"``) or ``fill``."""
+    if fill == "prior":
+        tdata = getattr(train, "train_data", train) if train is not None else None
+        labels = getattr(tdata, "labels", None)
+        if not isinstance(labels, np.ndarray) or not len(labels):
+            raise ValueError(f"missing='fill' with fill='prior' needs the training targets for the "
+                             f"{len(gaps)} missing row(s): pass train=trainer (or the training "
+                             "cache), or fill=<number>. Nothing was written.")
+        values = labels.astype(np.float64).reshape(len(labels), -1)
+        if values.shape[1] != k:  # class indices of a one-logit binary model: its positive rate
+            values = (labels.reshape(-1, 1) == 1).astype(np.float64)
+        return values.mean(axis=0)
+    try:
+        return np.full(k, float(fill))
+    except (TypeError, ValueError):
+        raise ValueError(f"fill={fill!r}: values need a number (or 'prior'). Nothing was "
+                         "written.") from None
 
 
 def competition_sample(data: Any) -> Path | None:
@@ -150,12 +283,12 @@ def _header(kind: str, classes: list[str], head: list[str] | None, id_column: st
     return [id_column, label_column or (head[1] if head and len(head) > 1 else "label")]
 
 
-def _check_options(kind: str, missing: str, threshold: float) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+def _check_options(kind: str | None, missing: str, threshold: float) -> None:
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS} or None (decided from the task), got {kind!r}")
     if missing not in MISSING:
         raise ValueError(f"missing must be one of {MISSING}, got {missing!r}")
-    if kind == "label" and not 0.0 < threshold < 1.0:
+    if kind in ("label", None) and not 0.0 < threshold < 1.0:
         raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
 
 
@@ -200,13 +333,15 @@ def _wanted_rows(data: Any, ids: list[str], seen: dict[str, int], sample: Any
 
 def _rows(p: np.ndarray, wanted: list[str], order: list[int | None], header: list[str],
           classes: list[str], kind: str, multilabel: bool, threshold: float,
-          filler: Any) -> list[list[str]]:
+          filler: Any, binary: bool = False) -> list[list[str]]:
     """The CSV's rows under ``header``; a missing id's row is ``filler``."""
     if kind == "probabilities":
         cols = [classes.index(c) for c in header[1:]]
         return [[x] + [f"{v:.6g}" for v in (p[r] if r is not None else filler)[cols]]
                 for x, r in zip(wanted, order)]
-    if multilabel:
+    if binary:  # a one-logit model: the positive class above threshold
+        names = [classes[int(row[1] > threshold)] for row in p]
+    elif multilabel:
         names = [" ".join(classes[j] for j in np.flatnonzero(row > threshold)) for row in p]
     else:
         names = [classes[j] for j in p.argmax(axis=1)]
@@ -454,10 +589,16 @@ def _class_columns(kind: str, classes: list[str], header: list[str] | None) -> l
     if header is None:
         return list(classes)
     if sorted(header[1:]) != sorted(classes):
+        advice = "pass the training cache's classes (train=trainer)"
+        if len(header) == 2 and len(classes) == 2:
+            advice = (f"a sample of one column {header[1]!r}: for the positive class's probability "
+                      "(e.g. an AUC competition) write kind='values' with preds[:, 1:] (a 2-output "
+                      "softmax model) or a one-output model's predictions; kind='label' writes "
+                      "class names")
+        elif len(header) == 2:
+            advice = "a sample of id,label rows: write kind='label'"
         raise ValueError(f"the sample's columns after the id {header[1:6]} are not the classes "
-                         f"{classes[:5]}: " + ("a sample of id,label rows: write kind='label'"
-                                               if len(header) == 2 else
-                                               "pass the training cache's classes (train=trainer)"))
+                         f"{classes[:5]}: " + advice)
     return header[1:]
 
 

@@ -40,8 +40,8 @@ from .ema import with_weights
 from ..diagnostics.findings import ReadinessError
 from .history import History, check_monitor_data
 from ..step.plain import default_eval_step, default_train_step
-from ..step.inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
-                           require_labels, shape_mismatch)
+from ..step.inputs import (AsPairs, InputSpec, TargetPlan, check_batches, inspect_inputs,
+                           plan_targets, require_labels, shape_mismatch)
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .mixup import MixConfig, mix_config_for
@@ -422,11 +422,27 @@ class OneCycleTrainer:
             if data is not None:
                 spec = self._inspect(data, name, "training" if name == "train_data" else
                                      "validation")
-                fed = spec.feed(data)
-                check_targets(self.model, self.loss, fed, name, self._prepare(spec, train=False),
-                              self.eval_step)
-                out[name[:-5]] = (fed, spec)
+                spec, _ = self._plan_targets(data, spec, name)
+                out[name[:-5]] = (spec.feed(data), spec)
         return out
+
+    def _plan_targets(self, data, spec: InputSpec, name: str) -> tuple[InputSpec, TargetPlan]:
+        """:func:`~xla_utils.step.inputs.plan_targets` with this trainer's model and loss."""
+        return plan_targets(self.model, self.loss, data, spec, name,
+                            self._prepare(spec, train=False), self.eval_step)
+
+    @property
+    def task(self) -> str | None:
+        """The problem the training data and the loss make, found on the host (one CPU
+        forward of two samples): ``"multiclass"``, ``"multilabel"``, ``"binary"`` (two
+        classes, a one-output model, ``BCEWithLogitsLoss``), ``"regression"`` (a regression
+        cache, or an MSE/L1/Huber/SmoothL1 loss), or None when the targets do not say.
+        It decides :meth:`predict`'s ``activation="auto"`` and what
+        :func:`~xla_utils.train.submission.write_submission` writes."""
+        if self.train_data is None:
+            return None
+        spec = self._inspect(self.train_data, "train_data", "training", need_target=False)
+        return self._plan_targets(self.train_data, spec, "train_data")[1].kind
 
     def _inspect(self, data, name: str, verb: str, need_target: bool = True) -> InputSpec:
         """``data``'s :class:`~xla_utils.step.inputs.InputSpec` (its samples refused here, on the
@@ -489,10 +505,11 @@ class OneCycleTrainer:
             batch_size: per core; default the trainer's ``batch_size``. Every batch has
                 this shape (the tail is padded with repeated images and dropped again),
                 so nothing compiles after the first batch.
-            activation: ``"auto"`` (default): sigmoid when the training data is
-                multi-label (``train_data.multilabel``), the loss is
-                ``BCEWithLogitsLoss``, or the model has one output; softmax otherwise.
-                ``"softmax"``, ``"sigmoid"`` or ``None`` (raw model outputs).
+            activation: ``"auto"`` (default), by :attr:`task`: none for regression (the
+                model's raw outputs), sigmoid for a one-logit binary model (column 0 is the
+                positive class's probability) or multi-label data (``train_data.multilabel``,
+                or a ``BCEWithLogitsLoss``), softmax otherwise. ``"softmax"``,
+                ``"sigmoid"`` or ``None`` (raw model outputs) choose.
             weights: a checkpoint to use instead of the trainer's current weights:
                 ``final.pt`` (a state dict) or an ``epoch_<nnn>-<run id>.pt`` of :meth:`fit`.
                 ``self.model`` is not changed.
@@ -503,6 +520,8 @@ class OneCycleTrainer:
         Returns:
             ``float32[N, num_outputs]`` in dataset order: every item exactly once,
             gathered from all cores (images a cache's build skipped have none: named first).
+            A one-logit binary model gives ``[N, 1]`` (the positive class's probability),
+            a regression model ``[N, k]`` (its raw outputs).
 
         Raises:
             ValueError: before any device time, when the images of ``data`` have
@@ -574,8 +593,10 @@ class OneCycleTrainer:
         if activation is not None and not isinstance(activation, str):
             raise ValueError(f"activation must be 'auto', 'softmax', 'sigmoid' or None, got {activation!r}")
         if activation == "auto":
-            activation = "sigmoid" if training_multilabel(self) else "softmax"
+            activation = self._auto_activation()
         spec = self._inspect(data, "data", "evaluate", need_target=labelled)
+        if labelled:  # targets fed as fit feeds them (float32 for regression, one-logit binary)
+            spec, _ = self._plan_targets(data, spec, "data")
         if self.train_data is not None:
             why = shape_mismatch(data, spec, self.train_data,
                                  self._inspect(self.train_data, "train_data", "training",
@@ -590,6 +611,19 @@ class OneCycleTrainer:
                                   inputs=spec, n=len(data), views=views, batch_size=bs,
                                   activation=activation, model=model, labelled=labelled, tta=tta,
                                   config=self.config, eval_step=self.eval_step, loss=self.loss)
+
+    def _auto_activation(self) -> str | None:
+        """``activation="auto"``: none for regression (raw outputs), sigmoid for one-logit
+        binary and multi-label (a BCE loss or multi-label data), softmax otherwise."""
+        try:
+            task = self.task
+        except ValueError:  # labels fit would refuse: predict still follows the loss
+            task = None
+        if task == "regression":
+            return None
+        if task in ("binary", "multilabel") or training_multilabel(self):
+            return "sigmoid"
+        return "softmax"
 
     @keyword_help
     def check(self, *, steps: int = 4, tpu: str | None = None, measure_loader: bool = True,
@@ -620,6 +654,7 @@ class OneCycleTrainer:
         """
         cfg = self.config
         spec = self._inspect(self.train_data, "train_data", "training")
+        spec, _ = self._plan_targets(self.train_data, spec, "train_data")
         data = spec.feed(self.train_data)
         if len(data) < cfg.batch_size:
             raise ValueError(f"train_data has fewer than batch_size={cfg.batch_size} samples")
