@@ -275,6 +275,7 @@ def test_fit_keeps_the_best_epoch_by_auc(tmp_path, capsys):
     assert roc_auc_score(y, preds[:, 0]) == pytest.approx(aucs[h.best_epoch - 1], abs=1e-6)
     assert roc_auc_score(y, preds[:, 0]) != pytest.approx(aucs[-1], abs=1e-6)
     assert h.best_score == aucs[h.best_epoch - 1]
+    assert t.evaluate(val)["auc"] == pytest.approx(roc_auc_score(y, preds[:, 0]), abs=1e-6)
     h.to_csv(tmp_path / "h.csv")
     assert (tmp_path / "h.csv").read_text().splitlines()[0].split(",")[:5] == [
         "epoch", "train_loss", "val_loss", "samples", "auc"]
@@ -317,10 +318,12 @@ def test_callable_metric_on_two_simulated_cores_sees_every_row_once():
         return cohen_kappa_score(t, p.argmax(1), weights="quadratic")
 
     t = OneCycleTrainer(lambda: tiny_mlp(seed=0), nn.CrossEntropyLoss(), train, val,
-                        batch_size=16, epochs=2, max_lr=1e-2, seed=0, metrics={"kappa": qwk},
+                        batch_size=16, epochs=2, max_lr=0.1, seed=0, metrics={"kappa": qwk},
                         monitor="kappa")
     h = t.fit(simulate=2)
     assert h.world_size == 2 and h[-1]["samples"] == len(val) and "accuracy" not in h[-1]
+    assert h[1]["compiles"] == h[0]["compiles"]  # the gather compiles once, in epoch 1
     with torch.no_grad():  # the best epoch's weights, on the host
         preds = torch.softmax(t.model(val.tensors[0]), 1).numpy()
     assert h.best_score == pytest.approx(qwk(preds, val.tensors[1].numpy()), abs=1e-12)
+    assert h.best_score > 0.3  # it learned: a kappa of chance would pass any pairing of rows

@@ -539,8 +539,8 @@ class OneCycleTrainer:
         """Validation metrics of the current model on a labelled dataset, on all cores.
 
         Returns the dict :meth:`fit` reports per epoch: ``loss``, the configured
-        metrics (accuracy, ``top<k>``, F1 for multi-label) and ``samples`` (every
-        item counted once). ``tta``, ``cores``, ``simulate``, ``batch_size`` and ``compile`` are
+        metrics (``TrainerConfig.metrics``, each tried on a sample of ``data`` first; None:
+        the task's defaults) and ``samples`` (every item counted once). ``tta``, ``cores``, ``simulate``, ``batch_size`` and ``compile`` are
         as in :meth:`predict`. With ``tta=k > 1`` the metrics are those of the averaged
         probabilities (exactly what :meth:`predict` returns): the loss receives
         ``log(mean softmax)`` (single-label) or ``logit(mean sigmoid)`` (multi-label),
