@@ -327,3 +327,25 @@ def test_callable_metric_on_two_simulated_cores_sees_every_row_once():
         preds = torch.softmax(t.model(val.tensors[0]), 1).numpy()
     assert h.best_score == pytest.approx(qwk(preds, val.tensors[1].numpy()), abs=1e-12)
     assert h.best_score > 0.3  # it learned: a kappa of chance would pass any pairing of rows
+
+
+def test_check_metrics_on_a_sample_of_the_targets():
+    """Every metric runs on the validation targets' sample (each class among them) and
+    made-up predictions of the model's width; a callable that returns no number is refused."""
+    from sklearn.metrics import roc_auc_score
+
+    from xla_utils.train.metrics import check_metrics, normalize_metrics
+
+    y = np.r_[np.zeros(500, np.int64), 1, 2]  # classes 1 and 2 once each, at the end
+    ovr = {"ovr_auc": lambda p, t: roc_auc_score(t, p, multi_class="ovr")}  # needs all 3
+    assert check_metrics(normalize_metrics(["auc", ovr]), targets=y, width=3,
+                         loss_fn=nn.CrossEntropyLoss()) == ("auc", "ovr_auc")
+    assert check_metrics(None, targets=y.astype(np.float32), width=1,
+                         loss_fn=nn.MSELoss()) == ("rmse",)
+    with pytest.raises(ValueError, match=r"metric 'pair' failed before training.*it returned "
+                                         r"tuple, not a number"):
+        check_metrics(normalize_metrics({"pair": lambda p, t: (1.0, 2.0)}), targets=y, width=3,
+                      loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="metric 'auc' needs class or 0/1 targets; this task "
+                                         "is regression"):
+        check_metrics(["auc"], targets=y.astype(np.float32), width=1, loss_fn=nn.L1Loss())

@@ -433,7 +433,11 @@ def host_metric(metric: str | NamedMetric | Callable, preds: np.ndarray, targets
     if preds.ndim == 1:
         preds = preds[:, None]
     if not isinstance(metric, str):
-        return float(metric(preds, targets))
+        value = metric(preds, targets)
+        if not _number(value):
+            raise TypeError(f"it returned {type(value).__name__}, not a number (a metric "
+                            "returns a float)")
+        return float(value)
     t = np.asarray(targets)
     if metric == "auc":
         return _auc_of(preds, t, kind)
@@ -517,7 +521,7 @@ def check_metrics(metrics: Sequence[str | NamedMetric] | None, *, targets: np.nd
     for m in resolved:
         name = str(m)
         try:
-            value = host_metric(m, preds.copy(), t.copy(), kind)
+            host_metric(m, preds.copy(), t.copy(), kind)
         except Exception as exc:
             if isinstance(m, str):
                 raise ValueError(f"metrics: {exc} ({where}: targets {t.dtype}{list(t.shape[1:])}, "
@@ -527,10 +531,18 @@ def check_metrics(metrics: Sequence[str | NamedMetric] | None, *, targets: np.nd
                 f"metric {name!r} failed before training, on a sample shaped like {where}'s "
                 f"validation (preds float64[{n}, {width}] as the trainer gives them for this "
                 f"{kind} task, targets {t.dtype}{list(t.shape)}): {_summary(exc)}") from None
-        if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
-            raise ValueError(f"metric {name!r} returned {type(value).__name__} on a sample of "
-                             f"{where}; a metric returns a float")
     return tuple(str(m) for m in resolved)
+
+
+def _number(value: Any) -> bool:
+    """Whether a metric's value is one number (a float, a NumPy or 0-d tensor scalar)."""
+    if isinstance(value, (bool, str, bytes)) or np.ndim(value) != 0:
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _summary(exc: BaseException) -> str:
