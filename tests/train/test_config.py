@@ -141,7 +141,7 @@ BAD = [
     (AugmentSettings, dict(ema=1.5), "ema is the EMA decay per optimizer step"),
     (CheckpointSettings, dict(keep_checkpoints=0), "keep_checkpoints must be an int >= 1"),
     (CheckpointSettings, dict(keep_runs=0), "keep_runs must be None"),
-    (CheckpointSettings, dict(monitor="acc"), "monitor='acc' is not a value fit records"),
+    (CheckpointSettings, dict(monitor=3), "monitor must be None or the name of a value"),
     (CheckpointSettings, dict(patience=2), "patience= needs monitor="),
     (DeviceSettings, dict(strategy="ddp"), "strategy must be one of"),
     (DeviceSettings, dict(strategy="fsdp", fsdp_wrap=0), "fsdp_wrap must be None"),
@@ -171,6 +171,20 @@ def test_rules_across_groups_and_whole_groups():
     assert (cfg.schedule.epochs, cfg.schedule.max_lr) == (4, 0.1)
     with pytest.raises(TypeError, match="schedule must be a ScheduleSettings, got dict"):
         TrainerConfig(schedule={"epochs": 4})
+    # monitor= names a value of the run: a callable metric's name counts (the diagnostics
+    # group's), so the name is checked across the two groups, with the nearest one
+    assert CheckpointSettings(monitor="acc").monitor == "acc"
+    with pytest.raises(ValueError, match=r"monitor='acuracy' \(did you mean 'accuracy'\?\) is not "
+                                         "a value fit records"):
+        TrainerConfig(checkpoints=CheckpointSettings(monitor="acuracy"))
+
+    def kappa(p, t):
+        return 0.0
+
+    assert TrainerConfig(monitor="Kappa", metrics=[kappa]).monitor == "kappa"
+    with pytest.raises(ValueError, match=r"monitor='auc' is not among this run's validation "
+                                         r"metrics \['kappa'\]"):
+        TrainerConfig(monitor="auc", metrics=[kappa])
 
 
 def test_replace_checks_and_flat_writes_reach_the_group():

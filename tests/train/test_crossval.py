@@ -182,6 +182,31 @@ def test_cross_validate_oof_test_average_and_resume(caches, tmp_path, simulate):
     acc = float((res.oof.argmax(1) == train.labels).mean())
     assert res.oof_score == pytest.approx(acc)
     assert [f["fold"] for f in res.folds] == [0, 1, 2] and all("accuracy" in f for f in res.folds)
-    assert "OOF score" in str(res)
+    assert res.metric == "accuracy" and "OOF accuracy" in str(res)  # the trainer's metric
     with pytest.raises(ValueError, match="another split"):
         cross_validate(make, train, folds=3, test=test, folder=folder, seed=9)
+
+
+def test_oof_score_is_the_trainers_monitored_metric():
+    """The OOF score is the trainer's ``monitor`` (here logloss of a one-logit binary task),
+    computed as validation computes it; every configured metric of the OOF rows is kept."""
+    from sklearn.datasets import load_digits
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    d = load_digits()
+    x = torch.tensor(d.data[:240], dtype=torch.float32) / 16
+    y = torch.tensor(d.target[:240] == 8, dtype=torch.float32).view(-1, 1)
+    data = torch.utils.data.TensorDataset(x, y)
+
+    def make(tr, va):
+        return OneCycleTrainer(nn.Sequential(nn.Linear(64, 1)), nn.BCEWithLogitsLoss(), tr, va,
+                               batch_size=16, epochs=1, max_lr=3e-2, seed=0,
+                               metrics=["auc", "logloss"], monitor="logloss")
+
+    res = cross_validate(make, data, folds=2)
+    t = y.numpy()[:, 0]
+    assert res.metric == "logloss" and res.oof.shape == (240, 1)
+    assert res.oof_score == pytest.approx(log_loss(t, res.oof[:, 0]), rel=1e-6)
+    assert res.oof_metrics["auc"] == pytest.approx(roc_auc_score(t, res.oof[:, 0]), rel=1e-9)
+    assert all({"auc", "logloss"} <= set(f) for f in res.folds)
+    assert f"OOF logloss {res.oof_score:.4f}" in str(res)

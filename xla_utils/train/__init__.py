@@ -20,7 +20,8 @@ use (``from xla_utils.train import CVResult``), the same objects :mod:`xla_utils
 * ``checkpoint``: Epoch checkpoints of :class:`~xla_utils.train.trainer.OneCycleTrainer`
 * ``schedule``: One-cycle learning-rate and momentum schedule (Smith 2018), per optimizer
   step
-* ``metrics``: Validation metrics accumulated on the device and reduced across replicas
+* ``metrics``: Validation metrics: device sums reduced once per pass, and whole-set metrics
+  computed on the host from every validation row, gathered once
 * ``ema``: Weight EMA on the device, as timm's ``ModelEmaV3(model, decay, use_warmup=True)``
 * ``mixup``: Mixup, cutmix and label smoothing on the device, as timm's ``Mixup``
   (``mode="batch"``)

@@ -288,7 +288,7 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
         holds the run's last epoch, that the run is already complete.
     """
     old = dict(ckpt.get("config", {}))
-    new = {k: v for k, v in cfg.options().items() if k != "optimizer"}
+    new = cfg.stored_options()
     fixed: list[str] = []
 
     def differs(a: Any, b: Any) -> bool:
@@ -458,7 +458,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
         "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": world_size,
         "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
         "optimizer_name": _optimizer_name(cfg.optimizer), "device_type": runtime.device().type,
-        "config": {k: v for k, v in cfg.options().items() if k != "optimizer"},
+        "config": cfg.stored_options(),
     }
     if ema is not None:
         state["ema"] = ema

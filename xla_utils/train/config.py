@@ -29,6 +29,7 @@ from ..runtime.shardinfo import STRATEGIES
 from ..utils.suggest import choice, closest, deprecated, did_you_mean
 from ..step.device_plan import PRECISIONS
 from .ema import check_ema
+from .metrics import METRICS, metric_names, normalize_metrics
 from ..step.optim import resolve_optimizer
 from .schedule import OneCycleSchedule
 from .torch_compile import check_compile_option
@@ -40,10 +41,10 @@ __all__ = ["TrainerConfig", "DataSettings", "ScheduleSettings", "OptimSettings",
 
 LR_SCALING = ("linear", "sqrt", "none")
 ON_NAN = ("stop", "continue")
-# Values of a history record that ``monitor`` may name (besides ``top<k>``); losses are
-# better lower, metrics higher.
+# Values of a history record that ``monitor`` may name (besides ``top<k>`` and the names of
+# callable metrics); which way is better: ``metrics.lower_is_better``.
 LOSS_MONITORS = ("val_loss", "train_loss")
-METRIC_MONITORS = ("accuracy", "f1")
+METRIC_MONITORS = tuple(METRICS)
 
 
 def _positive_int(value: Any) -> bool:
@@ -224,10 +225,15 @@ class CheckpointSettings:
             file (never this run's, nor ``final.pt``/``best.pt``). Default None: every
             run's are kept, and ``fit`` says what earlier runs hold (count, size).
         monitor: Keep the best epoch by this record value: ``"val_loss"``,
-            ``"train_loss"`` or a validation metric (``"accuracy"``, ``"top<k>"``,
-            ``"f1"``; higher is better except for losses). The run returns (and
+            ``"train_loss"`` or a validation metric (a built-in one: ``"accuracy"``,
+            ``"top<k>"``, ``"f1"``, ``"auc"``, ``"logloss"``, ``"rmse"``, ``"mae"``,
+            ``"qwk"``, ``"macro_f1"``; or a callable's name in ``metrics``). Lower is better
+            for losses, ``logloss``, ``rmse``, ``mae`` and names ending in ``loss``,
+            ``error``, ``mse``, ``mae`` or ``msle``; higher for the others
+            (:func:`xla_utils.train.metrics.lower_is_better`). The run returns (and
             ``self.model`` gets) that epoch's weights, also written to
-            ``checkpoint_dir/best.pt``. Default None (the last epoch's weights).
+            ``checkpoint_dir/best.pt``. Default None (the last epoch's weights). Names are
+            checked against ``metrics`` by :class:`TrainerConfig`.
         patience: With ``monitor``: stop after this many epochs without
             improvement (``History.stop_reason`` says so). Default None.
     """
@@ -253,12 +259,9 @@ class CheckpointSettings:
 
     def _check_monitor(self) -> None:
         monitor, patience = self.monitor, self.patience
-        if monitor is not None and not (isinstance(monitor, str) and (
-                monitor in LOSS_MONITORS or monitor in METRIC_MONITORS
-                or re.fullmatch(r"top\d+", monitor))):
-            raise ValueError(f"monitor={monitor!r} is not a value fit records: use 'val_loss', "
-                             "'train_loss' or a validation metric ('accuracy', 'top<k>', 'f1'), "
-                             "or None")
+        if monitor is not None and not (isinstance(monitor, str) and monitor):
+            raise ValueError(f"monitor must be None or the name of a value fit records "
+                             f"('val_loss', 'train_loss' or a validation metric), got {monitor!r}")
         if patience is not None:
             if not _positive_int(patience):
                 raise ValueError(f"patience must be an int >= 1 (epochs without improvement before "
@@ -342,9 +345,17 @@ class DiagnosticsSettings:
     (``config.diagnostics``).
 
     Attributes:
-        metrics: Validation metrics (``"accuracy"``, ``"top5"``/``"top<k>"``,
-            ``"f1"``); None = accuracy (+top5 above 10 classes), F1 for
-            multi-label data.
+        metrics: Validation metrics, each a history column: built-in names
+            (``"accuracy"``, ``"top<k>"``, ``"f1"``, ``"auc"``, ``"logloss"``, ``"rmse"``,
+            ``"mae"``, ``"qwk"``, ``"macro_f1"``: :data:`xla_utils.train.metrics.METRICS`)
+            and callables ``metric(preds, targets) -> float`` (a ``def``, named by its
+            ``__name__``, or ``{"name": fn}`` for a lambda), in a list or a dict. A metric
+            sees every validation row once (``preds`` the probabilities ``predict`` gives,
+            ``targets`` as the dataset gives them). None = the task's defaults: accuracy
+            (+top5 above 10 classes), F1 for multi-label data, accuracy and AUC for a
+            one-logit binary task, RMSE for regression. Unknown names are refused here
+            (did-you-mean); each metric is tried on a sample of the validation set before
+            any device time (docs/TRAINER.md, "Validation metrics").
         log_every: Steps between loss reads for the progress bar (default 20;
             each read waits for the device).
         on_nan: What to do when training diverges: the training loss read (every
@@ -357,14 +368,13 @@ class DiagnosticsSettings:
             ``"continue"`` says so once and trains on (no checkpoint for a non-finite epoch).
     """
 
-    metrics: Sequence[str] | None = None
+    metrics: Sequence[str | Callable] | Mapping[str, Callable] | None = None
     log_every: int = 20
     on_nan: str = "stop"
 
     def __post_init__(self) -> None:
         self.on_nan = choice(self.on_nan, ON_NAN, "on_nan")
-        if self.metrics is not None and not isinstance(self.metrics, str):
-            self.metrics = [m.strip().lower() if isinstance(m, str) else m for m in self.metrics]
+        self.metrics = normalize_metrics(self.metrics)
         if self.log_every < 1:
             raise ValueError("log_every must be >= 1")
         if self.on_nan not in ON_NAN:
@@ -481,12 +491,33 @@ class TrainerConfig:
         self._check_across_groups()
 
     def _check_across_groups(self) -> None:
-        """The rule that spans two groups."""
+        """The rules that span two groups: the monitor is a value the run records, mixing
+        needs an even batch."""
+        self._check_monitor_name()
         bs = self.data.batch_size
         if self.augment.mixes and bs % 2:
             raise ValueError(f"mixup/cutmix pair each sample with the batch's reverse and need an even "
                              f"batch_size (per core), got {bs}: use batch_size="
                              f"{bs + 1} or {max(bs - 1, 2)}")
+
+    def _check_monitor_name(self) -> None:
+        """``monitor`` names a loss, a built-in metric or a callable of ``metrics`` (and one
+        of ``metrics`` when they are given)."""
+        monitor, metrics = self.checkpoints.monitor, self.diagnostics.metrics
+        if monitor is None or monitor in LOSS_MONITORS:
+            return
+        names = metric_names(metrics)
+        if monitor in METRIC_MONITORS or re.fullmatch(r"top[1-9]\d*", monitor) or monitor in names:
+            if metrics is not None and monitor not in names:
+                raise ValueError(f"monitor={monitor!r} is not among this run's validation metrics "
+                                 f"{names}: add it to metrics=[...] or monitor one of "
+                                 f"{[*LOSS_MONITORS, *names]}")
+            return
+        options = [*LOSS_MONITORS, *METRIC_MONITORS, *names]
+        raise ValueError(f"monitor={monitor!r}{did_you_mean(monitor, options)} is not a value fit "
+                         f"records: use 'val_loss', 'train_loss', a validation metric "
+                         f"({', '.join(repr(m) for m in METRIC_MONITORS)}, 'top<k>') or the name "
+                         "of a callable in metrics=, or None")
 
     def replace(self, **options: Any) -> "TrainerConfig":
         """A copy with ``options`` (flat names, as the constructor takes) changed, checked
@@ -494,8 +525,17 @@ class TrainerConfig:
         return TrainerConfig(**{attr: getattr(self, attr) for attr in GROUPS}, **options)
 
     def options(self) -> dict[str, Any]:
-        """Every option by its flat name (the layout checkpoints store)."""
+        """Every option by its flat name (the layout checkpoints store, where callable
+        metrics are stored by name: :meth:`stored_options`)."""
         return {name: getattr(getattr(self, attr), name) for name, attr in OPTION_GROUPS.items()}
+
+    def stored_options(self) -> dict[str, Any]:
+        """:meth:`options` as a checkpoint records them: without the optimizer (it has its
+        own state), ``metrics`` by name (a callable need not pickle)."""
+        out = {k: v for k, v in self.options().items() if k != "optimizer"}
+        if out.get("metrics") is not None:
+            out["metrics"] = metric_names(out["metrics"])
+        return out
 
     @property
     def scaling_rule(self) -> str:

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..utils.atomic import atomic_write, atomic_writer
 from ..data import CachedImageDataset
+from .metrics import host_metric, metric_keys, resolve_metrics, target_kind
 
 if TYPE_CHECKING:
     from .history import History
@@ -119,8 +120,7 @@ def fold_assignment(labels: np.ndarray, folds: int, stratify: bool = True, seed:
     n = len(labels)
     rng = np.random.default_rng(seed)
     out = np.empty(n, dtype=np.int64)
-    if stratify and labels.dtype.kind == "f" and labels.reshape(n, -1).shape[1] == 1 \
-            and not _multi_hot(labels):
+    if stratify and labels.dtype.kind == "f" and labels.reshape(n, -1).shape[1] == 1:
         order = np.lexsort((rng.random(n), labels.reshape(n)))  # by value, ties at random
         for start in range(0, n, folds):
             block = order[start:start + folds]
@@ -219,13 +219,20 @@ class CVResult:
         oof: ``float32[N, C]`` out-of-fold predictions in dataset order (each row from
             the one model that did not train on it; activation as ``predict``'s).
         fold_of: ``int64[N]``: each item's fold.
-        oof_score: The score of ``oof`` against the labels (accuracy by default; RMSE
-            for regression targets, where lower is better).
+        oof_score: The score of ``oof`` against the labels: ``metric``'s (RMSE for regression
+            targets by default, where lower is better).
         test: ``float32[M, C]``: the mean of the folds' test predictions (ready for
             :func:`xla_utils.write_submission`), or None without ``test``.
         test_folds: ``float32[k, M, C]``: each fold's own test predictions, or None.
         histories: Each fold's History (None for folds loaded from ``folder``).
         folder: Where the folds were persisted, or None.
+        metric: What ``score`` and ``oof_score`` are: the trainer's ``monitor`` when it is a
+            validation metric, else its first metric (the task's defaults when none are
+            configured: accuracy, F1 multi-label, AUC... see
+            :func:`xla_utils.train.metrics.resolve_metrics`), or ``"score"`` for a
+            ``score=`` function.
+        oof_metrics: Every validation metric of the trainer on ``oof`` (computed by the
+            functions the trainer's validation uses; empty with ``score=``).
     """
 
     folds: list[dict[str, Any]]
@@ -236,35 +243,38 @@ class CVResult:
     test_folds: np.ndarray | None = None
     histories: list[Any] = field(default_factory=list, repr=False)
     folder: Path | None = None
+    metric: str = "score"
+    oof_metrics: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        rows = [f"fold {f['fold']}: {f['n_train']} train / {f['n_val']} val, score "
+        rows = [f"fold {f['fold']}: {f['n_train']} train / {f['n_val']} val, {self.metric} "
                 f"{f['score']:.4f}" for f in self.folds]
         mean = np.mean([f["score"] for f in self.folds])
-        return "\n".join(rows + [f"OOF score {self.oof_score:.4f} (mean of folds {mean:.4f})"])
+        others = ", ".join(f"{k} {v:.4f}" for k, v in self.oof_metrics.items() if k != self.metric)
+        return "\n".join(rows + [f"OOF {self.metric} {self.oof_score:.4f} (mean of folds "
+                                  f"{mean:.4f})" + (f"; {others}" if others else "")])
 
 
-def _multi_hot(labels: np.ndarray) -> bool:
-    """Float labels of 0s and 1s in rows of more than one: multi-label, not regression."""
-    return labels.ndim == 2 and labels.shape[1] > 1 and bool(np.isin(labels, (0.0, 1.0)).all())
+class _TrainerScore:
+    """The OOF score by the trainer's own validation metrics: its ``monitor`` when that is a
+    metric, else its first (:func:`xla_utils.train.metrics.resolve_metrics`), on predictions
+    as ``predict`` gives them and the labels as the dataset holds them."""
 
+    def __init__(self, trainer: "OneCycleTrainer", labels: np.ndarray, preds: np.ndarray):
+        cfg = trainer.config
+        self.kind = target_kind(preds, labels, trainer.loss)
+        self.metrics = resolve_metrics(cfg.metrics, self.kind, preds.shape[1])
+        names = [str(m) for m in self.metrics]
+        monitor = cfg.monitor
+        self.name = monitor if monitor in names else (names[0] if names else "score")
 
-def default_score(labels: np.ndarray, preds: np.ndarray) -> float:
-    """Accuracy of ``argmax(preds)`` (single-label; a one-column ``preds`` of a one-logit
-    binary model: ``preds > 0.5``), the micro F1 of ``preds > 0.5`` (multi-hot labels), or
-    for float targets (regression) the RMSE (lower is better)."""
-    if labels.dtype.kind == "f" and not _multi_hot(labels):
-        diff = preds.astype(np.float64).reshape(len(preds), -1) - labels.reshape(len(labels), -1)
-        return float(np.sqrt(np.mean(diff ** 2)))
-    if labels.ndim == 1 and preds.ndim == 2 and preds.shape[1] == 1:
-        return float(((preds[:, 0] > 0.5) == (labels == 1)).mean())
-    if labels.ndim == 1:
-        return float((preds.argmax(1) == labels).mean())
-    pred = preds > 0.5
-    true = labels > 0.5
-    tp = float((pred & true).sum())
-    denom = float(pred.sum() + true.sum())
-    return 2 * tp / denom if denom else 1.0
+    def __call__(self, labels: np.ndarray, preds: np.ndarray) -> float:
+        return self.all(labels, preds)[self.name]
+
+    def all(self, labels: np.ndarray, preds: np.ndarray) -> dict[str, float]:
+        """Every metric of ``preds`` (rows without a prediction, NaN, are left out)."""
+        ok = ~np.isnan(preds).any(axis=1)
+        return {str(m): host_metric(m, preds[ok], labels[ok], self.kind) for m in self.metrics}
 
 
 def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, folds: int = 5,
@@ -293,8 +303,9 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
         train: ``train(trainer) -> History``; default ``trainer.fit(cores=cores,
             simulate=simulate)``. Pass e.g. ``lambda t: t.fine_tune(3, simulate=8)``.
         cores, simulate: For the default ``train`` and for ``predict``.
-        score: ``score(labels, preds) -> float``; default :func:`default_score` (RMSE
-            for regression: lower is better).
+        score: ``score(labels, preds) -> float``; default the trainer's validation metric
+            as fit computes it: its ``monitor`` when that is a metric, else its first (the
+            task's default: accuracy, micro F1 multi-label, ...); see ``CVResult.metric``.
 
     Returns:
         The :class:`CVResult`.
@@ -315,7 +326,7 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
     fold_of = fold_assignment(labels, folds, stratify, seed)
     store = _FoldStore(folder, fold_of, folds, seed, stratify) if folder is not None else None
     run = train or (lambda t: t.fit(cores=cores, simulate=simulate))
-    score = score or default_score
+    scoring = _Scoring(score)
     n_args = _positional_count(make_trainer)
     oof, test_folds, records, histories = None, [], [], []
     for k in range(folds):
@@ -323,13 +334,10 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
         if done is None:
             val_idx, train_idx = np.flatnonzero(fold_of == k), np.flatnonzero(fold_of != k)
             args = (subset(data, train_idx), subset(data, val_idx)) + ((k,) if n_args >= 3 else ())
-            trainer = make_trainer(*args)
-            history = run(trainer)
-            pred = np.asarray(trainer.predict(args[1], tta=tta, cores=cores, simulate=simulate))
-            tpred = (None if test is None else
-                     np.asarray(trainer.predict(test, tta=tta, cores=cores, simulate=simulate)))
-            rec = _fold_record(k, train_idx, val_idx, history, score(labels[val_idx], pred))
-            done = (val_idx, pred, tpred, rec)
+            trainer, history, pred, tpred = _train_fold(
+                make_trainer(*args), run, args[1], test, dict(tta=tta, cores=cores, simulate=simulate))
+            done = (val_idx, pred, tpred, _fold_record(k, train_idx, val_idx, history,
+                                                       scoring.fold(trainer, labels[val_idx], pred)))
             if store is not None:
                 store.save(k, *done)
             histories.append(history)
@@ -343,9 +351,55 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
         if tpred is not None:
             test_folds.append(tpred.astype(np.float32))
     tf = np.stack(test_folds) if test_folds else None
-    return CVResult(folds=records, oof=oof, fold_of=fold_of, oof_score=float(score(labels, oof)),
+    oof_score, name, every = scoring.oof(labels, oof, lambda: _scorer_of_fold0(
+        make_trainer, n_args, data, labels, fold_of, oof))
+    return CVResult(folds=records, oof=oof, fold_of=fold_of, oof_score=oof_score,
                     test=None if tf is None else tf.mean(0), test_folds=tf, histories=histories,
-                    folder=None if store is None else store.folder)
+                    folder=None if store is None else store.folder, metric=name,
+                    oof_metrics=every)
+
+
+def _train_fold(trainer: "OneCycleTrainer", run: Callable, val: Any, test: Any,
+                predict: dict[str, Any]) -> tuple[Any, Any, np.ndarray, np.ndarray | None]:
+    """``(trainer, history, validation predictions, test predictions or None)`` of one fold."""
+    history = run(trainer)
+    pred = np.asarray(trainer.predict(val, **predict))
+    return trainer, history, pred, None if test is None else np.asarray(trainer.predict(test, **predict))
+
+
+class _Scoring:
+    """The folds' and the OOF score: ``score=`` when given, else the trainer's metrics
+    (:class:`_TrainerScore`, read from the first trainer)."""
+
+    def __init__(self, score: Callable[[np.ndarray, np.ndarray], float] | None):
+        self.score, self.metrics = score, None
+
+    def fold(self, trainer: "OneCycleTrainer", labels: np.ndarray, pred: np.ndarray) -> float:
+        if self.score is not None:
+            return float(self.score(labels, pred))
+        if self.metrics is None:
+            self.metrics = _TrainerScore(trainer, labels, pred)
+        return self.metrics(labels, pred)
+
+    def oof(self, labels: np.ndarray, oof: np.ndarray, first: Callable[[], _TrainerScore]
+            ) -> tuple[float, str, dict[str, float]]:
+        """``(score, its name, every metric)`` of the OOF rows (``first()``: the metrics when
+        no fold was trained in this call)."""
+        if self.score is not None:
+            return float(self.score(labels, oof)), "score", {}
+        self.metrics = self.metrics or first()
+        every = self.metrics.all(labels, oof)
+        return float(every[self.metrics.name]), self.metrics.name, every
+
+
+def _scorer_of_fold0(make_trainer: Callable, n_args: int, data: Any, labels: np.ndarray,
+                     fold_of: np.ndarray, oof: np.ndarray) -> _TrainerScore:
+    """The OOF score of a run whose folds all came from ``folder=``: fold 0's trainer (built,
+    not trained) says which metric."""
+    k0 = np.flatnonzero(fold_of == 0)
+    args = (subset(data, np.flatnonzero(fold_of != 0)), subset(data, k0))
+    trainer = make_trainer(*args, *((0,) if n_args >= 3 else ()))
+    return _TrainerScore(trainer, labels[k0], oof[k0])
 
 
 def _positional_count(fn: Callable) -> int:
@@ -367,8 +421,7 @@ def _fold_record(k: int, train_idx: np.ndarray, val_idx: np.ndarray, history: An
         best = getattr(history, "best_epoch", None)
         e = next((r for r in epochs if r.get("epoch") == best), epochs[-1])
         rec["epoch"] = e.get("epoch")
-        rec.update({key: v for key, v in e.items() if key == "val_loss" or key in
-                    ("accuracy", "f1") or (key.startswith("top") and key[3:].isdigit())})
+        rec.update({key: e[key] for key in ["val_loss"] * ("val_loss" in e) + metric_keys(e)})
     rec["score"] = float(fold_score)
     rec["stop_reason"] = getattr(history, "stop_reason", None)
     return rec

@@ -13,12 +13,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..utils.atomic import atomic_write
 from .config import LOSS_MONITORS
+from .metrics import lower_is_better
 
 __all__ = ["History", "BestTracker", "monitor_mode", "write_csv_atomic"]
 
@@ -242,38 +243,33 @@ def write_csv_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -> 
 
 # ----------------------------------------------------------------- best epoch
 def monitor_mode(monitor: str) -> str:
-    """``"min"`` for losses, ``"max"`` for metrics (accuracy, ``top<k>``, F1)."""
-    return "min" if monitor.endswith("loss") else "max"
+    """``"min"`` for losses and error metrics (``logloss``, ``rmse``, ``mae``, names ending in
+    ``loss``/``error``/``mse``/``mae``/``msle``: :func:`~xla_utils.train.metrics.lower_is_better`),
+    ``"max"`` for the others (accuracy, ``top<k>``, F1, AUC, QWK, callables)."""
+    return "min" if lower_is_better(monitor) else "max"
 
 
-def check_monitor_data(monitor: str | None, metrics: Any, has_val: bool, multilabel: bool,
-                       num_outputs: int | None) -> None:
+def check_monitor_data(monitor: str | None, names: Sequence[str] | None, has_val: bool) -> None:
     """Refuse, before any device time, a ``monitor`` the run will not record.
 
     Args:
         monitor: ``TrainerConfig.monitor``.
-        metrics: ``TrainerConfig.metrics`` (None = the defaults).
+        names: The run's validation metrics, resolved for its data
+            (:func:`xla_utils.train.metrics.check_metrics`), or None when they could not be
+            (the monitor is then left to the configuration's own check).
         has_val: whether the trainer has ``val_data``.
-        multilabel: the training data is multi-label (default metric F1).
-        num_outputs: classes the model outputs (top5 is a default above 10), or None.
     """
     if monitor is None or monitor == "train_loss":
         return
     if not has_val:
         raise ValueError(f"monitor={monitor!r} is a validation value but the trainer has no "
                          "val_data: pass val_data=... or monitor='train_loss'")
-    if monitor == "val_loss":
+    if monitor == "val_loss" or names is None:
         return
-    if metrics is not None:
-        names = [str(m).lower() for m in metrics]
-    elif multilabel:
-        names = ["f1"]
-    else:
-        names = ["accuracy"] + (["top5"] if num_outputs is not None and num_outputs > 10 else [])
     if monitor not in names:
         raise ValueError(f"monitor={monitor!r} is not among this run's validation metrics "
-                         f"{names}: add it to metrics=[...] or monitor one of "
-                         f"{['val_loss'] + names}")
+                         f"{list(names)}: add it to metrics=[...] or monitor one of "
+                         f"{['val_loss'] + list(names)}")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from .. import runtime
 from ..data import CachedImageDataset, iterate_batches
 from ..step.device_plan import DevicePlan, DeviceRequest
 from .loop import loader_words, metric_accumulator, prepare_input
+from .metrics import gather_rows
 from .torch_compile import inference_module
 
 if TYPE_CHECKING:
@@ -176,20 +177,14 @@ def gather_predictions(acc: list[torch.Tensor], plan: InferencePlan, *, world_si
     """All ranks' predictions in dataset order, on the master (``None`` elsewhere).
 
     One all_reduce of a zero-filled ``[batches, world, batch, C]`` tensor, where
-    each rank fills its own slots, gathers the predictions exactly.
+    each rank fills its own slots, gathers the predictions exactly
+    (:func:`~xla_utils.train.metrics.gather_rows`).
     """
-    ws = world_size
     local = torch.stack(acc)  # [nb, B, C]
     if plan.tta > 1:
         local = local / plan.tta
-    if ws > 1:
-        mine = runtime.to_device(torch.arange(ws) == rank, dev).view(1, ws, 1, 1)
-        local = runtime.all_reduce(torch.where(mine, local.unsqueeze(1), local.new_zeros(())))
-    runtime.sync()
-    if not runtime.is_master():
-        return None
-    c = local.shape[-1]
-    return local.cpu().numpy().reshape(-1, c)[:plan.n].astype(np.float32, copy=False)
+    rows = gather_rows(local, world_size=world_size, rank=rank, dev=dev)
+    return None if rows is None else rows[:plan.n].astype(np.float32, copy=False)
 
 
 def inference_metrics(acc: list[torch.Tensor], targets: list[tuple[torch.Tensor, torch.Tensor]],

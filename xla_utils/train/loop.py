@@ -34,7 +34,7 @@ import torch
 from .. import runtime
 from ..data import CachedImageDataset, default_loader_threads, iterate_batches
 from ..step.device_plan import DevicePlan, DeviceRequest
-from .metrics import MetricAccumulator, resolve_metrics
+from .metrics import MetricAccumulator, metric_keys, resolve_metrics, target_kind
 from ..step.optim import make_optimizer, optimizer_label
 from .schedule import OneCycleSchedule
 
@@ -513,11 +513,12 @@ def divergence_message(diag: DiagnosticsSettings, value: float, epoch: int, step
 
 def metric_accumulator(names: Any, loss_fn: Callable, out: torch.Tensor, y: torch.Tensor,
                        dev: torch.device) -> MetricAccumulator:
-    """A device-side accumulator of the configured metrics ``names`` (``None``:
-    the defaults for the problem), sized from a first output/target pair."""
-    multilabel = y.dtype.is_floating_point and y.dim() == 2
-    resolved = resolve_metrics(names, multilabel, out.shape[1] if out.dim() == 2 else None)
-    return MetricAccumulator(resolved, loss_fn, dev)
+    """An accumulator of the configured metrics ``names`` (``None``: the defaults for the
+    task), for the task a first output/target pair shows
+    (:func:`~xla_utils.train.metrics.target_kind`)."""
+    kind = target_kind(out, y, loss_fn)
+    width = out.shape[1] if out.dim() == 2 else 1
+    return MetricAccumulator(resolve_metrics(names, kind, width), loss_fn, dev, kind=kind)
 
 
 def evaluate(model: torch.nn.Module, batches: Iterable, *, data: DataSettings,
@@ -601,9 +602,8 @@ def explosion(record: dict[str, Any], state: TrainState, diag: DiagnosticsSettin
 
 def epoch_line(r: dict[str, Any]) -> str:
     parts = [f"epoch {r['epoch']}", f"train_loss {r['train_loss']:.4f}"]
-    for k in ("val_loss", "accuracy", "f1"):
-        if k in r:
-            parts.append(f"{k} {r[k]:.4f}")
+    for k in ["val_loss"] * ("val_loss" in r) + metric_keys(r):  # every validation metric
+        parts.append(f"{k} {r[k]:.4f}")
     parts.append(f"{r['images_per_s']:.0f} img/s")
     if "compiles" in r:  # XLA runs, and compile= on the torch backend
         parts.append(f"{r['compiles']} compiles")

@@ -33,7 +33,7 @@ from . import mesh_tasks as _mesh_tasks
 from ..step import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
                          earlier_runs_note, model_with_weights, resolve_resume)
-from .config import TrainerConfig, check_option_names
+from .config import LOSS_MONITORS, TrainerConfig, check_option_names
 from ..data import CachedImageDataset, iterate_batches
 from ..diagnostics.debug import DebugReport, debug_run
 from .ema import with_weights
@@ -41,9 +41,11 @@ from ..diagnostics.findings import ReadinessError
 from .history import History, check_monitor_data
 from ..step.plain import default_eval_step, default_train_step
 from ..step.inputs import (AsPairs, InputSpec, TargetPlan, check_batches, inspect_inputs,
-                           plan_targets, require_labels, shape_mismatch)
+                           output_width, plan_targets, require_labels, shape_mismatch,
+                           targets_of)
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
+from .metrics import check_metrics
 from .mixup import MixConfig, mix_config_for
 from .replica_loops import (FitPlan, completed_run, fit_on_mesh, fit_replica, inference_on_mesh,
                             inference_replica)
@@ -369,9 +371,8 @@ class OneCycleTrainer:
             raise TypeError(f"lr_groups must be a callable model -> param-group dicts (e.g. "
                             f"xla_utils.train.finetune.layer_group_lrs(...)) or None, got {lr_groups!r}")
         check_extra(checkpoint_extra)
-        check_monitor_data(cfg.monitor, cfg.metrics, self.val_data is not None,
-                           bool(getattr(self.train_data, "multilabel", False)),
-                           getattr(self.train_data, "num_classes", None))
+        check_monitor_data(cfg.monitor, self._check_metrics(cfg, inputs["val"], "val_data"),
+                           self.val_data is not None)
         world = placement.replicas
         check_batches(self.train_data, cfg.batch_size, world * cfg.accum_steps)
         mix = self._mix_config(inputs["train"])
@@ -404,6 +405,21 @@ class OneCycleTrainer:
                        eval_step=self.eval_step, inputs=inputs, base_lr=float(base_lr),
                        lr_world=lr_world, ckpt=ckpt, run_id=run_id, mix=mix, lr_groups=lr_groups,
                        ckpt_extra=checkpoint_extra, note=note), plan
+
+    def _check_metrics(self, cfg: TrainerConfig, val: tuple[Any, InputSpec] | None,
+                       name: str) -> tuple[str, ...] | None:
+        """The run's validation metrics for ``val`` (``(data as the loader collates it, its
+        InputSpec)``), each tried on a sample of its targets and made-up predictions of the
+        model's width, here on the host (:func:`xla_utils.train.metrics.check_metrics`); None
+        without ``val``, or when neither metrics nor a metric monitor were configured (nothing
+        to check)."""
+        if val is None or (cfg.metrics is None and cfg.monitor in (None, *LOSS_MONITORS)):
+            return None
+        fed, spec = val
+        targets, _ = targets_of(fed)
+        width = output_width(self.model, fed, self._prepare(spec, train=False), self.eval_step)
+        return check_metrics(cfg.metrics, targets=targets, width=width, loss_fn=self.loss,
+                             where=name)
 
     def _mix_config(self, train: tuple[Any, InputSpec]) -> MixConfig | None:
         """The fit run's :class:`~xla_utils.train.mixup.MixConfig` (None: no mixing or smoothing)
@@ -545,8 +561,8 @@ class OneCycleTrainer:
         """Validation metrics of the current model on a labelled dataset, on all cores.
 
         Returns the dict :meth:`fit` reports per epoch: ``loss``, the configured
-        metrics (accuracy, ``top<k>``, F1 for multi-label) and ``samples`` (every
-        item counted once). ``tta``, ``cores``, ``simulate``, ``batch_size`` and ``compile`` are
+        metrics (``TrainerConfig.metrics``, each tried on a sample of ``data`` first; None:
+        the task's defaults) and ``samples`` (every item counted once). ``tta``, ``cores``, ``simulate``, ``batch_size`` and ``compile`` are
         as in :meth:`predict`. With ``tta=k > 1`` the metrics are those of the averaged
         probabilities (exactly what :meth:`predict` returns): the loss receives
         ``log(mean softmax)`` (single-label) or ``logit(mean sigmoid)`` (multi-label),
@@ -604,6 +620,8 @@ class OneCycleTrainer:
             if why is not None:
                 raise ValueError(why)
         views = inference.tta_views(data, tta, spec.shape, self.config.flip)
+        if labelled:  # the metrics, tried on a sample before any device time
+            self._check_metrics(self.config, (spec.feed(data), spec), "data")
         model = (with_weights(self.model, self.ema_state) if weights is None
                  else model_with_weights(self.model, weights))
         fed = spec.feed(data)
