@@ -174,6 +174,14 @@ def _epoch_of(path: Path) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def _stored_options(cfg: TrainerConfig) -> dict[str, Any]:
+    """The options an epoch checkpoint stores (and a resume compares): every option but the
+    optimizer (stored by name), a callable one (``transform``, ``batch_transform``) by its
+    name, since functions can neither be pickled reliably nor compared across sessions."""
+    return {k: _optimizer_name(v) if callable(v) and not isinstance(v, type) else v
+            for k, v in cfg.options().items() if k != "optimizer"}
+
+
 def _optimizer_name(spec: Any) -> str:
     if isinstance(spec, str):
         return spec
@@ -288,7 +296,7 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
         holds the run's last epoch, that the run is already complete.
     """
     old = dict(ckpt.get("config", {}))
-    new = {k: v for k, v in cfg.options().items() if k != "optimizer"}
+    new = _stored_options(cfg)
     fixed: list[str] = []
 
     def differs(a: Any, b: Any) -> bool:
@@ -458,7 +466,7 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
         "history": history, "base_lr": base_lr, "lr_world": lr_world, "world_size": world_size,
         "steps_per_epoch": steps_per_epoch, "run_id": run_id, "initial_loss": initial_loss,
         "optimizer_name": _optimizer_name(cfg.optimizer), "device_type": runtime.device().type,
-        "config": {k: v for k, v in cfg.options().items() if k != "optimizer"},
+        "config": _stored_options(cfg),
     }
     if ema is not None:
         state["ema"] = ema

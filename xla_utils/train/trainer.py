@@ -34,14 +34,14 @@ from ..step import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
                          earlier_runs_note, model_with_weights, resolve_resume)
 from .config import TrainerConfig, check_option_names
-from ..data import CachedImageDataset, iterate_batches
+from ..data import CachedImageDataset, check_transform, iterate_batches
 from ..diagnostics.debug import DebugReport, debug_run
 from .ema import with_weights
 from ..diagnostics.findings import ReadinessError
 from .history import History, check_monitor_data
 from ..step.plain import default_eval_step, default_train_step
-from ..step.inputs import (AsPairs, InputSpec, check_batches, check_targets, inspect_inputs,
-                           require_labels, shape_mismatch)
+from ..step.inputs import (AsPairs, InputSpec, check_batch_transform, check_batches, check_targets,
+                           inspect_inputs, require_labels, shape_mismatch)
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .mixup import MixConfig, mix_config_for
@@ -423,6 +423,10 @@ class OneCycleTrainer:
                 fed = spec.feed(data)
                 check_targets(self.model, self.loss, fed, name, self._prepare(spec, train=False),
                               self.eval_step)
+                if name == "train_data":  # the augmentation hooks keep the batch's shapes
+                    check_transform(fed, self.config.transform, name)
+                    check_batch_transform(self.config.batch_transform, fed,
+                                          self._prepare(spec, train=True))
                 out[name[:-5]] = (fed, spec)
         return out
 
