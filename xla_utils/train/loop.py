@@ -327,8 +327,8 @@ def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how:
             f"{ws * cfg.batch_size * k} global batch; {optimizer_label(cfg.optimizer)}, max_lr "
             f"{base_lr:.3g} x {max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
             + (f"; {plan.words}, {loader_words(train_data, cfg.data, train=True)}" if plan.words
-               else f"; {loader_words(train_data, cfg.data, train=True)}" if _loads_specially(train_data, cfg)
-               else "")
+               else f"; {loader_words(train_data, cfg.data, train=True)}"
+               if _loads_specially(train_data, cfg) else "")
             + (f"; {note}" if note else ""))
 
 
@@ -468,6 +468,7 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSetting
     x = prepare_input(x, data, True, inputs, s.plan.memory_format)
     if s.batch_transform is not None:  # batch_transform=: the user's device augmentation
         x, y = apply_batch_transform(s.batch_transform, x, y)
+        x = s.plan.layout(x)
     if s.mix is not None:
         x, y = s.mix(x, y)
         x = s.plan.layout(x)
