@@ -13,8 +13,9 @@ import torch
 
 from xla_utils.env.gpu import cuda_available
 from xla_utils.cache import build_cache
-from xla_utils.data import (IMAGENET_MEAN, IMAGENET_STD, CachedImageDataset, DistributedBatchSampler,
-                            images_to_float, iterate_batches)
+from xla_utils.data import (IMAGENET_MEAN, IMAGENET_STD, RING_VALID_FOR, CachedImageDataset,
+                            DistributedBatchSampler, caches_inside, images_to_float, iterate_batches,
+                            plan_loading)
 
 N_IMAGES, SIZE, VARIANTS = 45, 20, 3
 
@@ -279,6 +280,81 @@ def test_iterate_batches_over_any_map_style_dataset():
     assert len(it) == len(got) == 3
     x, y, valid = got[-1]
     assert x.shape == (4, 2) and y.tolist() == [8, 9, 0, 1] and valid.tolist() == [True, True, False, False]
+
+
+# ----------------------------------------------------------------------------- augmentation
+
+
+class Wrapped:
+    """A user's dataset around a cache (attribute name chosen freely, no set_epoch): uint8
+    [C, H, W] tensors, mirrored, or float ones (``as_float``: not the ring's samples)."""
+
+    def __init__(self, cache, as_float: bool = False):
+        self.inner_data, self.as_float = cache, as_float
+
+    def __len__(self) -> int:
+        return len(self.inner_data)
+
+    def __getitem__(self, i):
+        x, y = self.inner_data[i]
+        x = torch.from_numpy(x).permute(2, 0, 1).flip(2)
+        return (x.float() / 255 if self.as_float else x), y
+
+
+def test_transform_runs_on_the_ring_after_the_variant_is_read(ds):
+    invert = lambda t: 255 - t  # noqa: E731
+    b = iterate_batches(ds, 8, shuffle=False, epoch=0, transform=invert)
+    assert b.plan.kind == "cache" and b.valid_for == RING_VALID_FOR
+    firsts = []
+    for epoch in range(VARIANTS):
+        b.set_epoch(epoch)
+        x, y, _ = next(iter(b))
+        want = np.stack([255 - ds.image(i, epoch) for i in range(8)])
+        np.testing.assert_array_equal(x.numpy(), want)
+        firsts.append(x[0].numpy().tobytes())
+    assert len(set(firsts)) == VARIANTS  # sample 0 differs in every epoch: the variants rotate
+    with pytest.raises(ValueError, match=r"transform= must return a uint8 \[C, H, W\] tensor.*"
+                       r"\(3, 20, 20\).*returned a torch.Tensor of shape \(3, 10, 20\)"):
+        list(iterate_batches(ds, 8, transform=lambda t: t[:, :10]))
+
+
+def test_a_wrapper_around_the_cache_is_read_on_the_ring_and_its_variants_rotate(ds):
+    ds.set_epoch(0)
+    w = Wrapped(ds)
+    assert caches_inside(w) == [ds] and caches_inside(torch.utils.data.ConcatDataset([w, ds])) == [ds]
+    assert caches_inside(torch.utils.data.TensorDataset(torch.zeros(3, 2))) == []
+    plan = plan_loading(w)
+    assert (plan.kind, plan.x_shape, plan.channels_first) == ("wrapper", (3, SIZE, SIZE), True)
+    assert plan.words(2) == "2 loader threads reading Wrapped per sample (around a cache: its variants rotate)"
+    b = iterate_batches(w, 8, shuffle=False, num_workers=2)
+    assert b.valid_for == RING_VALID_FOR
+    firsts = []
+    for epoch in range(VARIANTS):
+        b.set_epoch(epoch)
+        x, y, _ = next(iter(b))
+        want = np.stack([ds.image(i, epoch).transpose(2, 0, 1)[:, :, ::-1] for i in range(8)])
+        np.testing.assert_array_equal(x.numpy(), want)
+        assert y.tolist() == ds.labels[:8].tolist() and ds.epoch == epoch
+        firsts.append(x[0].numpy().tobytes())
+    assert len(set(firsts)) == VARIANTS
+
+
+def test_a_wrapper_off_the_ring_still_rotates_and_says_why(ds):
+    ds.set_epoch(0)
+    w = Wrapped(ds, as_float=True)
+    plan = plan_loading(w)
+    assert plan.kind == "dataloader" and plan.caches == (ds,)
+    assert "its inputs are a torch.Tensor of shape (3, 20, 20) and dtype float32" in plan.words(None)
+    assert "pass the augmentation as transform=" in plan.words(None)
+    b = iterate_batches(w, 8, shuffle=False)
+    firsts = []
+    for epoch in range(VARIANTS):
+        b.set_epoch(epoch)
+        firsts.append(next(iter(b))[0][0].numpy().tobytes())
+    assert len(set(firsts)) == VARIANTS
+    with pytest.raises(ValueError, match="transform= runs per sample in the loader threads.*Wrapped wraps "
+                       "a cache, but its inputs are"):
+        iterate_batches(w, 8, transform=lambda t: t)
 
 
 # ----------------------------------------------------------------------------- device side

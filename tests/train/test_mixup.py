@@ -203,10 +203,17 @@ def test_draws_come_in_chunks_new_per_step_and_epoch_same_graph_exact_on_resume(
     assert len(set(lams)) == 3, lams
 
 
+def _noise(x, y):
+    """A ``batch_transform=`` hook: device random noise, in the step's graph. (Its scale is no
+    value a step's scalars take: torch_xla gives equal scalars one input, another graph.)"""
+    return x + 0.3 * torch.randn_like(x), y
+
+
 @pytest.mark.timeout(600)
 def test_trainer_mix_over_chunks_compiles_once_and_resumes_exactly(tmp_path):
-    """80 steps an epoch, more than one chunk of draws (64): no compile after epoch 1, and
-    a run resumed from epoch 1's checkpoint ends with the same weights."""
+    """80 steps an epoch, more than one chunk of draws (64), with a batch_transform= hook
+    drawing device noise too: no compile after epoch 1, and a run resumed from epoch 1's
+    checkpoint ends with the same weights."""
     import copy
 
     data = digits_dataset(320, shape=(1, 8, 8))
@@ -214,7 +221,8 @@ def test_trainer_mix_over_chunks_compiles_once_and_resumes_exactly(tmp_path):
     init = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
                          nn.Linear(4 * 64, 10))
     kw = dict(batch_size=4, epochs=2, max_lr=5e-3, seed=6, mixup=0.2, cutmix=1.0,
-              label_smoothing=0.1, checkpoint_dir=str(tmp_path / "full"), keep_checkpoints=3)
+              label_smoothing=0.1, checkpoint_dir=str(tmp_path / "full"), keep_checkpoints=3,
+              batch_transform=_noise)
     full = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), data, **kw).fit(simulate=1)
     compiles = [e["compiles"] for e in full.epochs]
     assert compiles[0] > 0 and compiles[1] == compiles[0], compiles

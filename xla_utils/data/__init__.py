@@ -9,8 +9,11 @@ The face of the package: it re-exports the names below from the modules that def
   the same number of full batches on every rank; :class:`ShardWindowSampler`, the
   shard-aware shuffle of a remote cache larger than its local budget.
 * ``loader``: :func:`iterate_batches`, uint8 NHWC batches filled by background threads into
-  a ring of preallocated (optionally pinned) buffers, no collate.
-* ``transforms``: :func:`images_to_float`, :func:`image_layout`, the device transforms.
+  a ring of preallocated (optionally pinned) buffers, no collate (also for a user's dataset
+  around a cache, :func:`caches_inside`), with an optional per-sample ``transform``
+  (:func:`check_transform`); :func:`plan_loading` says which way a dataset goes.
+* ``transforms``: :func:`images_to_float`, :func:`image_layout`, :func:`apply_batch_transform`,
+  the device transforms.
 
 Everything here is safe to share between threads: the dataset is read-only after
 construction and all per-pass state lives in the iterator. (The one exception is
@@ -20,9 +23,11 @@ takes ``epoch`` explicitly.)
 from __future__ import annotations
 
 from .dataset import CachedImageDataset
-from .loader import RING_VALID_FOR, BatchIterable, default_loader_threads, iterate_batches
+from .loader import (RING_VALID_FOR, BatchIterable, LoadPlan, caches_inside, check_transform,
+                     default_loader_threads, iterate_batches, plan_loading)
 from .samplers import DistributedBatchSampler, ShardWindowSampler
-from .transforms import IMAGE_CHANNELS, IMAGENET_MEAN, IMAGENET_STD, image_layout, images_to_float
+from .transforms import (IMAGE_CHANNELS, IMAGENET_MEAN, IMAGENET_STD, apply_batch_transform, image_layout,
+                         images_to_float)
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -34,7 +39,12 @@ __all__ = [
     "iterate_batches",
     "default_loader_threads",
     "RING_VALID_FOR",
+    "LoadPlan",
+    "plan_loading",
+    "caches_inside",
+    "check_transform",
     "images_to_float",
     "image_layout",
     "IMAGE_CHANNELS",
+    "apply_batch_transform",
 ]

@@ -1,26 +1,275 @@
 """Batches for one rank and one epoch: :func:`iterate_batches`.
 
 For a :class:`~.dataset.CachedImageDataset`, uint8 NHWC batches assembled by background
-threads into a ring of preallocated (optionally pinned) buffers, no collate; for any other
-map-style dataset, a torch ``DataLoader`` over the same sampler's batches. All per-pass
-state lives in the iterator, and :func:`iterate_batches` takes ``epoch`` explicitly.
+threads into a ring of preallocated (optionally pinned) buffers, no collate (the fast path);
+a user's dataset around a cache (:func:`caches_inside`) whose samples are uint8 images and
+class targets goes the same way, sample by sample, its caches told each epoch; for any other
+map-style dataset, a torch ``DataLoader`` over the same sampler's batches. An optional
+per-sample ``transform`` runs in the fast path's threads (:func:`check_transform`). All
+per-pass state lives in the iterator, and :func:`iterate_batches` takes ``epoch`` explicitly.
 """
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from .dataset import CachedImageDataset
 from .samplers import DistributedBatchSampler, ShardWindowSampler
+from .transforms import image_layout
 
-__all__ = ["iterate_batches", "BatchIterable", "default_loader_threads", "RING_VALID_FOR"]
+__all__ = ["iterate_batches", "BatchIterable", "default_loader_threads", "RING_VALID_FOR",
+           "LoadPlan", "plan_loading", "caches_inside", "check_transform"]
 
 # A batch of a cache's ring stays valid while this many further batches are requested.
 RING_VALID_FOR = 2
+
+
+# A wrapper's containers (lists, tuples, dicts) longer than this are not searched for caches.
+_SEARCH_ITEMS = 16
+
+
+def caches_inside(data: Any, depth: int = 4) -> list[CachedImageDataset]:
+    """The :class:`CachedImageDataset` objects a user's dataset wraps: found through its
+    attributes (any name: ``.dataset``, ``.ds``, ``.base`` ...), lists and dicts of up to 16
+    items (``ConcatDataset.datasets``), up to ``depth`` levels down; ``[data]`` for a cache
+    itself, ``[]`` when there is none. Only dataset-like objects (``__getitem__`` and
+    ``__len__``) are searched, never arrays or tensors."""
+    found: list[CachedImageDataset] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, level: int) -> None:
+        if id(obj) in seen or level > depth:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, CachedImageDataset):
+            found.append(obj)
+            return
+        if isinstance(obj, (list, tuple, dict)):
+            items = list(obj.values()) if isinstance(obj, dict) else obj
+            children = items if len(items) <= _SEARCH_ITEMS else []
+        elif isinstance(obj, (np.ndarray, torch.Tensor, str, bytes)) or not (
+                hasattr(type(obj), "__getitem__") and hasattr(type(obj), "__len__")):
+            return
+        else:
+            children = list(getattr(obj, "__dict__", {}).values())
+        for child in children:
+            walk(child, level + 1)
+
+    walk(data, 0)
+    return found
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """How :func:`iterate_batches` loads a dataset (:func:`plan_loading`).
+
+    Attributes:
+        kind: ``"cache"`` (a :class:`CachedImageDataset`: the ring, whole batches),
+            ``"wrapper"`` (a dataset around a cache: the ring, filled sample by sample by
+            the loader threads) or ``"dataloader"`` (a torch ``DataLoader``).
+        caches: The caches inside a wrapper: each pass sets their epoch (``set_epoch``)
+            before reading, so their variants rotate whether or not the wrapper forwards it.
+        name: The wrapper's class name ("" for a cache or a dataset without caches).
+        why: Why a wrapper around a cache is not on the ring ("" otherwise).
+        x_shape: One sample's uint8 image shape in the ring (``[H, W, C]`` or ``[C, H, W]``).
+        channels_first: The ring holds ``[C, H, W]`` images (a wrapper's torch tensors).
+        y_shape, y_dtype: One target's shape and numpy dtype in the ring.
+    """
+
+    kind: str
+    caches: tuple[CachedImageDataset, ...] = ()
+    name: str = ""
+    why: str = ""
+    x_shape: tuple[int, ...] = ()
+    channels_first: bool = False
+    y_shape: tuple[int, ...] = ()
+    y_dtype: Any = np.int64
+
+    @property
+    def fast(self) -> bool:
+        """Batches come from the ring of the loader threads."""
+        return self.kind != "dataloader"
+
+    def words(self, num_workers: int | None, transform: Callable | None = None) -> str:
+        """How the batches are loaded, for a run's first line: ``"4 loader threads"``, with
+        the wrapper and ``transform=`` when there are, or ``"DataLoader with 0 worker
+        processes"`` (and, for a wrapper around a cache, why and what to do instead)."""
+        if self.fast:
+            n = num_workers if num_workers is not None else default_loader_threads()
+            out = f"{n} loader thread{'s' if n != 1 else ''}"
+            if self.kind == "wrapper":
+                out += f" reading {self.name} per sample (around a cache: its variants rotate)"
+            return out + (f", transform={_callable_name(transform)} per sample" if transform else "")
+        n = num_workers or 0
+        out = f"DataLoader with {n} worker process{'es' if n != 1 else ''}"
+        if self.caches:
+            out += (f" ({self.name} around a cache: its variants rotate; not on the loader threads, "
+                    f"which take uint8 images and class targets: {self.why}; for them, return the "
+                    "cache's uint8 images and pass the augmentation as transform=)")
+        return out
+
+
+def plan_loading(data: Any) -> LoadPlan:
+    """How :func:`iterate_batches` loads ``data``: a cache on the ring; a dataset around one
+    (:func:`caches_inside`) on the ring too when its sample 0 is ``(uint8 image, target)``
+    with a class index or a float32 multi-hot target (read once here), else through a
+    ``DataLoader``; anything else through a ``DataLoader``."""
+    if isinstance(data, CachedImageDataset):
+        # each batch's labels as the dataset's (class indices, multi-hot rows, float targets)
+        return LoadPlan("cache", (data,), "", "", (*data.image_size, 3), False,
+                        tuple(data.labels.shape[1:]), data.labels.dtype)
+    caches = tuple(caches_inside(data))
+    if not caches:
+        return LoadPlan("dataloader")
+    name = type(data).__name__
+    sample = data[0] if len(data) else None
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        return LoadPlan("dataloader", caches, name, "its samples are not (input, target) pairs")
+    x, y = sample
+    a = _host_array(x)
+    layout = None if a is None or a.dtype != np.uint8 else image_layout(
+        a.shape, channels_first_on_tie=isinstance(x, torch.Tensor))
+    if type(x).__module__.startswith("torchvision.tv_tensors") and a is not None and a.ndim == 3:
+        layout = "channels_first"
+    if layout is None:
+        return LoadPlan("dataloader", caches, name,
+                        f"its inputs are {_describe(x)}")
+    target = _target_kind(y)
+    if target is None:
+        return LoadPlan("dataloader", caches, name, f"its targets are {_describe(y)}")
+    return LoadPlan("wrapper", caches, name, "", tuple(a.shape), layout == "channels_first", *target)
+
+
+def _host_array(x: Any) -> np.ndarray | None:
+    """``x`` as a numpy array (a view of a CPU tensor), or None."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().as_subclass(torch.Tensor).numpy() if x.device.type == "cpu" else None
+    return x if isinstance(x, np.ndarray) else None
+
+
+def _target_kind(y: Any) -> tuple[tuple[int, ...], Any] | None:
+    """``(shape, numpy dtype)`` of a target the ring holds: a class index, or a float32
+    multi-hot vector; None for anything else."""
+    if isinstance(y, (bool, np.bool_)):
+        return None
+    if isinstance(y, (int, np.integer)):
+        return (), np.int64
+    a = _host_array(y)
+    if a is None:
+        return None
+    if a.ndim == 0 and a.dtype.kind in "iu":
+        return (), np.int64
+    if a.ndim == 1 and a.dtype == np.float32:
+        return tuple(a.shape), np.float32
+    return None
+
+
+def _describe(v: Any) -> str:
+    """``v`` in words: its type (module-qualified), shape and dtype where it has them."""
+    t = type(v)
+    shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
+    out = f"a {t.__name__ if t.__module__ == 'builtins' else t.__module__.split('.')[0] + '.' + t.__name__}"
+    if shape is not None:
+        out += f" of shape {tuple(int(d) for d in shape)}"
+    if dtype is not None:
+        out += f" and dtype {str(dtype).replace('torch.', '')}"
+    return out
+
+
+def _callable_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _set_epoch(data: Any, plan: LoadPlan, epoch: int) -> None:
+    """Select ``epoch``'s variant: in every cache inside a wrapper first, then through the
+    dataset's own ``set_epoch`` when it has one (a wrapper's own forwarding wins)."""
+    if plan.kind != "cache":
+        for cache in plan.caches:
+            cache.set_epoch(epoch)
+    if hasattr(data, "set_epoch"):
+        data.set_epoch(epoch)
+
+
+def _apply_transform(transform: Callable, img: np.ndarray, channels_first: bool) -> None:
+    """``img`` (one ring slot's uint8 image, ``[H, W, C]`` or ``[C, H, W]``) replaced by
+    ``transform``'s output for it, given as a contiguous uint8 ``[C, H, W]`` tensor (a copy)."""
+    chw = img if channels_first else img.transpose(2, 0, 1)
+    out = transform(torch.from_numpy(chw.copy()))
+    problem = _transform_problem(out, chw.shape)
+    if problem:
+        raise ValueError(problem)
+    a = out.detach().as_subclass(torch.Tensor).numpy()
+    img[...] = a if channels_first else a.transpose(1, 2, 0)
+
+
+def _transform_problem(out: Any, shape: tuple[int, ...]) -> str:
+    """Why ``transform=``'s output ``out`` cannot replace a uint8 ``[C, H, W]`` image of
+    ``shape``, with the fix; "" when it can."""
+    c, h, w = shape
+    if isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and tuple(out.shape) == shape \
+            and out.device.type == "cpu":
+        return ""
+    msg = (f"transform= must return a uint8 [C, H, W] tensor of the shape it is given, {shape} (the "
+           f"loader writes it into the batch's preallocated slot, and every batch has one shape), "
+           f"but it returned {_describe(out)}")
+    if not isinstance(out, torch.Tensor):
+        fix = ("return a tensor: torchvision v2 transforms do when given one (leave out ToPILImage); "
+               "numpy code's [H, W, C] result is torch.from_numpy(a).permute(2, 0, 1)")
+    elif out.dtype != torch.uint8:
+        fix = ("keep uint8: leave out ToDtype/Normalize/ToTensor, the trainer normalises uint8 images "
+               "on the device with mean= and std=")
+    elif out.dim() == 3 and out.shape[0] == c:
+        fix = (f"a crop or resize must come back to {h}x{w} (e.g. v2.RandomResizedCrop(size=({h}, {w})) "
+               f"instead of v2.RandomCrop(...) to a smaller size, or v2.Resize(({h}, {w})) after it); to "
+               f"train at another size rebuild the cache at it (build_cache(..., size=...))")
+    elif out.device.type != "cpu":
+        fix = "run it on the CPU (it runs in the host's loader threads); device work goes in batch_transform="
+    else:
+        fix = f"keep the image's {c} channels and its [C, H, W] layout"
+    return f"{msg}. Fix: {fix}"
+
+
+def check_transform(data: Any, transform: Callable | None, name: str = "train_data") -> None:
+    """Refuse a ``transform=`` that the loader cannot run on ``data``, on the host before any
+    device time: ``data`` is not on the fast path, ``transform`` is not callable, it fails on
+    sample 0 (variant 0), or its output is not a uint8 tensor of the input's shape.
+
+    Raises:
+        TypeError: ``transform`` is not callable.
+        ValueError: any other case; the message names ``transform=`` and the fix.
+    """
+    if transform is None:
+        return
+    if not callable(transform):
+        raise TypeError(f"transform= must be a callable (uint8 [C, H, W] tensor -> the same), e.g. "
+                        f"torchvision.transforms.v2.Compose([...]), or None; got {transform!r}")
+    plan = plan_loading(data)
+    if not plan.fast:
+        where = (f"{plan.name} wraps a cache, but {plan.why}" if plan.caches else
+                 f"{name} is a {type(data).__name__}, loaded by a torch DataLoader")
+        raise ValueError(f"transform= runs per sample in the loader threads of a CachedImageDataset "
+                         f"(or of a dataset around one whose samples are uint8 images and class "
+                         f"targets); {where}. Fix: apply it in the dataset's __getitem__, or train on "
+                         f"a cache (build_cache)")
+    if plan.kind == "cache":
+        img = data.image(0, variant=0)
+    else:
+        img = np.array(_host_array(data[0][0]))
+    try:
+        _apply_transform(transform, img, plan.channels_first)
+    except ValueError as e:
+        if str(e).startswith("transform= must return"):
+            raise ValueError(f"{name} sample 0: {e}") from None
+        raise ValueError(f"transform= failed on {name} sample 0 (given a uint8 [C, H, W] tensor): "
+                         f"{type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise ValueError(f"transform= failed on {name} sample 0 (given a uint8 [C, H, W] tensor): "
+                         f"{type(e).__name__}: {e}") from e
 
 
 class BatchIterable:
@@ -30,15 +279,16 @@ class BatchIterable:
     """
 
     def __init__(self, dataset: Any, sampler: DistributedBatchSampler, epoch: int, num_workers: int | None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, transform: Callable | None = None, plan: LoadPlan | None = None):
         self.dataset, self.sampler, self.epoch = dataset, sampler, int(epoch)
-        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.num_workers, self.pin_memory, self.transform = num_workers, pin_memory, transform
+        self.plan = plan if plan is not None else plan_loading(dataset)
 
     @property
     def valid_for(self) -> int | None:
         """Further batches a yielded batch stays valid for before its buffers are refilled:
         2 for a cache's ring, None (never reused: fresh tensors) for a ``DataLoader``'s."""
-        return RING_VALID_FOR if isinstance(self.dataset, CachedImageDataset) else None
+        return RING_VALID_FOR if self.plan.fast else None
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -48,16 +298,18 @@ class BatchIterable:
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        if isinstance(self.dataset, CachedImageDataset):
+        if self.plan.kind == "wrapper":
+            _set_epoch(self.dataset, self.plan, self.epoch)
+        if self.plan.fast:
             workers = self.num_workers if self.num_workers is not None else default_loader_threads()
-            return _ring_batches(self.dataset, self.sampler, self.epoch, workers, self.pin_memory)
+            return _ring_batches(self.dataset, self.plan, self.sampler, self.epoch, workers,
+                                 self.pin_memory, self.transform)
         return self._loader_batches()
 
     def _loader_batches(self) -> Iterator[tuple[Any, Any, torch.Tensor]]:
         from torch.utils.data import DataLoader
 
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(self.epoch)
+        _set_epoch(self.dataset, self.plan, self.epoch)
         batches = [idx for idx, _ in self.sampler.batches(self.epoch)]
         loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers or 0,
                             pin_memory=self.pin_memory)
@@ -76,12 +328,12 @@ class _Ring:
     at ``base`` so that the previous pass's last batches keep their guarantee.
     """
 
-    def __init__(self, ds: CachedImageDataset, batch_size: int, size: int, pin: bool = False):
+    def __init__(self, plan: LoadPlan, batch_size: int, size: int, pin: bool = False):
         self.size, self.base, self.in_use = size, 0, False
-        y = (size, batch_size, *ds.labels.shape[1:])  # each batch's labels as the dataset's
+        y_dtype = torch.from_numpy(np.empty(0, plan.y_dtype)).dtype  # the dataset's own
         t = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in (
-            ((size, batch_size, *ds.image_size, 3), torch.uint8),
-            (y, torch.from_numpy(ds.labels[:0]).dtype), ((size, batch_size), torch.bool))]
+            ((size, batch_size, *plan.x_shape), torch.uint8),
+            ((size, batch_size, *plan.y_shape), y_dtype), ((size, batch_size), torch.bool))]
         self.xs, self.ys, self.vs = (a.numpy() for a in t)
         self.slots = [tuple(a[r] for a in t) for r in range(size)]
 
@@ -107,39 +359,73 @@ class _Prefetch:
         self.cache.prefetch([sh for _, _, sh in live], protect)
 
 
-def _take_ring(ds: CachedImageDataset, sampler: DistributedBatchSampler, size: int, pin: bool) -> _Ring:
-    key = (sampler.rank, sampler.world_size, sampler.batch_size, size, pin)
+def _take_ring(plan: LoadPlan, sampler: DistributedBatchSampler, size: int, pin: bool) -> _Ring:
+    """A free ring of the plan's shapes, kept by its (first) cache for the next passes."""
+    ds = plan.caches[0]
+    key = (sampler.rank, sampler.world_size, sampler.batch_size, size, pin, plan.x_shape,
+           plan.y_shape, np.dtype(plan.y_dtype).str)
     with ds._rings_lock:
         ring = ds._rings.get(key)
         if ring is None or ring.in_use:  # a concurrent pass of the same rank gets its own buffers
-            ring = _Ring(ds, sampler.batch_size, size, pin)
+            ring = _Ring(plan, sampler.batch_size, size, pin)
             ds._rings.setdefault(key, ring)
         ring.in_use = True
         return ring
 
 
-def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoch: int,
-                  workers: int, pin: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _fill_samples(data: Any, plan: LoadPlan, idx: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> None:
+    """A wrapper's samples ``idx`` into one ring slot (``xs``, ``ys``), each checked against
+    the shape of sample 0."""
+    for j, i in enumerate(idx.tolist()):
+        sample = data[i]
+        x, y = sample if isinstance(sample, (tuple, list)) and len(sample) == 2 else (sample, None)
+        a = _host_array(x)
+        if a is None or a.dtype != np.uint8 or a.shape != plan.x_shape or _target_kind(y) is None:
+            raise ValueError(f"{plan.name} sample {i} is ({_describe(x)}, {_describe(y)}) but its sample "
+                             f"0 was a uint8 image of shape {plan.x_shape} and a target: the loader's "
+                             "batches have one shape (resize in the dataset, or use transform=)")
+        xs[j] = a
+        ys[j] = _host_array(y) if isinstance(y, torch.Tensor) else y
+
+
+def _fill_slot(data: Any, plan: LoadPlan, epoch: int, batch: tuple[np.ndarray, np.ndarray],
+               slot: tuple[np.ndarray, np.ndarray, np.ndarray], transform: Callable | None) -> None:
+    """Batch ``batch`` (indices, valid mask) of ``epoch`` into a ring ``slot`` (x, y, valid):
+    a cache's whole, a wrapper's sample by sample; then ``transform`` on every image."""
+    (idx, valid), (xs, ys, vs) = batch, slot
+    if plan.kind == "cache":
+        data.load_batch(idx, epoch, xs)
+        np.take(data.labels, idx, axis=0, out=ys)
+    else:
+        _fill_samples(data, plan, idx, xs, ys)
+    if transform is not None:
+        for img in xs:
+            _apply_transform(transform, img, plan.channels_first)
+    vs[...] = valid
+
+
+def _ring_batches(data: Any, plan: LoadPlan, sampler: DistributedBatchSampler, epoch: int,
+                  workers: int, pin: bool = False, transform: Callable | None = None
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Fill batches into a ring of ``R = workers + 3`` preallocated slots (pinned: ``pin``).
 
     Batch ``j`` (counted across the passes that share the ring) lives in slot
     ``j % R`` and is only overwritten by batch ``j + R``, which a thread may start
     once the consumer has asked for batch ``j + 3``: a yielded batch survives
-    :data:`RING_VALID_FOR` (two) further requests.
+    :data:`RING_VALID_FOR` (two) further requests. A cache's batches are read whole
+    (:meth:`CachedImageDataset.load_batch`), a wrapper's sample by sample; ``transform``
+    then replaces each image in the slot.
     """
     batches = list(sampler.batches(epoch))
     nb, R = len(batches), workers + RING_VALID_FOR + 1
-    ring = _take_ring(ds, sampler, R, pin)
+    ring = _take_ring(plan, sampler, R, pin)
     base = ring.base
-    prefetch = _Prefetch(ds, batches, R) if ds._remote is not None else None
+    remote = plan.kind == "cache" and data._remote is not None
+    prefetch = _Prefetch(data, batches, R) if remote else None
 
     def fill(k: int) -> None:
-        idx, valid = batches[k]
         r = (base + k) % R
-        ds.load_batch(idx, epoch, ring.xs[r])
-        np.take(ds.labels, idx, axis=0, out=ring.ys[r])
-        ring.vs[r] = valid
-
+        _fill_slot(data, plan, epoch, batches[k], (ring.xs[r], ring.ys[r], ring.vs[r]), transform)
     cond = threading.Condition()
     st = {"next": 0, "requested": 0, "stop": False, "error": None}
     ready: set[int] = set()
@@ -190,14 +476,15 @@ def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoc
             cond.notify_all()
         for t in threads:  # a thread may still be writing a slot; the next pass must not start before
             t.join()
-        with ds._rings_lock:
+        with plan.caches[0]._rings_lock:
             ring.base = base + max(st["next"], st["requested"])
             ring.in_use = False
 
 
 def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank: int = 0, shuffle: bool = True,
                     seed: int = 0, epoch: int = 0, drop_last: bool = True,
-                    num_workers: int | None = None, pin_memory: bool = False) -> BatchIterable:
+                    num_workers: int | None = None, pin_memory: bool = False,
+                    transform: Callable | None = None) -> BatchIterable:
     """Batches ``(x, y, valid)`` of host tensors for one rank and one epoch.
 
     The sampler is :class:`DistributedBatchSampler` (equal full batches on every
@@ -211,9 +498,16 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
       preallocated buffers. A yielded batch stays valid until two further
       batches have been requested (``.valid_for``): copy it (or move it to the
       device, and wait for an asynchronous copy to finish) first.
+    * a user's dataset around a cache (a wrapper: :func:`caches_inside` finds the cache
+      in its attributes) whose samples are uint8 images (``[H, W, C]`` arrays or
+      ``[C, H, W]`` tensors) and class indices or float32 multi-hot targets: the same
+      ring, filled sample by sample (``dataset[i]``) by the threads; ``x`` has the shape
+      of its sample 0. Each pass first sets the epoch of the caches inside, then calls
+      the wrapper's own ``set_epoch`` if it has one, so the variants rotate.
     * any other map-style dataset of ``(input, target)``: a torch ``DataLoader``
       with the same batches, default collate and ``num_workers`` processes
-      (default 0).
+      (default 0); a wrapper around a cache that is not on the ring (other samples) has
+      its caches' epoch set too.
 
     Args:
         dataset: a :class:`CachedImageDataset` or any map-style dataset.
@@ -223,6 +517,10 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
         num_workers: loader threads (cache) or processes (other datasets); see above.
         pin_memory: batches in pinned (page-locked) host memory, for asynchronous copies
             to a GPU (needs CUDA). Default False.
+        transform: on the ring only: called in the loader threads on every image after
+            its variant is read, with a uint8 ``[C, H, W]`` tensor (a copy; torchvision v2
+            transforms take it), and must return a uint8 tensor of the same shape, written
+            back into the batch (see :func:`check_transform`). Default None.
 
     Returns:
         A :class:`BatchIterable`: each iteration is one pass; ``len()`` is its batch count.
@@ -232,7 +530,10 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
                                      shuffle, seed, drop_last)
     else:
         sampler = DistributedBatchSampler(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
-    return BatchIterable(dataset, sampler, epoch, num_workers, pin_memory)
+    plan = plan_loading(dataset)
+    if transform is not None and not plan.fast:
+        check_transform(dataset, transform, "dataset")  # raises: names the fix
+    return BatchIterable(dataset, sampler, epoch, num_workers, pin_memory, transform, plan)
 
 
 def default_loader_threads() -> int:

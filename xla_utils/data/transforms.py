@@ -3,17 +3,20 @@
 * :func:`images_to_float` - uint8 NHWC (or NCHW) -> normalised NCHW float/bf16
   (optional random flip; NCHW or channels_last in memory) on the batch's device,
   so the host never normalises;
-* :func:`image_layout` - tells the two layouts of one sample apart.
+* :func:`image_layout` - tells the two layouts of one sample apart;
+* :func:`apply_batch_transform` - a user's batch-level hook (``batch_transform=``), its
+  shapes checked.
 
 Also importable from :mod:`xla_utils.data`. torch_xla is never imported here.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_CHANNELS", "image_layout", "images_to_float"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_CHANNELS", "image_layout", "images_to_float",
+           "apply_batch_transform"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -94,3 +97,26 @@ def images_to_float(x: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std:
     shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32).view(1, c, 1, 1)
     y = x.to(torch.float32) * scale.to(x.device) + shift.to(x.device)
     return y.to(dtype).contiguous(memory_format=memory_format)
+
+
+def apply_batch_transform(fn: Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]], x: torch.Tensor,
+                          y: Any) -> tuple[torch.Tensor, Any]:
+    """``fn(x, y)``, the trainer's ``batch_transform=`` hook, on a device batch: ``x`` the
+    normalised ``[B, C, H, W]`` inputs, ``y`` the targets. Its ops join the step's graph; only
+    shapes are checked (metadata: no device read).
+
+    Raises:
+        ValueError: ``fn`` did not return an ``(x, y)`` pair of the shapes it was given
+            (a changed shape would be a new graph: a recompile on XLA).
+    """
+    out = fn(x, y)
+    shape = lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__  # noqa: E731
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor)
+            and shape(out[0]) == shape(x) and shape(out[1]) == shape(y)):
+        got = (f"({', '.join(str(shape(v)) for v in out)})" if isinstance(out, (tuple, list))
+               else type(out).__name__)
+        raise ValueError(f"batch_transform= must return (x, y) of the shapes it is given, "
+                         f"({shape(x)}, {shape(y)}), but it returned {got}: a batch of another shape "
+                         "is another graph (a recompile on XLA). Fix: keep the shapes (e.g. erase or "
+                         "mix in place instead of cropping); resize in transform= or the cache")
+    return out[0], out[1]

@@ -25,12 +25,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..data import IMAGE_CHANNELS, CachedImageDataset, image_layout, images_to_float
+from ..data import IMAGE_CHANNELS, CachedImageDataset, apply_batch_transform, image_layout, images_to_float
 
 __all__ = ["check_batches", "check_targets", "require_labels", "shape_mismatch",
            "AsPairs", "InputSpec", "InputRefused", "inspect_inputs", "HostFeed", "pil_array",
            "INPUT_KEYS", "TARGET_KEYS", "targets_of", "output_width", "output_shape",
-           "TargetPlan", "loss_kind", "plan_targets", "TASKS"]
+           "TargetPlan", "loss_kind", "plan_targets", "TASKS", "check_batch_transform"]
 
 # Keys of dict samples (Hugging Face ``datasets`` style) taken as input and target, first found wins
 # (``input_ids``/``labels``: token sequences of a language model, fed unchanged).
@@ -169,6 +169,32 @@ class TargetPlan:
 
     kind: str | None
     shape: tuple[int, ...] | None = None
+
+
+def check_batch_transform(fn: Callable | None, data, prepare: Callable) -> None:
+    """Run ``batch_transform=`` once on the host, on the first two samples of ``data``
+    prepared as the step prepares them (``prepare``), to refuse one that changes the batch's
+    shapes before any device time. A hook that fails on the CPU for another reason (it
+    needs the device) is left to the first step.
+
+    Raises:
+        ValueError: ``fn`` returned other shapes (:func:`xla_utils.data.apply_batch_transform`).
+    """
+    if fn is None:
+        return
+    try:
+        x, y = torch.utils.data.default_collate([data[i] for i in range(min(2, len(data)))])[:2]
+        x = prepare(x)
+    except Exception:
+        return  # samples the collate cannot batch: the other checks name them
+    try:
+        with torch.no_grad():
+            apply_batch_transform(fn, x, y)
+    except ValueError as e:
+        if str(e).startswith("batch_transform= must return"):
+            raise
+    except Exception:
+        pass  # device-only code: the first step runs it
 
 
 def check_targets(model: torch.nn.Module, loss: Callable, data, name: str,

@@ -203,10 +203,11 @@ class MeshRun:
 
     def loader(self, data, settings: DataSettings, epoch: int, train: bool):
         """Global batches (``batch_size``, validation ``val_batch_size``, x devices): one
-        process feeds every device."""
+        process feeds every device; training batches through ``settings.transform``."""
         bs = settings.batch_size if train else settings.val_batch_size(len(data), self.devices)
         return iterate_batches(data, bs * self.devices, shuffle=train, seed=settings.seed,
-                               epoch=epoch, drop_last=train, num_workers=settings.num_workers)
+                               epoch=epoch, drop_last=train, num_workers=settings.num_workers,
+                               transform=settings.transform if train else None)
 
     def feed(self, batches: Iterable):
         """Host batches as device tensors split over the mesh's axis."""

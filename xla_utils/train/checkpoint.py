@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import runtime
+from .config import callable_name
 from ..step.optim import optimizer_label
 from ..utils.units import format_bytes
 
@@ -175,9 +176,7 @@ def _epoch_of(path: Path) -> int | None:
 
 
 def _optimizer_name(spec: Any) -> str:
-    if isinstance(spec, str):
-        return spec
-    return f"callable {getattr(spec, '__module__', '?')}.{getattr(spec, '__qualname__', repr(spec))}"
+    return spec if isinstance(spec, str) else callable_name(spec)
 
 
 def _read_checkpoint(path: Path, mmap: bool = False) -> dict:

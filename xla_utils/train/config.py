@@ -37,7 +37,7 @@ from .torch_compile import check_compile_option
 __all__ = ["TrainerConfig", "DataSettings", "ScheduleSettings", "OptimSettings",
            "AugmentSettings", "CheckpointSettings", "DeviceSettings", "DiagnosticsSettings",
            "GROUPS", "OPTION_GROUPS", "LR_SCALING", "ON_NAN", "LOSS_MONITORS",
-           "METRIC_MONITORS", "check_option_names"]
+           "METRIC_MONITORS", "check_option_names", "callable_name"]
 
 LR_SCALING = ("linear", "sqrt", "none")
 ON_NAN = ("stop", "continue")
@@ -47,8 +47,19 @@ LOSS_MONITORS = ("val_loss", "train_loss")
 METRIC_MONITORS = tuple(METRICS)
 
 
+def callable_name(fn: Any) -> str:
+    """A callable option as a checkpoint names it: ``"callable module.qualname"``."""
+    return f"callable {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
 def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _check_hook(name: str, fn: Any, what: str) -> None:
+    """Refuse a hook option that is neither None nor callable."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be a callable ({what}) or None, got {fn!r}")
 
 
 @dataclass
@@ -64,6 +75,13 @@ class DataSettings:
         mean, std: Per-channel normalisation of uint8 images, in 0..1 units
             (default ImageNet's).
         seed: Seeds data order and device RNG (flips, dropout). Default 0.
+        transform: Per-sample host augmentation of the training batches: a callable given
+            each image as a uint8 ``[C, H, W]`` tensor after the cache's variant is read
+            (torchvision v2 transforms take it), returning a uint8 tensor of the same shape,
+            run in the loader threads (:func:`xla_utils.data.iterate_batches`). Needs a
+            cache, or a dataset around one on the loader threads; checked on sample 0 before
+            any device time. Not applied to validation, ``predict``/``evaluate`` or the LR
+            finder. Default None.
     """
 
     batch_size: int = 32
@@ -73,6 +91,7 @@ class DataSettings:
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     seed: int = 0
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -81,6 +100,8 @@ class DataSettings:
         if ebs is not None and not _positive_int(ebs):
             raise ValueError(f"eval_batch_size must be a positive int (per core) or None "
                              f"(max(batch_size, 64)), got {ebs!r}")
+        _check_hook("transform", self.transform, "a uint8 [C, H, W] tensor -> the same shape, e.g. "
+                    "torchvision.transforms.v2.Compose([...])")
 
     def val_batch_size(self, samples: int, replicas: int) -> int:
         """The per-epoch validation's batch per core for ``samples`` items over ``replicas``:
@@ -184,15 +205,22 @@ class AugmentSettings:
         ema: Decay of a device weight EMA (timm ``ModelEmaV3`` warm-up,
             :mod:`xla_utils.train.ema`) that validation, ``evaluate`` and ``predict`` use;
             default None (off).
+        batch_transform: Batch-level augmentation on the device, inside the training step's
+            graph: ``fn(x, y) -> (x, y)`` with ``x`` the normalised float ``[B, C, H, W]``
+            batch (after the flip, before mixup/cutmix) and ``y`` its targets; shapes must
+            not change, and random draws must be device ops (``torch.rand(...,
+            device=x.device)``) so that nothing recompiles. Training steps only. Default None.
     """
 
     mixup: float = 0.0
     cutmix: float = 0.0
     label_smoothing: float = 0.0
     ema: float | None = None
+    batch_transform: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         check_ema(self.ema)
+        _check_hook("batch_transform", self.batch_transform, "(x, y) -> (x, y) on the device")
         for name, v in (("mixup", self.mixup), ("cutmix", self.cutmix)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
                     or not math.isfinite(v):
@@ -452,12 +480,13 @@ class TrainerConfig:
 
     Attributes:
         data: :class:`DataSettings`: ``batch_size``, ``eval_batch_size``, ``num_workers``,
-            ``flip``, ``mean``, ``std``, ``seed``.
+            ``flip``, ``mean``, ``std``, ``seed``, ``transform``.
         schedule: :class:`ScheduleSettings`: ``epochs``, ``max_lr``, ``lr_scaling``,
             ``pct_start``, ``div_factor``, ``final_div_factor``, ``moms``.
         optim: :class:`OptimSettings`: ``optimizer``, ``weight_decay``, ``accum_steps``,
             ``precision``, ``channels_last``.
-        augment: :class:`AugmentSettings`: ``mixup``, ``cutmix``, ``label_smoothing``, ``ema``.
+        augment: :class:`AugmentSettings`: ``mixup``, ``cutmix``, ``label_smoothing``, ``ema``,
+            ``batch_transform``.
         checkpoints: :class:`CheckpointSettings`: ``checkpoint_dir``, ``keep_checkpoints``,
             ``keep_runs``, ``monitor``, ``patience``.
         devices: :class:`DeviceSettings`: ``strategy``, ``fsdp_wrap``,
@@ -530,9 +559,12 @@ class TrainerConfig:
         return {name: getattr(getattr(self, attr), name) for name, attr in OPTION_GROUPS.items()}
 
     def stored_options(self) -> dict[str, Any]:
-        """:meth:`options` as a checkpoint records them: without the optimizer (it has its
-        own state), ``metrics`` by name (a callable need not pickle)."""
-        out = {k: v for k, v in self.options().items() if k != "optimizer"}
+        """:meth:`options` as a checkpoint records them (and a resume compares them): without
+        the optimizer (it has its own state), ``metrics`` by name, a callable option
+        (``transform``, ``batch_transform``) as :func:`callable_name`'s words: functions can
+        neither be pickled reliably nor compared across sessions."""
+        out = {k: callable_name(v) if callable(v) and not isinstance(v, type) else v
+               for k, v in self.options().items() if k != "optimizer"}
         if out.get("metrics") is not None:
             out["metrics"] = metric_names(out["metrics"])
         return out

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 from .. import runtime
-from ..data import CachedImageDataset, default_loader_threads, iterate_batches
+from ..data import apply_batch_transform, iterate_batches, plan_loading
 from ..step.device_plan import DevicePlan, DeviceRequest
 from .metrics import MetricAccumulator, metric_keys, resolve_metrics, target_kind
 from ..step.optim import make_optimizer, optimizer_label
@@ -98,21 +98,20 @@ def loader(data, settings: DataSettings, *, world_size: int, rank: int, epoch: i
            pin_memory: bool = False):
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
     ``settings.batch_size`` for training (ragged tail dropped), padded and masked ones of
-    ``settings.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``."""
+    ``settings.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``;
+    training batches through ``settings.transform``."""
     bs = settings.batch_size if train else settings.val_batch_size(len(data), world_size)
     return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
                            seed=settings.seed, epoch=epoch, drop_last=train,
-                           num_workers=settings.num_workers, pin_memory=pin_memory)
+                           num_workers=settings.num_workers, pin_memory=pin_memory,
+                           transform=settings.transform if train else None)
 
 
-def loader_words(data, settings: DataSettings) -> str:
-    """How ``data`` is loaded, for the run's first line: ``"4 loader threads"`` (a cache)
-    or ``"DataLoader with 0 worker processes"``."""
-    if isinstance(data, CachedImageDataset):
-        n = settings.num_workers if settings.num_workers is not None else default_loader_threads()
-        return f"{n} loader thread{'s' if n != 1 else ''}"
-    n = settings.num_workers or 0
-    return f"DataLoader with {n} worker process{'es' if n != 1 else ''}"
+def loader_words(data, settings: DataSettings, train: bool = False) -> str:
+    """How ``data`` is loaded, for the run's first line: ``"4 loader threads"`` (a cache;
+    a dataset around one and the training ``transform=`` are named) or ``"DataLoader with
+    0 worker processes"`` (a dataset around a cache: why, and ``transform=``)."""
+    return plan_loading(data).words(settings.num_workers, settings.transform if train else None)
 
 
 def eval_module(s: "Setup") -> torch.nn.Module:
@@ -155,6 +154,8 @@ class Setup:
             backward runs; the training forward goes through it), else None.
         compiled: ``compile=``'s :class:`~xla_utils.train.torch_compile.CompiledRun` (the
             compiled forward ``train_step`` and validation get), else None (eager).
+        batch_transform: ``cfg.augment.batch_transform``: ``fn(x, y) -> (x, y)`` on each
+            normalised training micro-batch, in the step's graph; or None.
     """
 
     model: torch.nn.Module
@@ -179,6 +180,7 @@ class Setup:
     plan: DevicePlan | None = None
     ddp: torch.nn.Module | None = None
     compiled: Any = None  # issue 45: a CompiledRun (compile=), set by fit_replica
+    batch_transform: Callable | None = None
 
     def batches(self, data, settings: DataSettings, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
@@ -298,7 +300,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
                  autocast=plan.autocast, accum_steps=k, ema=ema,
                  mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan,
-                 ddp=None if strategy is not None else runtime.data_parallel(model))
+                 ddp=None if strategy is not None else runtime.data_parallel(model),
+                 batch_transform=cfg.augment.batch_transform)
 
 
 def run_lr(cfg: TrainerConfig, base_lr: float, lr_world: int, world_size: int
@@ -323,8 +326,16 @@ def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how:
             + (f" x {k} accumulated" if k > 1 else "") + f" = "
             f"{ws * cfg.batch_size * k} global batch; {optimizer_label(cfg.optimizer)}, max_lr "
             f"{base_lr:.3g} x {max_lr / base_lr:.3g} = {max_lr:.3g} ({how})"
-            + (f"; {plan.words}, {loader_words(train_data, cfg.data)}" if plan.words else "")
+            + (f"; {plan.words}, {loader_words(train_data, cfg.data, train=True)}" if plan.words
+               else f"; {loader_words(train_data, cfg.data, train=True)}"
+               if _loads_specially(train_data, cfg) else "")
             + (f"; {note}" if note else ""))
+
+
+def _loads_specially(data: Any, cfg: TrainerConfig) -> bool:
+    """The first line names the loader on XLA too: a dataset around a cache, or ``transform=``."""
+    how = plan_loading(data)
+    return cfg.data.transform is not None or (how.kind != "cache" and bool(how.caches))
 
 
 @dataclass
@@ -455,6 +466,9 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSetting
     if s.mix is not None:
         s.mix.prepare()  # the next chunk of draws, as a graph of its own, when one is used up
     x = prepare_input(x, data, True, inputs, s.plan.memory_format)
+    if s.batch_transform is not None:  # batch_transform=: the user's device augmentation
+        x, y = apply_batch_transform(s.batch_transform, x, y)
+        x = s.plan.layout(x)
     if s.mix is not None:
         x, y = s.mix(x, y)
         x = s.plan.layout(x)

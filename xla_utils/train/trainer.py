@@ -34,15 +34,15 @@ from ..step import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
                          earlier_runs_note, model_with_weights, resolve_resume)
 from .config import LOSS_MONITORS, TrainerConfig, check_option_names
-from ..data import CachedImageDataset, iterate_batches
+from ..data import CachedImageDataset, check_transform, iterate_batches
 from ..diagnostics.debug import DebugReport, debug_run
 from .ema import with_weights
 from ..diagnostics.findings import ReadinessError
 from .history import History, check_monitor_data
 from ..step.plain import default_eval_step, default_train_step
-from ..step.inputs import (AsPairs, InputSpec, TargetPlan, check_batches, inspect_inputs,
-                           output_width, plan_targets, require_labels, shape_mismatch,
-                           targets_of)
+from ..step.inputs import (AsPairs, InputSpec, TargetPlan, check_batch_transform, check_batches,
+                           inspect_inputs, output_width, plan_targets, require_labels,
+                           shape_mismatch, targets_of)
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .metrics import check_metrics
@@ -439,7 +439,12 @@ class OneCycleTrainer:
                 spec = self._inspect(data, name, "training" if name == "train_data" else
                                      "validation")
                 spec, _ = self._plan_targets(data, spec, name)
-                out[name[:-5]] = (spec.feed(data), spec)
+                fed = spec.feed(data)
+                if name == "train_data":  # the augmentation hooks keep the batch's shapes
+                    check_transform(fed, self.config.transform, name)
+                    check_batch_transform(self.config.batch_transform, fed,
+                                          self._prepare(spec, train=True))
+                out[name[:-5]] = (fed, spec)
         return out
 
     def _plan_targets(self, data, spec: InputSpec, name: str) -> tuple[InputSpec, TargetPlan]:
