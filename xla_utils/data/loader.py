@@ -27,12 +27,13 @@ class BatchIterable:
     """One pass over ``(x, y, valid)`` batches; see :func:`iterate_batches`.
 
     Iterating again starts a new pass over the same epoch; :meth:`set_epoch` changes it.
+    A pass yields the epoch's batches from batch ``start`` on (``len()`` counts those).
     """
 
     def __init__(self, dataset: Any, sampler: DistributedBatchSampler, epoch: int, num_workers: int | None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, start: int = 0):
         self.dataset, self.sampler, self.epoch = dataset, sampler, int(epoch)
-        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.num_workers, self.pin_memory, self.start = num_workers, pin_memory, int(start)
 
     @property
     def valid_for(self) -> int | None:
@@ -41,7 +42,7 @@ class BatchIterable:
         return RING_VALID_FOR if isinstance(self.dataset, CachedImageDataset) else None
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return max(0, len(self.sampler) - self.start)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next pass."""
@@ -50,7 +51,8 @@ class BatchIterable:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if isinstance(self.dataset, CachedImageDataset):
             workers = self.num_workers if self.num_workers is not None else default_loader_threads()
-            return _ring_batches(self.dataset, self.sampler, self.epoch, workers, self.pin_memory)
+            return _ring_batches(self.dataset, self.sampler, self.epoch, workers, self.pin_memory,
+                                 self.start)
         return self._loader_batches()
 
     def _loader_batches(self) -> Iterator[tuple[Any, Any, torch.Tensor]]:
@@ -58,10 +60,10 @@ class BatchIterable:
 
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
-        batches = [idx for idx, _ in self.sampler.batches(self.epoch)]
+        batches = [idx for idx, _ in self.sampler.batches(self.epoch, self.start)]
         loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers or 0,
                             pin_memory=self.pin_memory)
-        for k, batch in enumerate(loader):
+        for k, batch in enumerate(loader, self.start):
             if not isinstance(batch, (list, tuple)) or len(batch) != 2:
                 raise TypeError("iterate_batches needs a dataset of (input, target) pairs; its collated "
                                 f"batch is a {type(batch).__name__}")
@@ -119,7 +121,8 @@ def _take_ring(ds: CachedImageDataset, sampler: DistributedBatchSampler, size: i
 
 
 def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoch: int,
-                  workers: int, pin: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                  workers: int, pin: bool = False, start: int = 0
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Fill batches into a ring of ``R = workers + 3`` preallocated slots (pinned: ``pin``).
 
     Batch ``j`` (counted across the passes that share the ring) lives in slot
@@ -127,7 +130,7 @@ def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoc
     once the consumer has asked for batch ``j + 3``: a yielded batch survives
     :data:`RING_VALID_FOR` (two) further requests.
     """
-    batches = list(sampler.batches(epoch))
+    batches = list(sampler.batches(epoch, start))
     nb, R = len(batches), workers + RING_VALID_FOR + 1
     ring = _take_ring(ds, sampler, R, pin)
     base = ring.base
@@ -197,7 +200,8 @@ def _ring_batches(ds: CachedImageDataset, sampler: DistributedBatchSampler, epoc
 
 def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank: int = 0, shuffle: bool = True,
                     seed: int = 0, epoch: int = 0, drop_last: bool = True,
-                    num_workers: int | None = None, pin_memory: bool = False) -> BatchIterable:
+                    num_workers: int | None = None, pin_memory: bool = False,
+                    start: int = 0) -> BatchIterable:
     """Batches ``(x, y, valid)`` of host tensors for one rank and one epoch.
 
     The sampler is :class:`DistributedBatchSampler` (equal full batches on every
@@ -222,6 +226,9 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
         num_workers: loader threads (cache) or processes (other datasets); see above.
         pin_memory: batches in pinned (page-locked) host memory, for asynchronous copies
             to a GPU (needs CUDA). Default False.
+        start: the epoch's first batch to yield (a run resumed inside an epoch: the batches
+            before it are neither read nor decoded; the order and the variants are those of
+            the whole epoch). Default 0.
 
     Returns:
         A :class:`BatchIterable`: each iteration is one pass; ``len()`` is its batch count.
@@ -231,7 +238,7 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
                                      shuffle, seed, drop_last)
     else:
         sampler = DistributedBatchSampler(len(dataset), batch_size, world_size, rank, shuffle, seed, drop_last)
-    return BatchIterable(dataset, sampler, epoch, num_workers, pin_memory)
+    return BatchIterable(dataset, sampler, epoch, num_workers, pin_memory, start)
 
 
 def default_loader_threads() -> int:

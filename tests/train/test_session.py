@@ -1,0 +1,201 @@
+"""Runs that outlive the session (:mod:`xla_utils.train.session`): per-step records, in-epoch
+checkpoints, ``fit(time_limit=...)``, SIGTERM/SIGINT, each resumed with ``resume="last"`` to
+the weights of the uninterrupted run (torch CPU path; one CPU-replica and one simulated
+variant)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from helpers import digit_images, digits_split, tiny_cnn, tiny_mlp
+
+from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache
+from xla_utils.step.plain import default_train_step
+from xla_utils.train import session
+
+SIZE, CLASSES = 12, 5
+# 48 images, 8 a batch: 6 optimizer steps an epoch, a loss read every 2
+_OPTS = dict(batch_size=8, epochs=2, max_lr=0.05, mixup=0.4, ema=0.9, log_every=2,
+             checkpoint_every=None, mean=(0.5,) * 3, std=(0.25,) * 3)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """A cache of 48 digits with 3 variants each (each epoch shows another)."""
+    root = tmp_path_factory.mktemp("session") / "c"
+    build_cache(digit_images(48, classes=CLASSES), root, size=SIZE, variants=3,
+                scale=(0.6, 1.0), verbose=False)
+    return root
+
+
+def _trainer(cache: Path, folder: Path | None, **kw) -> OneCycleTrainer:
+    opts = {**_OPTS, **kw}
+    return OneCycleTrainer(tiny_cnn(CLASSES, size=SIZE, seed=0), nn.CrossEntropyLoss(),
+                           CachedImageDataset(cache), None,
+                           checkpoint_dir=None if folder is None else str(folder), **opts)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory):
+    """The run that the interrupted ones must end equal to."""
+    return _trainer(cache, tmp_path_factory.mktemp("whole")).fit()
+
+
+def _same_run(a, b, atol: float = 0.0) -> None:
+    for name in ("state_dict", "ema_state_dict"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.keys() == y.keys() and x
+        assert max((x[k].float() - y[k].float()).abs().max().item() for k in x) <= atol, name
+    np.testing.assert_allclose([e["train_loss"] for e in a], [e["train_loss"] for e in b],
+                               rtol=1e-6)
+    assert [(r["epoch"], r["step"]) for r in a.steps] == [(r["epoch"], r["step"]) for r in b.steps]
+
+
+def test_durations_and_intervals_are_read_or_refused():
+    assert session.parse_duration("30min", "x") == 1800
+    assert session.parse_duration("8h30min", "x") == 8.5 * 3600
+    assert session.parse_duration(90, "x") == 90
+    for bad in ("30 parsecs", "", 0, -5, True, "min"):
+        with pytest.raises(ValueError, match="x="):
+            session.parse_duration(bad, "x")
+    assert session.checkpoint_interval("auto", "kaggle") == (None, session.AUTO_CHECKPOINT_S)
+    assert session.checkpoint_interval("auto", None) == (None, None)
+    assert session.checkpoint_interval(500, None) == (500, None)
+    assert session.checkpoint_interval("2h", None) == (None, 7200)
+    with pytest.raises(ValueError, match="checkpoint_every="):
+        OneCycleTrainer(tiny_mlp(), nn.CrossEntropyLoss(), digits_split()[0],
+                        checkpoint_every="often")
+    left, words = session.resolve_time_limit("auto", "kaggle", age_s=3600)
+    assert left == 8 * 3600 - session.AUTO_MARGIN_S and "kaggle" in words
+    with pytest.raises(ValueError, match="Kaggle, Colab"):
+        session.resolve_time_limit("auto", None)
+    with pytest.raises(ValueError, match="no time is left"):
+        session.resolve_time_limit("auto", "colab", age_s=12 * 3600)
+    age = session.session_age_s()
+    assert age is None or age >= 0
+
+
+def test_step_rows_in_the_history_and_steps_csv(uninterrupted, tmp_path):
+    h = uninterrupted
+    # reads at steps 2, 4, 6 of each of the 2 epochs
+    assert [(r["epoch"], r["step"]) for r in h.steps] == [(1, 2), (1, 4), (1, 6), (2, 8),
+                                                         (2, 10), (2, 12)]
+    assert all(set(r) == {"epoch", "step", "train_loss", "lr"} for r in h.steps)
+    assert h.steps[2]["train_loss"] == pytest.approx(h.epochs[0]["train_loss"])  # the epoch's mean
+    assert h.steps[-1]["lr"] == pytest.approx(h.epochs[-1]["lr_last"])
+    h.steps_to_csv(tmp_path / "steps.csv")
+    rows = (tmp_path / "steps.csv").read_text().splitlines()
+    assert rows[0] == "epoch,step,train_loss,lr" and rows[1].startswith("1,2,")
+
+
+def test_time_limit_stops_inside_the_epoch_and_resume_ends_as_one_run(cache, uninterrupted,
+                                                                     tmp_path):
+    """A limit that ends the run at its first loss read, twice, then the rest: the same
+    weights, EMA weights, losses and step rows as the uninterrupted run (mixup, EMA, a cache
+    of 3 variants)."""
+    h = _trainer(cache, tmp_path).fit(time_limit=1e-3)
+    assert h.stop_reason == session.TIME_LIMIT_REASON and not h.epochs
+    assert [r["step"] for r in h.steps] == [2]
+    names = sorted(p.name for p in tmp_path.glob("epoch_*.pt"))
+    assert len(names) == 1 and names[0].startswith("epoch_001_step000002-")
+    assert not (tmp_path / "final.pt").exists()  # a paused run is not finished
+    h = _trainer(cache, tmp_path).fit(resume="last", time_limit=1e-3)
+    assert h.stop_reason == session.TIME_LIMIT_REASON and [r["step"] for r in h.steps] == [2, 4]
+    h = _trainer(cache, tmp_path).fit(resume="last")
+    assert h.stop_reason is None and (tmp_path / "final.pt").exists()
+    _same_run(uninterrupted, h)
+    rows = (tmp_path / "steps.csv").read_text().splitlines()
+    assert rows[0] == "epoch,step,train_loss,lr" and len(rows) == 1 + len(h.steps)
+    # keep_checkpoints=2: the in-epoch files rotate with the epoch files
+    assert sorted(p.name[:9] for p in tmp_path.glob("epoch_*.pt")) == ["epoch_001", "epoch_002"]
+
+
+def test_checkpoint_every_steps_writes_resumable_files(cache, uninterrupted, tmp_path, capsys):
+    t = _trainer(cache, tmp_path, checkpoint_every=3, epochs=2, keep_checkpoints=10)
+    t.fit()
+    names = sorted(p.name.split("-")[0] for p in tmp_path.glob("epoch_*.pt"))
+    # a read every 2 steps, a checkpoint at the first read 3 steps past the last one
+    assert names == ["epoch_001", "epoch_001_step000004", "epoch_002", "epoch_002_step000004"]
+    for p in tmp_path.glob("epoch_00*_step*.pt"):
+        if p.name.startswith("epoch_002"):
+            p.unlink()  # the newest mid-epoch one stays: epoch 1, step 4
+    for p in tmp_path.glob("epoch_002-*.pt"):
+        p.unlink()
+    capsys.readouterr()
+    h = _trainer(cache, tmp_path).fit(resume=str(next(tmp_path.glob("epoch_001_step*.pt"))))
+    assert "resumed at epoch 1, step 4 of 6" in capsys.readouterr().out
+    _same_run(uninterrupted, h)
+
+
+_KILLED = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_session import _trainer
+from xla_utils.step.plain import default_train_step
+calls = []
+
+def train_step(model, batch, loss_fn):
+    calls.append(1)
+    if len(calls) == 7:  # inside step 7 of 12: the signal arrives mid-epoch 2
+        os.kill(os.getpid(), signal.SIGTERM)
+    return default_train_step(model, batch, loss_fn)
+
+t = _trainer({cache!r}, {folder!r})
+t.train_step = train_step
+try:
+    t.fit()
+except KeyboardInterrupt as e:
+    print("INTERRUPTED:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_mid_epoch_then_resume_in_a_new_process(cache, uninterrupted, tmp_path):
+    """A process running fit gets SIGTERM in step 7: it writes a checkpoint at step 8 (the
+    next read), fit raises KeyboardInterrupt; a new process resumes to the same weights."""
+    script = tmp_path / "killed.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(_KILLED.format(tests=tests, root=str(Path(tests).parent.parent),
+                                     cache=str(cache), folder=str(tmp_path / "ck")))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=200, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-3000:]
+    assert 'INTERRUPTED: stopped by SIGTERM; fit(resume="last") continues' in out.stdout
+    names = [p.name for p in (tmp_path / "ck").glob("epoch_*.pt")]
+    assert any(n.startswith("epoch_002_step000002-") for n in names), names
+    h = _trainer(cache, tmp_path / "ck").fit(resume="last")
+    _same_run(uninterrupted, h)
+
+
+def test_sigint_in_the_notebook_process_checkpoints_and_the_process_goes_on(
+        cache, uninterrupted, tmp_path):
+    """The notebook's interrupt (SIGINT to this process) during step 3: KeyboardInterrupt
+    after the checkpoint at step 4; the handler is restored; the same process resumes."""
+    before = signal.getsignal(signal.SIGINT)
+    calls = []
+
+    def train_step(model, batch, loss_fn):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return default_train_step(model, batch, loss_fn)
+
+    t = _trainer(cache, tmp_path)
+    t.train_step = train_step
+    with pytest.raises(KeyboardInterrupt, match="stopped by SIGINT"):
+        t.fit()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert len(calls) == 4 and [p.name[:20] for p in tmp_path.glob("epoch_*.pt")] == \
+        ["epoch_001_step000004"]
+    h = _trainer(cache, tmp_path).fit(resume="last")
+    _same_run(uninterrupted, h)
