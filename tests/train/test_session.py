@@ -199,3 +199,56 @@ def test_sigint_in_the_notebook_process_checkpoints_and_the_process_goes_on(
         ["epoch_001_step000004"]
     h = _trainer(cache, tmp_path).fit(resume="last")
     _same_run(uninterrupted, h)
+
+
+def _steps_of(h) -> list[tuple[int, int]]:
+    return [(r["epoch"], r["step"]) for r in h.steps]
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_of_two_cpu_replicas_stops_both_and_resumes_exactly(
+        cache, uninterrupted, tmp_path, monkeypatch):
+    """XLA_UTILS_CPU_REPLICAS=2: SIGTERM reaches only replica 1 (in step 7): both stop at
+    step 8 with one checkpoint, fit raises KeyboardInterrupt, no process of the job is left;
+    the resumed run ends with the uninterrupted 2-replica run's weights, and both record the
+    step rows of the one-process run."""
+    import multiprocessing
+
+    from xla_utils import runtime
+
+    monkeypatch.setenv("XLA_UTILS_CPU_REPLICAS", "2")
+    whole = _trainer(cache, tmp_path / "whole", batch_size=4).fit()
+    assert whole.world_size == 2 and _steps_of(whole) == _steps_of(uninterrupted)
+    calls = []
+
+    def train_step(model, batch, loss_fn):
+        calls.append(1)
+        if len(calls) == 7 and runtime.rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return default_train_step(model, batch, loss_fn)
+
+    t = _trainer(cache, tmp_path / "ck", batch_size=4)
+    t.train_step = train_step
+    with pytest.raises(KeyboardInterrupt, match="stopped by SIGTERM"):
+        t.fit()
+    assert not multiprocessing.active_children()
+    names = sorted(p.name.split("-")[0] for p in (tmp_path / "ck").glob("epoch_*.pt"))
+    assert names == ["epoch_001", "epoch_002_step000002"]
+    h = _trainer(cache, tmp_path / "ck", batch_size=4).fit(resume="last")
+    _same_run(whole, h, atol=1e-6)
+
+
+@pytest.mark.multicore
+@pytest.mark.timeout(400)
+def test_time_limit_on_two_simulated_cores_resumes_exactly(cache, uninterrupted, tmp_path):
+    """simulate=2 (XLA:CPU): stopped at the first read by the time limit, resumed in another
+    job: the uninterrupted run's weights and EMA weights, its step rows (those of the
+    one-process run), and nothing compiles after the first epoch."""
+    whole = _trainer(cache, tmp_path / "whole", batch_size=4).fit(simulate=2)
+    assert _steps_of(whole) == _steps_of(uninterrupted)
+    assert whole[0]["compiles"] == whole[1]["compiles"]  # the reads' seeding compiles nothing
+    h = _trainer(cache, tmp_path / "ck", batch_size=4).fit(simulate=2, time_limit=1e-3)
+    assert h.stop_reason == session.TIME_LIMIT_REASON and _steps_of(h) == [(1, 2)]
+    h = _trainer(cache, tmp_path / "ck", batch_size=4).fit(simulate=2, resume="last")
+    _same_run(whole, h, atol=1e-5)
