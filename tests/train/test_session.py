@@ -252,3 +252,46 @@ def test_time_limit_on_two_simulated_cores_resumes_exactly(cache, uninterrupted,
     assert h.stop_reason == session.TIME_LIMIT_REASON and _steps_of(h) == [(1, 2)]
     h = _trainer(cache, tmp_path / "ck", batch_size=4).fit(simulate=2, resume="last")
     _same_run(whole, h, atol=1e-5)
+
+
+def test_fine_tune_under_a_time_limit_resumes_its_phase_at_the_step(tmp_path):
+    """fine_tune(time_limit=...) stops in the frozen phase's first epoch with a checkpoint
+    that records its phase; fine_tune(resume="last") continues it there and ends both
+    phases with the uninterrupted fine_tune's weights and step rows (numbered on)."""
+    train, val = digits_split(n_val=32, n_train=128)
+    kw = dict(batch_size=16, epochs=1, max_lr=1e-2, seed=0, log_every=2, checkpoint_every=None)
+
+    def trainer(folder: Path) -> OneCycleTrainer:
+        return OneCycleTrainer(tiny_mlp(hidden=(16, 16), seed=0), nn.CrossEntropyLoss(), train,
+                               val, checkpoint_dir=str(folder), **kw)
+
+    whole = trainer(tmp_path / "whole").fine_tune(1, freeze_epochs=1)
+    assert [(r["epoch"], r["step"]) for r in whole.steps] == \
+        [(1, 2), (1, 4), (1, 6), (1, 8), (2, 10), (2, 12), (2, 14), (2, 16)]
+    h = trainer(tmp_path / "ck").fine_tune(1, freeze_epochs=1, time_limit=1e-3)
+    assert h.stop_reason == session.TIME_LIMIT_REASON and [r["step"] for r in h.steps] == [2]
+    ckpt = torch.load(next((tmp_path / "ck").glob("epoch_001_step000002-*.pt")),
+                      weights_only=False)
+    assert ckpt["fine_tune"]["phase"] == "frozen"
+    h = trainer(tmp_path / "ck").fine_tune(1, freeze_epochs=1, resume="last")
+    assert [e["phase"] for e in h.epochs] == ["frozen", "unfrozen"]
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(h.state_dict[k], v, rtol=0, atol=1e-6)
+
+
+def test_cross_validate_stops_at_a_paused_fold_and_keeps_it_unfinished(tmp_path):
+    from xla_utils import cross_validate
+
+    data, _ = digits_split(n_val=0, n_train=96)
+
+    def make(train, val, fold):
+        return OneCycleTrainer(tiny_mlp(seed=0), nn.CrossEntropyLoss(), train, val,
+                               batch_size=16, epochs=1, max_lr=1e-2, log_every=1,
+                               checkpoint_dir=str(tmp_path / f"fold{fold}"))
+
+    with pytest.raises(RuntimeError, match="fold 0's fit stopped at the time limit, so the fold "
+                                           "is not finished; the finished folds are kept in"):
+        cross_validate(make, data, folds=2, folder=tmp_path / "cv",
+                       train=lambda t: t.fit(time_limit=1e-3))
+    assert not list((tmp_path / "cv").glob("fold_*.npz"))
+    assert list((tmp_path / "fold0").glob("epoch_001_step000001-*.pt"))

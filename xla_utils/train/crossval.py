@@ -304,6 +304,7 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
             args = (subset(data, train_idx), subset(data, val_idx)) + ((k,) if n_args >= 3 else ())
             trainer = make_trainer(*args)
             history = run(trainer)
+            _refuse_paused(k, history, store)
             pred = np.asarray(trainer.predict(args[1], tta=tta, cores=cores, simulate=simulate))
             tpred = (None if test is None else
                      np.asarray(trainer.predict(test, tta=tta, cores=cores, simulate=simulate)))
@@ -335,6 +336,24 @@ def _positional_count(fn: Callable) -> int:
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return 3
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _refuse_paused(k: int, history: Any, store: Any) -> None:
+    """A fold whose fit paused (``fit(time_limit=...)``: its checkpoint holds the rest) is not
+    finished: cross-validation stops there, saying how to go on.
+
+    Raises:
+        RuntimeError: the fold's fit stopped with a checkpoint to resume from.
+    """
+    reason = getattr(history, "stop_reason", None) or ""
+    if not reason.endswith('fit(resume="last") continues'):
+        return
+    kept = (f"the finished folds are kept in {store.folder}" if store is not None else
+            "pass folder=... to keep finished folds across runs")
+    raise RuntimeError(f"cross_validate: fold {k}'s fit {reason.split(';')[0]}, so the fold is "
+                       f"not finished; {kept}. To go on: run cross_validate again with the same "
+                       "folder and a train= that resumes the fold, e.g. train=lambda t: "
+                       "t.fit(resume='last', time_limit='auto') with a checkpoint_dir per fold")
 
 
 def _fold_record(k: int, train_idx: np.ndarray, val_idx: np.ndarray, history: Any,

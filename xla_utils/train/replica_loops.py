@@ -185,7 +185,7 @@ def in_epoch_read(epoch: int, done: int, train_loss: float, s: loop.Setup,
     if decision.stop is not None:
         state.paused = decision.stop
     if not decision.checkpoint or done == s.steps_per_epoch or cfg.checkpoint_dir is None \
-            or not math.isfinite(train_loss) or s.mesh is not None:
+            or not math.isfinite(train_loss):
         return session.time_left_words()
     save_checkpoint(
         s.model, s.opt, cfg, epoch=epoch, history=s.history, base_lr=s.base_lr,
