@@ -47,7 +47,7 @@ SESSION_LIMITS_S = {"kaggle": 9 * 3600.0, "colab": 12 * 3600.0}
 # fit (predict, the submission).
 AUTO_MARGIN_S = 20 * 60.0
 # checkpoint_every="auto" on a platform with a session limit: an in-epoch checkpoint every
-# 30 minutes (a checkpoint of a ~100 MB model takes about a second: well under 1% of it).
+# 30 minutes (measured: resnet50 with AdamW and EMA, 293 MiB, writes in 1.2-2.4 s: ~0.1%).
 AUTO_CHECKPOINT_S = 30 * 60.0
 
 TIME_LIMIT_REASON = 'stopped at the time limit; fit(resume="last") continues'
