@@ -205,38 +205,52 @@ def _steps_of(h) -> list[tuple[int, int]]:
     return [(r["epoch"], r["step"]) for r in h.steps]
 
 
+@pytest.fixture(scope="module")
+def two_replicas(cache, tmp_path_factory):
+    """The uninterrupted run on 2 CPU replicas (XLA_UTILS_CPU_REPLICAS=2, 4 per replica)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XLA_UTILS_CPU_REPLICAS", "2")
+    try:
+        yield _trainer(cache, tmp_path_factory.mktemp("two"), batch_size=4).fit()
+    finally:
+        mp.undo()
+
+
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
-def test_sigterm_to_one_of_two_cpu_replicas_stops_both_and_resumes_exactly(
-        cache, uninterrupted, tmp_path, monkeypatch):
-    """XLA_UTILS_CPU_REPLICAS=2: SIGTERM reaches only replica 1 (in step 7): both stop at
-    step 8 with one checkpoint, fit raises KeyboardInterrupt, no process of the job is left;
-    the resumed run ends with the uninterrupted 2-replica run's weights, and both record the
-    step rows of the one-process run."""
+@pytest.mark.parametrize("target", ["one replica", "the job"])
+def test_sigterm_on_two_cpu_replicas_stops_both_and_resumes_exactly(
+        cache, uninterrupted, two_replicas, tmp_path, monkeypatch, target):
+    """XLA_UTILS_CPU_REPLICAS=2: in step 7 SIGTERM reaches replica 1 alone, or every process
+    of the job (a machine's shutdown): both replicas stop at step 8 with one checkpoint, fit
+    raises KeyboardInterrupt, no process of the job is left; the resumed run ends with the
+    uninterrupted 2-replica run's weights, and both record the one-process run's step rows."""
     import multiprocessing
 
     from xla_utils import runtime
 
     monkeypatch.setenv("XLA_UTILS_CPU_REPLICAS", "2")
-    whole = _trainer(cache, tmp_path / "whole", batch_size=4).fit()
-    assert whole.world_size == 2 and _steps_of(whole) == _steps_of(uninterrupted)
+    assert two_replicas.world_size == 2 and _steps_of(two_replicas) == _steps_of(uninterrupted)
     calls = []
 
     def train_step(model, batch, loss_fn):
         calls.append(1)
         if len(calls) == 7 and runtime.rank() == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
+            if target == "one replica":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:  # the job's process group: the job process and both replicas
+                os.killpg(os.getpgid(0), signal.SIGTERM)
         return default_train_step(model, batch, loss_fn)
 
-    t = _trainer(cache, tmp_path / "ck", batch_size=4)
+    t = _trainer(cache, tmp_path, batch_size=4)
     t.train_step = train_step
     with pytest.raises(KeyboardInterrupt, match="stopped by SIGTERM"):
         t.fit()
     assert not multiprocessing.active_children()
-    names = sorted(p.name.split("-")[0] for p in (tmp_path / "ck").glob("epoch_*.pt"))
+    names = sorted(p.name.split("-")[0] for p in tmp_path.glob("epoch_*.pt"))
     assert names == ["epoch_001", "epoch_002_step000002"]
-    h = _trainer(cache, tmp_path / "ck", batch_size=4).fit(resume="last")
-    _same_run(whole, h, atol=1e-6)
+    h = _trainer(cache, tmp_path, batch_size=4).fit(resume="last")
+    _same_run(two_replicas, h, atol=1e-6)
 
 
 @pytest.mark.multicore
