@@ -23,7 +23,7 @@ from .state import STATE, SimGroup
 from .world import rank, world_size
 from .xla import load_xla
 
-__all__ = ["ReplicaError", "dumps_cpu", "die_with_parent", "sigterm_to_replicas", "enter_simulated_replica", "job_main",
+__all__ = ["ReplicaError", "dumps_cpu", "die_with_parent", "enter_simulated_replica", "job_main",
            "simulate_threads", "replica_main"]
 
 
@@ -93,20 +93,10 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def sigterm_to_replicas(job: bool) -> None:
-    """A job process (``job=True``) ignores SIGTERM: a SIGTERM to the whole job (a machine's
-    shutdown) is the replicas' to answer (a fit stops with a checkpoint), and the job ends
-    with them (it is killed with SIGKILL, and dies with its parent). A replica it starts
-    (``job=False``) takes SIGTERM's default back. No-op outside a main thread."""
-    with contextlib.suppress(ValueError):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN if job else signal.SIG_DFL)
-
-
 def job_main(fn, args, one_core: bool, results) -> None:
     """Body of the forked job process on a TPU host: set the environment, then xmp.spawn."""
     os.setsid()  # so that _kill() reaches replicas forked by xmp.spawn
     die_with_parent()
-    sigterm_to_replicas(job=True)
     os.environ.setdefault("PJRT_DEVICE", "TPU")
     try:
         from .. import env
@@ -203,7 +193,6 @@ def replica_main(index: int) -> None:
     fn, args, results = STATE.job
     if os.getpid() != STATE.job_pid:
         die_with_parent()
-        sigterm_to_replicas(job=False)
     STATE.local.backend, STATE.local.in_replica = "xla", True
     r = -1
     import torch

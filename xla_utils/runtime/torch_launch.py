@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import forksafe
 from .fresh import child_env, read_call
 from .relay import OutputTail, forward_output
-from .replica import die_with_parent, dumps_cpu, sigterm_to_replicas
+from .replica import die_with_parent, dumps_cpu
 from .state import STATE
 
 if TYPE_CHECKING:
@@ -205,7 +205,6 @@ def torch_job_main(fn: Callable, args: tuple, n: int, kind: str, store_path: str
     with ``fresh``), wait for them, report deaths."""
     os.setsid()  # so that the caller's kill reaches every replica
     die_with_parent()
-    sigterm_to_replicas(job=True)
     if fresh is None:
         forksafe.run_in_fresh_thread(_run_replicas, fn, args, n, kind, store_path, results)
     else:
@@ -367,7 +366,6 @@ def torch_replica_main(fn: Callable, args: tuple, r: int, n: int, kind: str, sto
     since the launch began, once the group has met (how fresh replicas say what they cost).
     """
     die_with_parent()
-    sigterm_to_replicas(job=False)
     for var, value in LOOPBACK_ENV.items():
         os.environ.setdefault(var, value)
     os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n))
