@@ -55,7 +55,8 @@ def test_earlier_runs_are_reported_and_keep_runs_prunes_them(tmp_path, capsys):
     _, d, out = _fit(ck, capsys, keep_runs=1)
     assert list(run_files(ck)) == [d.run_id]  # only this run's epoch files
     assert _names(ck) == sorted([f"epoch_002-{d.run_id}.pt", f"epoch_003-{d.run_id}.pt", "best.pt",
-                                 "final.pt", "history.csv", "steps.csv"])  # best.pt of the earlier run kept
+                                 "final.pt", "history.csv", "steps.csv"])  # best.pt of the
+    # earlier run kept
     # the helper the note names, by hand: keep=0 empties the folder of epoch files only
     assert prune_runs(ck, keep=0, current=d.run_id) == []  # never the current run's
     gone = prune_runs(ck, keep=0)

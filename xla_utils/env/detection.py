@@ -49,7 +49,8 @@ from .info import EnvInfo, VersionOf
 from .libtpu_pairs import libtpu_warning
 from .tpus import DEVICES_PER_CHIP, TPU_PCI_DEVICES, TYPE_COUNTS_CORES
 
-__all__ = ["detect", "platform_name", "child_pythonpath", "forget_import_probes", "IMPORT_PROBE_TIMEOUT",
+__all__ = ["detect", "platform_name",
+           "child_pythonpath", "forget_import_probes", "IMPORT_PROBE_TIMEOUT",
            "GOOGLE_PCI_VENDOR", "NVIDIA_PCI_VENDOR"]
 
 GOOGLE_PCI_VENDOR = "0x1ae0"

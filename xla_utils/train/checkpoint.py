@@ -31,7 +31,8 @@ from ..utils.units import format_bytes
 if TYPE_CHECKING:
     from .config import TrainerConfig
 
-__all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "checkpoint_name", "resolve_resume", "check_resume",
+__all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "checkpoint_name",
+           "resolve_resume", "check_resume",
            "model_with_weights", "sharded_meta", "run_files", "prune_runs",
            "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS"]
 

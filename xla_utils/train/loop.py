@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["prepare_input", "input_preparer",
            "replica_model", "loader", "run_lr",
            "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
-           "begin_epoch", "step_seed", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
+           "begin_epoch", "step_seed",
+           "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
            "epoch_line", "VAL_LOSS_EXPLODES", "loader_words", "SKIPPED_WARN"]
 
 # An epoch's training or validation loss this many times the untrained model's (at the
@@ -301,7 +302,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                 f"{steps_per_epoch}: the one-cycle schedule would not continue exactly")
         if not sharded:
             opt.load_state_dict(ckpt["optimizer"])
-        start_epoch, history, steps = ckpt["epoch"], list(ckpt["history"]), list(ckpt.get("steps") or [])
+        start_epoch, history = ckpt["epoch"], list(ckpt["history"])
+        steps = list(ckpt.get("steps") or [])
         if ckpt.get("in_epoch"):  # an in-epoch checkpoint: the epoch goes on at its step
             start_step, start_loss = ckpt["in_epoch"]["step"], ckpt["in_epoch"]["train_loss"]
         plan.load_scaler_state(ckpt.get("scaler"))

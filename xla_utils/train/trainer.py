@@ -276,11 +276,11 @@ class OneCycleTrainer:
             simulate: Run N simulated XLA:CPU cores (no TPU needed); default None.
             max_lr: Overrides the configured one (``"find"`` runs the LR finder
                 first); default None: the configured ``max_lr``.
-            resume: Continue an earlier run exactly at its next epoch: an epoch checkpoint
-                file, a folder (its newest good ``epoch_*.pt``) or ``"last"`` (the newest in
-                ``checkpoint_dir``). Its configuration is compared with this run's (with the
-                overrides below) first: anything the schedule or optimizer state depends on
-                (optimizer, batch size, epochs, pct_start, cores, ...) must match. The run
+            resume: Continue an earlier run exactly at its next epoch (an in-epoch checkpoint:
+                at its step): a checkpoint file, a folder (its newest good ``epoch_*.pt``) or
+                ``"last"`` (the newest in ``checkpoint_dir``). Its configuration is compared
+                with this run's (with the overrides below) first: anything the schedule or
+                optimizer state depends on (optimizer, batch size, epochs, cores, ...) must match. The run
                 keeps the checkpoint's max_lr (as given to or found for it); a different
                 ``max_lr`` given here is refused. It goes on as the same run (its run id,
                 its epoch numbers: ``Epoch 4/6``). A checkpoint of the run's last epoch is
