@@ -208,12 +208,9 @@ def _steps_of(h) -> list[tuple[int, int]]:
 @pytest.fixture(scope="module")
 def two_replicas(cache, tmp_path_factory):
     """The uninterrupted run on 2 CPU replicas (XLA_UTILS_CPU_REPLICAS=2, 4 per replica)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("XLA_UTILS_CPU_REPLICAS", "2")
-    try:
-        yield _trainer(cache, tmp_path_factory.mktemp("two"), batch_size=4).fit()
-    finally:
-        mp.undo()
+    with pytest.MonkeyPatch.context() as mp:  # only for this run: later tests run on one
+        mp.setenv("XLA_UTILS_CPU_REPLICAS", "2")
+        return _trainer(cache, tmp_path_factory.mktemp("two"), batch_size=4).fit()
 
 
 @pytest.mark.multicore

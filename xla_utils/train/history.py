@@ -51,7 +51,8 @@ class History:
             finite epoch's; empty when no epoch ended finite). With ``monitor=``
             set: the best epoch's weights.
         stop_reason: None for a complete run, else why it stopped early (a
-            non-finite loss, or ``patience=`` epochs without improvement).
+            non-finite loss, ``patience=`` epochs without improvement, or a pause that
+            ``fit(resume="last")`` continues: ``time_limit``, a signal).
         warnings: What the run warned about (divergence, exploding validation loss).
         run_id: Names this run's checkpoint files.
         compile_cache: The persistent compilation cache in this run (master

@@ -114,7 +114,7 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
 
     def at_read(epoch: int, done: int, train_loss: float) -> str | None:
         return in_epoch_read(epoch, done, train_loss, s, state, session, run_id, cfg=cfg,
-                      extra=plan.ckpt_extra)
+                             extra=plan.ckpt_extra)
 
     master_bar, progress_bar = runtime.progress_bars()
     epochs = range(cfg.epochs)  # the whole run's: a resumed run's bar says Epoch 4/6
@@ -142,6 +142,8 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
         end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss), cfg=cfg,
                   extra=plan.ckpt_extra)
         session.checkpointed(state.step)
+        if epoch + 1 == cfg.epochs:
+            state.paused = None  # a stop asked at the run's last step: the run is complete
         if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir,
                        steps=s.steps) or state.paused is not None:
             break
