@@ -37,7 +37,7 @@ def test_earlier_runs_are_reported_and_keep_runs_prunes_them(tmp_path, capsys):
     _, a, out = _fit(ck, capsys)
     assert "earlier run" not in out  # a fresh folder: nothing to say
     assert _names(ck) == sorted([f"epoch_002-{a.run_id}.pt", f"epoch_003-{a.run_id}.pt", "final.pt",
-                                 "history.csv"])
+                                 "history.csv", "steps.csv"])
     _, b, out = _fit(ck, capsys)
     m = re.search(r"checkpoint_dir \S+ holds 2 epoch checkpoint\(s\) of 1 earlier run\(s\), [\d.]+ KiB "
                   rf"\(newest run {a.run_id}\); they are kept \(keep_runs=None\)", out)
@@ -55,12 +55,14 @@ def test_earlier_runs_are_reported_and_keep_runs_prunes_them(tmp_path, capsys):
     _, d, out = _fit(ck, capsys, keep_runs=1)
     assert list(run_files(ck)) == [d.run_id]  # only this run's epoch files
     assert _names(ck) == sorted([f"epoch_002-{d.run_id}.pt", f"epoch_003-{d.run_id}.pt", "best.pt",
-                                 "final.pt", "history.csv"])  # best.pt of the earlier run kept
+                                 "final.pt", "history.csv", "steps.csv"])  # best.pt of the
+    # earlier run kept
     # the helper the note names, by hand: keep=0 empties the folder of epoch files only
     assert prune_runs(ck, keep=0, current=d.run_id) == []  # never the current run's
     gone = prune_runs(ck, keep=0)
     assert sorted(p.name for p in gone) == [f"epoch_002-{d.run_id}.pt", f"epoch_003-{d.run_id}.pt"]
-    assert _names(ck) == ["best.pt", "final.pt", "history.csv"] and earlier_runs_note(ck, None) is None
+    assert _names(ck) == ["best.pt", "final.pt", "history.csv", "steps.csv"] \
+        and earlier_runs_note(ck, None) is None
 
 
 def test_keep_runs_is_validated():
@@ -136,9 +138,10 @@ def test_a_checkpoint_of_the_flat_settings_resumes(tmp_path, capsys):
            "compile_cache": "auto", "accum_steps": 1, "ema": None, "mixup": 0.0, "cutmix": 0.0,
            "label_smoothing": 0.0, "monitor": None, "patience": None, "strategy": "spawn",
            "fsdp_wrap": None, "activation_checkpointing": False, "lr_find_on_mesh": None}
-    # the same layout, less the alias, plus compile= (issue 45) and the augmentation hooks
-    # (issue 53; a file without them resumes)
-    assert set(state["config"]) == set(old) - {"bf16"} | {"compile", "transform", "batch_transform"}
+    # the same layout, less the alias, plus compile= (issue 45), the augmentation hooks
+    # (issue 53) and checkpoint_every (issue 54; a file without them resumes)
+    assert set(state["config"]) == set(old) - {"bf16"} | {"compile", "transform", "batch_transform",
+                                                         "checkpoint_every"}
     (ck / f"epoch_002-{first.run_id}.pt").unlink()
     for batch, ok in ((32, False), (16, True)):
         state["config"] = {**old, "batch_size": batch}

@@ -276,13 +276,16 @@ class BatchIterable:
     """One pass over ``(x, y, valid)`` batches; see :func:`iterate_batches`.
 
     Iterating again starts a new pass over the same epoch; :meth:`set_epoch` changes it.
+    A pass yields the epoch's batches from batch ``start`` on (``len()`` counts those).
     """
 
     def __init__(self, dataset: Any, sampler: DistributedBatchSampler, epoch: int, num_workers: int | None,
-                 pin_memory: bool = False, transform: Callable | None = None, plan: LoadPlan | None = None):
+                 pin_memory: bool = False, transform: Callable | None = None, plan: LoadPlan | None = None,
+                 start: int = 0):
         self.dataset, self.sampler, self.epoch = dataset, sampler, int(epoch)
         self.num_workers, self.pin_memory, self.transform = num_workers, pin_memory, transform
         self.plan = plan if plan is not None else plan_loading(dataset)
+        self.start = int(start)
 
     @property
     def valid_for(self) -> int | None:
@@ -291,7 +294,7 @@ class BatchIterable:
         return RING_VALID_FOR if self.plan.fast else None
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return max(0, len(self.sampler) - self.start)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next pass."""
@@ -303,17 +306,17 @@ class BatchIterable:
         if self.plan.fast:
             workers = self.num_workers if self.num_workers is not None else default_loader_threads()
             return _ring_batches(self.dataset, self.plan, self.sampler, self.epoch, workers,
-                                 self.pin_memory, self.transform)
+                                 self.pin_memory, self.transform, self.start)
         return self._loader_batches()
 
     def _loader_batches(self) -> Iterator[tuple[Any, Any, torch.Tensor]]:
         from torch.utils.data import DataLoader
 
         _set_epoch(self.dataset, self.plan, self.epoch)
-        batches = [idx for idx, _ in self.sampler.batches(self.epoch)]
+        batches = [idx for idx, _ in self.sampler.batches(self.epoch, self.start)]
         loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers or 0,
                             pin_memory=self.pin_memory)
-        for k, batch in enumerate(loader):
+        for k, batch in enumerate(loader, self.start):
             if not isinstance(batch, (list, tuple)) or len(batch) != 2:
                 raise TypeError("iterate_batches needs a dataset of (input, target) pairs; its collated "
                                 f"batch is a {type(batch).__name__}")
@@ -405,7 +408,8 @@ def _fill_slot(data: Any, plan: LoadPlan, epoch: int, batch: tuple[np.ndarray, n
 
 
 def _ring_batches(data: Any, plan: LoadPlan, sampler: DistributedBatchSampler, epoch: int,
-                  workers: int, pin: bool = False, transform: Callable | None = None
+                  workers: int, pin: bool = False, transform: Callable | None = None,
+                  start: int = 0
                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Fill batches into a ring of ``R = workers + 3`` preallocated slots (pinned: ``pin``).
 
@@ -416,7 +420,7 @@ def _ring_batches(data: Any, plan: LoadPlan, sampler: DistributedBatchSampler, e
     (:meth:`CachedImageDataset.load_batch`), a wrapper's sample by sample; ``transform``
     then replaces each image in the slot.
     """
-    batches = list(sampler.batches(epoch))
+    batches = list(sampler.batches(epoch, start))
     nb, R = len(batches), workers + RING_VALID_FOR + 1
     ring = _take_ring(plan, sampler, R, pin)
     base = ring.base
@@ -484,7 +488,7 @@ def _ring_batches(data: Any, plan: LoadPlan, sampler: DistributedBatchSampler, e
 def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank: int = 0, shuffle: bool = True,
                     seed: int = 0, epoch: int = 0, drop_last: bool = True,
                     num_workers: int | None = None, pin_memory: bool = False,
-                    transform: Callable | None = None) -> BatchIterable:
+                    transform: Callable | None = None, start: int = 0) -> BatchIterable:
     """Batches ``(x, y, valid)`` of host tensors for one rank and one epoch.
 
     The sampler is :class:`DistributedBatchSampler` (equal full batches on every
@@ -521,6 +525,9 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
             its variant is read, with a uint8 ``[C, H, W]`` tensor (a copy; torchvision v2
             transforms take it), and must return a uint8 tensor of the same shape, written
             back into the batch (see :func:`check_transform`). Default None.
+        start: the epoch's first batch to yield (a run resumed inside an epoch: the batches
+            before it are neither read nor decoded; the order and the variants are those of
+            the whole epoch). Default 0.
 
     Returns:
         A :class:`BatchIterable`: each iteration is one pass; ``len()`` is its batch count.
@@ -533,7 +540,7 @@ def iterate_batches(dataset: Any, batch_size: int, *, world_size: int = 1, rank:
     plan = plan_loading(dataset)
     if transform is not None and not plan.fast:
         check_transform(dataset, transform, "dataset")  # raises: names the fix
-    return BatchIterable(dataset, sampler, epoch, num_workers, pin_memory, transform, plan)
+    return BatchIterable(dataset, sampler, epoch, num_workers, pin_memory, transform, plan, start)
 
 
 def default_loader_threads() -> int:

@@ -71,11 +71,14 @@ class DistributedBatchSampler:
             return np.arange(self.num_samples, dtype=np.int64)
         return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples).astype(np.int64)
 
-    def batches(self, epoch: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """This rank's batches of ``epoch``.
+    def batches(self, epoch: int | None = None, start: int = 0
+                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """This rank's batches of ``epoch``, from global batch ``start`` on.
 
         Args:
             epoch: default: the epoch set by :meth:`set_epoch`.
+            start: batches to skip (a run resumed inside an epoch); default 0. The skipped
+                ones are not drawn, only the permutation is.
 
         Yields:
             ``(indices int64[B], valid bool[B])`` per batch.
@@ -84,7 +87,7 @@ class DistributedBatchSampler:
         n = len(self)
         g = self.batch_size * self.world_size
         order = np.resize(self.order(epoch), n * g)  # np.resize repeats from the start
-        for k in range(n):
+        for k in range(start, n):
             a = k * g + self.rank * self.batch_size
             yield order[a:a + self.batch_size], self.valid_mask(k)
 

@@ -49,7 +49,8 @@ from .info import EnvInfo, VersionOf
 from .libtpu_pairs import libtpu_warning
 from .tpus import DEVICES_PER_CHIP, TPU_PCI_DEVICES, TYPE_COUNTS_CORES
 
-__all__ = ["detect", "child_pythonpath", "forget_import_probes", "IMPORT_PROBE_TIMEOUT",
+__all__ = ["detect", "platform_name",
+           "child_pythonpath", "forget_import_probes", "IMPORT_PROBE_TIMEOUT",
            "GOOGLE_PCI_VENDOR", "NVIDIA_PCI_VENDOR"]
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -243,6 +244,13 @@ def _detect_platform(root: str, env: Mapping[str, str], modules: Mapping[str, An
         if env.get(var):
             return "colab", f"env {var}"
     return None, None
+
+
+def platform_name() -> str | None:
+    """``"kaggle"``, ``"colab"`` or None for this process, from the environment, the
+    ``/kaggle/input`` folder and the loaded modules only (no probe): what ``detect()``
+    reports as ``platform``, cheaply."""
+    return _detect_platform("/", os.environ, sys.modules)[0]
 
 
 def _detect_tpu(root: str, env: Mapping[str, str], pci, evidence: list[str], warnings: list[str]):

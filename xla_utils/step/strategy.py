@@ -201,13 +201,14 @@ class MeshRun:
 
         return shard_to_device(module, self.mesh)
 
-    def loader(self, data, settings: DataSettings, epoch: int, train: bool):
+    def loader(self, data, settings: DataSettings, epoch: int, train: bool, start: int = 0):
         """Global batches (``batch_size``, validation ``val_batch_size``, x devices): one
-        process feeds every device; training batches through ``settings.transform``."""
+        process feeds every device; training batches through ``settings.transform``; from the
+        epoch's batch ``start`` on (a resumed run)."""
         bs = settings.batch_size if train else settings.val_batch_size(len(data), self.devices)
         return iterate_batches(data, bs * self.devices, shuffle=train, seed=settings.seed,
                                epoch=epoch, drop_last=train, num_workers=settings.num_workers,
-                               transform=settings.transform if train else None)
+                               transform=settings.transform if train else None, start=start)
 
     def feed(self, batches: Iterable):
         """Host batches as device tensors split over the mesh's axis."""

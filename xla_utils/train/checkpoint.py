@@ -2,7 +2,10 @@
 
 An epoch checkpoint (``epoch_<nnn>-<run id>.pt``) holds the model and optimizer
 state, the history and everything the one-cycle schedule needs to continue the
-run exactly; ``final.pt`` holds weights only. Reading never touches a device.
+run exactly; an in-epoch one (``epoch_<nnn>_step<ssssss>-<run id>.pt``: epoch ``nnn`` in
+progress, ``ssssss`` of its optimizer steps done; ``checkpoint_every``, a time limit, a
+signal) holds the same and the position inside the epoch (``"in_epoch"``), and rotates with
+the epoch files; ``final.pt`` holds weights only. Reading never touches a device.
 
 Disk: every run writes its own epoch files (a run rotates only its own, see
 ``keep_checkpoints``), so reruns into one ``checkpoint_dir`` add up.
@@ -29,7 +32,8 @@ from ..utils.units import format_bytes
 if TYPE_CHECKING:
     from .config import TrainerConfig
 
-__all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "resolve_resume", "check_resume",
+__all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "checkpoint_name",
+           "resolve_resume", "check_resume",
            "model_with_weights", "sharded_meta", "run_files", "prune_runs",
            "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS"]
 
@@ -48,7 +52,8 @@ _CKPT_KEYS = {"model", "optimizer", "epoch", "history", "base_lr", "world_size",
 # What an epoch checkpoint (or a .dcp twin's meta) holds itself: extra fields may not reuse them.
 RESERVED_KEYS = ("model", "optimizer", "epoch", "history", "base_lr", "lr_world", "world_size",
                  "steps_per_epoch", "run_id", "initial_loss", "optimizer_name", "config", "ema",
-                 "optimizer_devices", "sharded_strategy", "sharded", "device_type")
+                 "optimizer_devices", "sharded_strategy", "sharded", "device_type", "scaler",
+                 "steps", "in_epoch")
 
 
 # Config fields the optimizer state and the one-cycle schedule depend on: a
@@ -57,8 +62,9 @@ _RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_facto
                  "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema")
 
 
-# An epoch file of a run: ``epoch_<nnn>-<run id>.pt`` or its sharded twin ``.dcp`` (a folder).
-_RUN_FILE = re.compile(r"^epoch_(\d+)-(.+)\.(pt|dcp)$")
+# An epoch file of a run: ``epoch_<nnn>-<run id>.pt`` or its sharded twin ``.dcp`` (a folder),
+# or an in-epoch one, ``epoch_<nnn>_step<ssssss>-<run id>.pt``.
+_RUN_FILE = re.compile(r"^epoch_(\d+)(?:_step\d+)?-(.+)\.(pt|dcp)$")
 
 
 def _size(path: Path) -> int:
@@ -170,9 +176,26 @@ def checkpoint_listing(folder: Path) -> str:
 
 
 def _epoch_of(path: Path) -> int | None:
-    """Epoch number in an ``epoch_<nnn>[-<run id>].pt`` file name."""
-    head = path.name[len("epoch_"):].split("-", 1)[0].split(".", 1)[0]
+    """Epoch number in an ``epoch_<nnn>[_step<s>][-<run id>].pt`` file name."""
+    head = path.name[len("epoch_"):].split("-", 1)[0].split(".", 1)[0].split("_step", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+def _position(path: Path) -> tuple[int, int] | None:
+    """``(epochs done, optimizer steps of the next epoch done)`` of a run's checkpoint file
+    by its name: ``epoch_003`` is (3, 0), ``epoch_004_step000412`` is (3, 412)."""
+    m = re.match(r"^epoch_(\d+)(?:_step(\d+))?[-.]", path.name)
+    if m is None:
+        return None
+    return (int(m.group(1)), 0) if m.group(2) is None else (int(m.group(1)) - 1, int(m.group(2)))
+
+
+def checkpoint_name(epoch: int, run_id: str, step: int | None = None) -> str:
+    """The file name of this run's checkpoint after ``epoch`` epochs (and, inside the next
+    one, ``step`` optimizer steps)."""
+    if step is None:
+        return f"epoch_{epoch:03d}-{run_id}.pt"
+    return f"epoch_{epoch + 1:03d}_step{step:06d}-{run_id}.pt"
 
 
 def _optimizer_name(spec: Any) -> str:
@@ -192,7 +215,7 @@ def _newest_good_checkpoint(directory: Path, exclude: Path | None = None) -> tup
     (memory-mapped, so tensors are not read), with its contents."""
     files = [p for p in directory.glob("epoch_*.pt") if p.is_file()
              and (exclude is None or p.resolve() != exclude.resolve())]
-    files.sort(key=lambda p: (p.stat().st_mtime, _epoch_of(p) or 0, p.name), reverse=True)
+    files.sort(key=lambda p: (p.stat().st_mtime, _position(p) or (0, 0), p.name), reverse=True)
     for p in files:
         try:
             ckpt = _read_checkpoint(p, mmap=True)
@@ -343,20 +366,42 @@ def check_resume(path: Path, ckpt: dict, cfg: TrainerConfig, model: torch.nn.Mod
             "fit() without resume.")
     changed = [f"{k} {old[k]!r} -> {new[k]!r}" for k in new
                if k in old and k not in _RESUME_FIXED and k != "max_lr" and differs(old[k], new[k])]
-    total = old.get("epochs", cfg.epochs)
-    run = ckpt.get("run_id", "(unnamed)")
+    total, run = old.get("epochs", cfg.epochs), ckpt.get("run_id", "(unnamed)")
+    kept = _kept_words(ckpt, cfg, max_lr)
+    if ckpt.get("in_epoch"):
+        return _in_epoch_resume(path, ckpt, cfg, kept + ", RNG position and history"
+                                + (f"; changed: {', '.join(changed)}" if changed else ""))
     if ckpt["epoch"] >= total:
         return (f"run {run} is already complete: {path.name} holds epoch {ckpt['epoch']} of "
                 f"{total}. Nothing was trained and no file written; fit() returns its history "
                 "and trainer.model takes its last epoch's weights. To train more, start a new "
                 "schedule from them: fit() without resume.")
     return (f"resuming run {run} from {path.name} after epoch "
-            f"{ckpt['epoch']} of {total}: kept max_lr {ckpt['base_lr']:.3g}"
-            + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
+            f"{ckpt['epoch']} of {total}: {kept} and history"
+            + (f"; changed: {', '.join(changed)}" if changed else "") + ".")
+
+
+def _kept_words(ckpt: dict, cfg: TrainerConfig, max_lr: float | str | None) -> str:
+    """What a resumed run keeps of its checkpoint, in words (the LR, optimizer, batch...)."""
+    return (f"kept max_lr {ckpt['base_lr']:.3g}" + _kept_lr_note(ckpt["base_lr"], cfg.max_lr, max_lr)
             + f", optimizer {optimizer_label(cfg.optimizer)}, batch {cfg.batch_size} x "
             f"{runtime.replicas_word(ckpt['world_size'], ckpt.get('device_type', 'xla'))}, "
-            "its schedule, optimizer state and history"
-            + (f"; changed: {', '.join(changed)}" if changed else "") + ".")
+            "its schedule, optimizer state")
+
+
+def _in_epoch_resume(path: Path, ckpt: dict, cfg: TrainerConfig, kept: str) -> str:
+    """The line of a resume from an in-epoch checkpoint (``"resumed at epoch 7, step 412 of
+    1,250: ..."``); refused when ``log_every`` changed (the RNGs are seeded again at every
+    loss read, so the rest of the epoch would draw otherwise)."""
+    done, spe = ckpt["in_epoch"]["step"], ckpt["steps_per_epoch"]
+    was, now = ckpt["in_epoch"].get("log_every"), cfg.log_every
+    if was is not None and was != now:
+        raise ResumeError(
+            f"cannot resume from {path}: it was written inside an epoch with log_every={was} "
+            f"(the RNGs are seeded again at every loss read), log_every={now} now would not "
+            f"continue exactly. Fix: log_every={was}")
+    return (f"resumed at epoch {ckpt['epoch'] + 1}, step {done:,} of {spe:,}: run "
+            f"{ckpt.get('run_id', '(unnamed)')} from {path.name}, {kept}.")
 
 
 def check_extra(extra: Any) -> None:
@@ -421,7 +466,9 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
                     history: list[dict[str, Any]], base_lr: float, lr_world: int, world_size: int,
                     steps_per_epoch: int, run_id: str, host_state: dict | None,
                     initial_loss: float | None, ema: dict | None = None,
-                    scaler: dict | None = None, extra: dict | None = None) -> dict:
+                    scaler: dict | None = None, extra: dict | None = None,
+                    steps: list[dict[str, Any]] | None = None,
+                    in_epoch: dict[str, Any] | None = None) -> dict:
     """Write this run's epoch checkpoint from every replica; keep its newest files.
 
     Call it on every rank. Writes ``epoch_<nnn>-<run_id>.pt`` in
@@ -446,6 +493,10 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
         scaler: The fp16 gradient scaler's state (``GradScaler.state_dict()``), saved
             under ``"scaler"`` and resumed by :func:`xla_utils.train.loop.set_up`.
         extra: More keys to store (``fine_tune`` stores which phase wrote the file).
+        steps: The per-step records so far (``History.steps``), saved under ``"steps"``.
+        in_epoch: Written inside epoch ``epoch + 1``: its position (``step``: optimizer steps
+            done in it; ``train_loss``: its running loss; ``log_every``), saved under
+            ``"in_epoch"`` in ``epoch_<epoch + 1>_step<step>-<run_id>.pt``.
 
     Returns:
         What was written (the state dict).
@@ -463,13 +514,18 @@ def save_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Tra
         state["ema"] = ema
     if scaler is not None:
         state["scaler"] = scaler
+    if steps is not None:
+        state["steps"] = steps
+    if in_epoch is not None:
+        state["in_epoch"] = in_epoch
     state.update(extra or {})
-    runtime.save(state, directory / f"epoch_{epoch:03d}-{run_id}.pt")
+    runtime.save(state, directory / checkpoint_name(
+        epoch, run_id, None if in_epoch is None else in_epoch["step"]))
     if runtime.is_master():
-        # Only this run's files, ranked by epoch number: a rerun into the same
+        # Only this run's files, ranked by position: a rerun into the same
         # folder never deletes another run's checkpoints, nor its own newest.
-        mine = sorted((_epoch_of(p), p) for p in directory.glob(f"epoch_*-{run_id}.pt")
-                      if _epoch_of(p) is not None)
+        mine = sorted((_position(p), p) for p in directory.glob(f"epoch_*-{run_id}.pt")
+                      if _position(p) is not None)
         for _, p in mine[:-cfg.keep_checkpoints]:
             p.unlink(missing_ok=True)
         if cfg.keep_runs is not None:

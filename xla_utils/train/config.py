@@ -32,6 +32,7 @@ from .ema import check_ema
 from .metrics import METRICS, metric_names, normalize_metrics
 from ..step.optim import resolve_optimizer
 from .schedule import OneCycleSchedule
+from .session import check_checkpoint_every
 from .torch_compile import check_compile_option
 
 __all__ = ["TrainerConfig", "DataSettings", "ScheduleSettings", "OptimSettings",
@@ -264,6 +265,11 @@ class CheckpointSettings:
             checked against ``metrics`` by :class:`TrainerConfig`.
         patience: With ``monitor``: stop after this many epochs without
             improvement (``History.stop_reason`` says so). Default None.
+        checkpoint_every: In-epoch checkpoints (``epoch_<nnn>_step<s>-<run id>.pt``, rotated
+            with the epoch files; ``fit(resume="last")`` continues at their step): an int
+            of optimizer steps, a duration (``"30min"``, ``"2h"``), None (epoch files only)
+            or ``"auto"`` (default: every 30 minutes on Kaggle and Colab, whose sessions
+            end, else off). Written at the first loss read (``log_every``) past the interval.
     """
 
     checkpoint_dir: str | os.PathLike | None = None
@@ -271,8 +277,10 @@ class CheckpointSettings:
     keep_runs: int | None = None
     monitor: str | None = None
     patience: int | None = None
+    checkpoint_every: int | str | None = "auto"
 
     def __post_init__(self) -> None:
+        self.checkpoint_every = check_checkpoint_every(self.checkpoint_every)
         if isinstance(self.monitor, str):
             self.monitor = self.monitor.strip().lower()
         kc, kr = self.keep_checkpoints, self.keep_runs
@@ -488,7 +496,7 @@ class TrainerConfig:
         augment: :class:`AugmentSettings`: ``mixup``, ``cutmix``, ``label_smoothing``, ``ema``,
             ``batch_transform``.
         checkpoints: :class:`CheckpointSettings`: ``checkpoint_dir``, ``keep_checkpoints``,
-            ``keep_runs``, ``monitor``, ``patience``.
+            ``keep_runs``, ``monitor``, ``patience``, ``checkpoint_every``.
         devices: :class:`DeviceSettings`: ``strategy``, ``fsdp_wrap``,
             ``activation_checkpointing``, ``lr_find_on_mesh``, ``compile_cache``, ``compile``.
         diagnostics: :class:`DiagnosticsSettings`: ``metrics``, ``log_every``, ``on_nan``.

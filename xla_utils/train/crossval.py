@@ -335,7 +335,8 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
             val_idx, train_idx = np.flatnonzero(fold_of == k), np.flatnonzero(fold_of != k)
             args = (subset(data, train_idx), subset(data, val_idx)) + ((k,) if n_args >= 3 else ())
             trainer, history, pred, tpred = _train_fold(
-                make_trainer(*args), run, args[1], test, dict(tta=tta, cores=cores, simulate=simulate))
+                make_trainer(*args), run, args[1], test, dict(tta=tta, cores=cores, simulate=simulate),
+                finished=lambda h: _refuse_paused(k, h, store))
             done = (val_idx, pred, tpred, _fold_record(k, train_idx, val_idx, history,
                                                        scoring.fold(trainer, labels[val_idx], pred)))
             if store is not None:
@@ -360,9 +361,12 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
 
 
 def _train_fold(trainer: "OneCycleTrainer", run: Callable, val: Any, test: Any,
-                predict: dict[str, Any]) -> tuple[Any, Any, np.ndarray, np.ndarray | None]:
-    """``(trainer, history, validation predictions, test predictions or None)`` of one fold."""
+                predict: dict[str, Any], finished: Callable[[Any], None]
+                ) -> tuple[Any, Any, np.ndarray, np.ndarray | None]:
+    """``(trainer, history, validation predictions, test predictions or None)`` of one fold
+    (``finished(history)`` refuses a fold whose fit did not finish, before any prediction)."""
     history = run(trainer)
+    finished(history)
     pred = np.asarray(trainer.predict(val, **predict))
     return trainer, history, pred, None if test is None else np.asarray(trainer.predict(test, **predict))
 
@@ -410,6 +414,24 @@ def _positional_count(fn: Callable) -> int:
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return 3
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _refuse_paused(k: int, history: Any, store: Any) -> None:
+    """A fold whose fit paused (``fit(time_limit=...)``: its checkpoint holds the rest) is not
+    finished: cross-validation stops there, saying how to go on.
+
+    Raises:
+        RuntimeError: the fold's fit stopped with a checkpoint to resume from.
+    """
+    reason = getattr(history, "stop_reason", None) or ""
+    if not reason.endswith('fit(resume="last") continues'):
+        return
+    kept = (f"the finished folds are kept in {store.folder}" if store is not None else
+            "pass folder=... to keep finished folds across runs")
+    raise RuntimeError(f"cross_validate: fold {k}'s fit {reason.split(';')[0]}, so the fold is "
+                       f"not finished; {kept}. To go on: run cross_validate again with the same "
+                       "folder and a train= that resumes the fold, e.g. train=lambda t: "
+                       "t.fit(resume='last', time_limit='auto') with a checkpoint_dir per fold")
 
 
 def _fold_record(k: int, train_idx: np.ndarray, val_idx: np.ndarray, history: Any,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
@@ -248,7 +249,8 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
             a run stopped in the frozen phase continues it, and one stopped in the
             unfrozen phase continues there (the frozen phase is not rerun; its
             epochs come back from the checkpoint). Default None (a new run).
-        **fit_kwargs: ``cores``, ``simulate``, ``timeout``, ``check`` of :meth:`fit`.
+        **fit_kwargs: ``cores``, ``simulate``, ``timeout``, ``check``, ``time_limit`` of
+            :meth:`fit` (one limit for both phases).
 
     Returns:
         One :class:`~xla_utils.train.history.History`: the frozen phase's epochs then the
@@ -262,6 +264,7 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
     """
     _check_fine_tune_args(epochs, freeze_epochs, lr_mult, fit_kwargs)
     model, cfg = trainer.model, trainer.config
+    _Budget.install(fit_kwargs)
     groups = layer_groups(model, head, n_groups)
     path, resumed = _resume_phase(resume, cfg.checkpoint_dir)
     if weights is not None and path is None:
@@ -305,10 +308,10 @@ def _check_fine_tune_args(epochs: Any, freeze_epochs: Any, lr_mult: Any,
     if not (isinstance(lr_mult, (int, float)) and lr_mult >= 1):
         raise ValueError(f"fine_tune: lr_mult must be a number >= 1 (head LR / first group LR), "
                          f"got {lr_mult!r}")
-    unknown = set(fit_kwargs) - {"cores", "simulate", "timeout", "check"}
+    unknown = set(fit_kwargs) - {"cores", "simulate", "timeout", "check", "time_limit"}
     if unknown:
         raise TypeError(f"fine_tune: unexpected argument(s) {sorted(unknown)}; fit options "
-                        "passed on are cores, simulate, timeout, check")
+                        "passed on are cores, simulate, timeout, check, time_limit")
 
 
 def _resume_phase(resume: Any, checkpoint_dir: Any) -> tuple[Path | None, dict[str, Any]]:
@@ -338,24 +341,52 @@ def _phase(trainer: OneCycleTrainer, groups: list[list[str]], mults: list[float]
     (no warning about them); its checkpoints record ``name`` and the earlier phase's epochs
     (``before``). A resumed unfrozen phase returns the merged history (``resumed_before``:
     the frozen epochs its checkpoint recorded)."""
+    kwargs = dict(fit_kwargs)
+    if isinstance(kwargs.get("time_limit"), _Budget):
+        kwargs["time_limit"] = kwargs["time_limit"].left()
     h = trainer.fit(max_lr=max_lr, resume=resume, lr_groups=layer_group_lrs(groups, mults),
                     checkpoint_extra={"fine_tune": {"phase": name, "before": before}},
-                    warn_if_trained=False, **schedule, **fit_kwargs)
+                    warn_if_trained=False, **schedule, **kwargs)
     if resume is not None and name == "unfrozen" and resumed_before:
-        return _merge([("frozen", dataclasses.replace(h, epochs=list(resumed_before))),
+        return _merge([("frozen", dataclasses.replace(h, epochs=list(resumed_before), steps=[])),
                        ("unfrozen", h)])
     return h
 
 
+class _Budget:
+    """``fine_tune(time_limit=...)``: the seconds left of one limit over both phases."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.time() + seconds
+
+    @classmethod
+    def install(cls, fit_kwargs: dict[str, Any]) -> None:
+        """``fit_kwargs["time_limit"]`` (a duration or ``"auto"``) as one budget for both
+        phases: the unfrozen phase gets what the frozen one left."""
+        if fit_kwargs.get("time_limit") is None:
+            return
+        from ..env.detection import platform_name
+        from .session import resolve_time_limit
+
+        fit_kwargs["time_limit"] = cls(resolve_time_limit(fit_kwargs["time_limit"],
+                                                          platform_name())[0])
+
+    def left(self) -> float:
+        return max(self.deadline - time.time(), 1e-3)
+
+
 def _merge(phases: list[tuple[str, "History"]]) -> "History":
-    """The phases' histories as one (epochs numbered on, tagged with their phase)."""
-    records, offset = [], 0
+    """The phases' histories as one (epochs and steps numbered on, tagged with their phase)."""
+    records, steps, offset, step0 = [], [], 0, 0
     for name, h in phases:
         for r in h.epochs:
             records.append({**r, "epoch": r["epoch"] + offset, "phase": name})
+        steps += [{**r, "epoch": r["epoch"] + offset, "step": r["step"] + step0}
+                  for r in h.steps]
         offset += len(h.epochs)
+        step0 = steps[-1]["step"] if steps else step0
     last = phases[-1][1]
     best = None if last.best_epoch is None else last.best_epoch + offset - len(last.epochs)
-    return dataclasses.replace(last, epochs=records, best_epoch=best,
+    return dataclasses.replace(last, epochs=records, steps=steps, best_epoch=best,
                                stop_reason=next((h.stop_reason for _, h in phases
                                                  if h.stop_reason), None))

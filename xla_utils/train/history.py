@@ -52,7 +52,8 @@ class History:
             finite epoch's; empty when no epoch ended finite). With ``monitor=``
             set: the best epoch's weights.
         stop_reason: None for a complete run, else why it stopped early (a
-            non-finite loss, or ``patience=`` epochs without improvement).
+            non-finite loss, ``patience=`` epochs without improvement, or a pause that
+            ``fit(resume="last")`` continues: ``time_limit``, a signal).
         warnings: What the run warned about (divergence, exploding validation loss).
         run_id: Names this run's checkpoint files.
         compile_cache: The persistent compilation cache in this run (master
@@ -64,6 +65,13 @@ class History:
             the 1-based epoch whose weights are ``state_dict`` (and ``best.pt``)
             and its value; else None.
         ema_state_dict: The final EMA weights on the CPU (``ema`` set), else empty.
+        steps: One dict per loss read (every ``log_every`` optimizer steps and at each
+            epoch's last step; a resumed run's include those before it): ``epoch``
+            (1-based), ``step`` (the run's optimizer step), ``train_loss`` (the epoch's
+            running mean over every replica so far, as the progress bar shows it), ``lr``
+            (the LR of that step). The same rows on any backend and number of replicas;
+            ``steps.csv`` beside ``history.csv`` (``checkpoint_dir`` set) and
+            :meth:`steps_to_csv`.
     """
 
     epochs: list[dict[str, Any]]
@@ -84,6 +92,7 @@ class History:
     best_epoch: int | None = None
     best_score: float | None = None
     ema_state_dict: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.epochs[i]
@@ -114,6 +123,11 @@ class History:
         union of keys as columns, ``epoch`` first); written to a temporary file and
         renamed, so a reader never sees half a file. Returns the path."""
         return write_csv_atomic(self.epochs, path)
+
+    def steps_to_csv(self, path: str | os.PathLike) -> Path:
+        """Write the per-step records (:attr:`steps`) to ``path`` as CSV (``epoch``, ``step``,
+        ``train_loss``, ``lr``), atomically as :meth:`to_csv`. Returns the path."""
+        return write_csv_atomic(self.steps, path)
 
     def plot(self, path: str | os.PathLike | None = None, show: bool | None = None) -> Any:
         """Loss, validation metrics and LR per epoch, as a matplotlib figure.
@@ -323,9 +337,11 @@ class BestTracker:
 
 
 def epoch_files(tracker: BestTracker | None, record: dict[str, Any], model: torch.nn.Module,
-                history: list[dict[str, Any]], checkpoint_dir: str | os.PathLike | None) -> bool:
-    """The end of a fit epoch in one replica, after its checkpoint: ``history.csv``
-    (master, when ``checkpoint_dir`` is set), the best-epoch choice (a host copy of the
+                history: list[dict[str, Any]], checkpoint_dir: str | os.PathLike | None,
+                steps: list[dict[str, Any]] | None = None) -> bool:
+    """The end of a fit epoch in one replica, after its checkpoint: ``history.csv`` and
+    ``steps.csv`` (the per-step records ``steps``; master, when ``checkpoint_dir`` is set),
+    the best-epoch choice (a host copy of the
     new best weights and ``best.pt`` on the master) and the patience test.
 
     Returns:
@@ -336,6 +352,8 @@ def epoch_files(tracker: BestTracker | None, record: dict[str, Any], model: torc
     master = runtime.is_master()
     if checkpoint_dir is not None and master:
         write_csv_atomic(history, Path(checkpoint_dir) / "history.csv")
+        if steps:
+            write_csv_atomic(steps, Path(checkpoint_dir) / "steps.csv")
     if tracker is None:
         return False
     if tracker.improved(record):

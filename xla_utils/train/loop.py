@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 from .. import runtime
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["prepare_input", "input_preparer",
            "replica_model", "loader", "run_lr",
            "scale_lr", "Setup", "TrainState", "set_up", "EpochResult", "train_one_epoch",
-           "begin_epoch", "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
+           "begin_epoch", "step_seed",
+           "micro_step", "evaluate", "metric_accumulator", "exploded", "explosion",
            "epoch_line", "VAL_LOSS_EXPLODES", "loader_words", "SKIPPED_WARN"]
 
 # An epoch's training or validation loss this many times the untrained model's (at the
@@ -95,16 +97,17 @@ def replica_model(model: torch.nn.Module, dev: torch.device | None,
 
 
 def loader(data, settings: DataSettings, *, world_size: int, rank: int, epoch: int, train: bool,
-           pin_memory: bool = False):
+           pin_memory: bool = False, start: int = 0):
     """This rank's batches of ``data`` for one epoch: shuffled full batches of
     ``settings.batch_size`` for training (ragged tail dropped), padded and masked ones of
     ``settings.val_batch_size`` otherwise; in pinned host memory with ``pin_memory``;
-    training batches through ``settings.transform``."""
+    training batches through ``settings.transform``; from the epoch's batch ``start`` on (a
+    run resumed inside the epoch)."""
     bs = settings.batch_size if train else settings.val_batch_size(len(data), world_size)
     return iterate_batches(data, bs, world_size=world_size, rank=rank, shuffle=train,
                            seed=settings.seed, epoch=epoch, drop_last=train,
                            num_workers=settings.num_workers, pin_memory=pin_memory,
-                           transform=settings.transform if train else None)
+                           transform=settings.transform if train else None, start=start)
 
 
 def loader_words(data, settings: DataSettings, train: bool = False) -> str:
@@ -141,6 +144,13 @@ class Setup:
         steps_per_epoch: Optimizer steps per epoch on every rank.
         start_epoch: First epoch to run (0, or the resumed checkpoint's epoch).
         history: Per-epoch records so far (the resumed checkpoint's).
+        steps: Per-step records so far (the resumed checkpoint's): one per loss read
+            (``epoch`` 1-based, ``step`` the run's optimizer step, ``train_loss`` the epoch's
+            running mean as the progress bar shows it, ``lr``).
+        start_step: Optimizer steps of ``start_epoch`` already done (an in-epoch checkpoint's;
+            else 0).
+        start_loss: The running training loss of ``start_epoch`` at ``start_step`` (NaN when
+            ``start_step`` is 0).
         autocast: The forward's autocast context (``plan.autocast``).
         accum_steps: Micro-batches per optimizer step.
         ema: The :class:`~xla_utils.train.ema.DeviceEMA` (``cfg.ema`` set) or None.
@@ -173,6 +183,9 @@ class Setup:
     start_epoch: int
     history: list[dict[str, Any]]
     autocast: Any
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    start_step: int = 0
+    start_loss: float = math.nan
     accum_steps: int = 1
     ema: DeviceEMA | None = None
     mix: DeviceMix | None = None
@@ -182,12 +195,14 @@ class Setup:
     compiled: Any = None  # issue 45: a CompiledRun (compile=), set by fit_replica
     batch_transform: Callable | None = None
 
-    def batches(self, data, settings: DataSettings, epoch: int, train: bool):
-        """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
+    def batches(self, data, settings: DataSettings, epoch: int, train: bool, start: int = 0):
+        """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh), from
+        its batch ``start`` on."""
         if self.mesh is not None:
-            return self.mesh.loader(data, settings, epoch, train)
+            return self.mesh.loader(data, settings, epoch, train, start)
         return loader(data, settings, world_size=self.world_size, rank=self.rank, epoch=epoch,
-                      train=train, pin_memory=self.plan is not None and self.plan.pinned)
+                      train=train, pin_memory=self.plan is not None and self.plan.pinned,
+                      start=start)
 
     def feed(self, batches: Iterable):
         """``batches`` on the device(s): sharded over the mesh, or prefetched."""
@@ -213,6 +228,8 @@ class TrainState:
         diverged: Whether the training loss was read non-finite.
         exploded: Whether an epoch's loss exploded (:func:`explosion`).
         warnings: What the run warned about.
+        paused: Why the run paused at a step with a checkpoint to resume from (a time
+            limit, a signal: :mod:`xla_utils.train.session`), else None.
     """
 
     step: int
@@ -222,6 +239,7 @@ class TrainState:
     diverged: bool = False
     exploded: bool = False
     warnings: list[str] = field(default_factory=list)
+    paused: str | None = None
 
 
 def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: float,
@@ -276,8 +294,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
                              pct_start=cfg.pct_start, div_factor=cfg.div_factor,
                              final_div_factor=cfg.final_div_factor, moms=cfg.moms)
-    history: list[dict[str, Any]] = []
-    start_epoch = 0
+    history, steps, start_epoch, start_step, start_loss = [], [], 0, 0, math.nan
     if ckpt is not None:
         # fit() compared against the planned world; this is the actual one.
         if (ckpt["world_size"], ckpt["steps_per_epoch"]) != (ws, steps_per_epoch):
@@ -288,9 +305,12 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
         if not sharded:
             opt.load_state_dict(ckpt["optimizer"])
         start_epoch, history = ckpt["epoch"], list(ckpt["history"])
+        steps = list(ckpt.get("steps") or [])
+        if ckpt.get("in_epoch"):  # an in-epoch checkpoint: the epoch goes on at its step
+            start_step, start_loss = ckpt["in_epoch"]["step"], ckpt["in_epoch"]["train_loss"]
         plan.load_scaler_state(ckpt.get("scaler"))
     ema = None if cfg.ema is None else DeviceEMA(
-        plan.place(ema_from), cfg.ema, start_epoch * steps_per_epoch, dev,
+        plan.place(ema_from), cfg.ema, start_epoch * steps_per_epoch + start_step, dev,
         state=None if ckpt is None or sharded else ckpt.get("ema", ckpt["model"]),
         place=None if strategy is None else strategy.place)
     if sharded:  # model, optimizer and EMA filled from the shards, nothing gathered
@@ -298,6 +318,7 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     return Setup(model=model, opt=opt, sched=sched, world_size=ws, rank=rk, device=dev,
                  base_lr=base_lr, lr_world=lr_world, max_lr=max_lr, rule=rule, lr_note=how,
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
+                 steps=steps, start_step=start_step, start_loss=start_loss,
                  autocast=plan.autocast, accum_steps=k, ema=ema,
                  mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan,
                  ddp=None if strategy is not None else runtime.data_parallel(model),
@@ -350,6 +371,9 @@ class EpochResult:
         seconds: Wall time of the epoch's training steps.
         skipped_steps: Optimizer steps the gradient scaler skipped (inf/NaN gradients) in
             an fp16 run; None without a scaler.
+        steps: Optimizer steps run by this call (fewer than the epoch's when it resumed
+            inside it or paused; None: all of them).
+        ended: Whether the epoch ran to its last step (False: the run paused inside it).
     """
 
     train_loss: float
@@ -357,17 +381,25 @@ class EpochResult:
     to_host: int
     seconds: float
     skipped_steps: int | None = None
+    steps: int | None = None
+    ended: bool = True
 
 
 def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *,
                     cfg: TrainerConfig, train_step: Callable, loss_fn: Callable, inputs: InputSpec,
-                    progress: Any = None) -> EpochResult:
+                    progress: Any = None, start: int = 0,
+                    at_read: Callable[[int, int, float], str | None] | None = None
+                    ) -> EpochResult:
     """Run one training epoch in this replica.
 
     On a non-finite loss read the divergence warning is recorded in ``state``;
     with ``cfg.on_nan == "stop"`` the epoch ends there and ``state.stop_reason``
     says why. An fp16 epoch whose gradient scaler skipped more than
     :data:`SKIPPED_WARN` of its steps is warned about too.
+
+    At every loss read (:func:`_loss_read`: every ``log_every`` optimizer steps and at the
+    epoch's last) the RNGs are seeded again (:func:`begin_epoch`), so a run resumed at a read
+    draws what the uninterrupted run drew; ``at_read`` may pause the run (``state.paused``).
 
     Args:
         epoch: 0-based epoch number.
@@ -379,22 +411,31 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         train_step: ``train_step(model, (x, y), loss_fn) -> loss tensor``.
         loss_fn: The loss.
         inputs: The training data's :class:`~xla_utils.step.inputs.InputSpec`.
-        progress: A progress bar over the steps (master only), or ``None``.
+        progress: A progress bar over the micro-batches from ``start * accum_steps`` on
+            (master only), or ``None``.
+        start: Optimizer steps of the epoch already done (a resumed in-epoch checkpoint's;
+            ``batches`` start after them); default 0.
+        at_read: ``at_read(epoch, steps done in the epoch, train_loss)`` at every loss read
+            (returns a note for the progress bar, e.g. the time left, or None), or None.
 
     Returns:
         The epoch's :class:`EpochResult`.
     """
     spe, k = s.steps_per_epoch, s.accum_steps
-    begin_epoch(s, cfg.data, epoch)
+    begin_epoch(s, cfg.data, epoch, start)
     t0 = time.perf_counter()
     to_host0 = runtime.xla_counters()["to_host"]
     # Device data, not torch.zeros(device=xla): a zeros *op* would make each
-    # epoch's first step a different graph (one recompile).
-    loss_sum = runtime.to_device(torch.zeros(()), s.device)
+    # epoch's first step a different graph (one recompile). Resumed inside the epoch: the
+    # running mean so far, as a sum (the same value on every replica).
+    loss_sum = runtime.to_device(torch.tensor(s.start_loss * start * k if start else 0.0,
+                                              dtype=torch.float32), s.device)
     lr_last = s.sched.lr(state.step)
     train_loss = math.nan
     it = s.feed(batches)
-    for m, (x, y, _valid) in zip(progress if progress is not None else range(spe * k), it):
+    i = start - 1
+    for m, (x, y, _valid) in zip(progress if progress is not None else range(start * k, spe * k),
+                                 it):
         loss, lr = micro_step(s, state.step, m, x, y, data=cfg.data, train_step=train_step,
                               loss_fn=loss_fn, inputs=inputs)
         lr_last = lr_last if lr is None else lr
@@ -407,22 +448,10 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         if state.step == 1:
             state.initial_loss = runtime.all_reduce(float(loss.detach().float().cpu()), op="mean")
         if (i + 1) % cfg.log_every == 0 or i + 1 == spe:
-            # Every rank reads and the mean is exchanged on the host, so all
-            # ranks see the same value and stop at the same step.
-            train_loss = runtime.all_reduce(float(loss_sum.cpu()) / (m + 1), op="mean")
-            if progress is not None:
-                seen = (m + 1) * cfg.batch_size * s.world_size
-                progress.comment = (f"loss {train_loss:.4f}  "
-                                    f"{seen / (time.perf_counter() - t0):.0f} img/s")
-            if not math.isfinite(train_loss) and not state.diverged:
-                state.diverged = True
-                msg = divergence_message(cfg.diagnostics, train_loss, epoch, i + 1, s, lr_last,
-                                         state.finite_state is not None)
-                state.warnings.append(msg)  # fit() warns with it once the run returns
-                if cfg.on_nan == "stop":
-                    state.stop_reason = msg
-                    break
-                runtime.master_print(msg)  # going on: say it now as well
+            train_loss = _loss_read(epoch, i + 1, m + 1 - start * k, loss_sum, s, state, cfg=cfg,
+                                    lr=lr_last, t0=t0, progress=progress, at_read=at_read)
+            if state.stop_reason is not None or (state.paused is not None and i + 1 < spe):
+                break
     if hasattr(it, "close"):
         it.close()  # micro-batches beyond the last full accumulation group are not used
     skipped = s.plan.take_skipped()
@@ -434,15 +463,58 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         state.warnings.append(msg)
     return EpochResult(train_loss=train_loss, lr_last=lr_last,
                        to_host=runtime.xla_counters()["to_host"] - to_host0,
-                       seconds=time.perf_counter() - t0, skipped_steps=skipped)
+                       seconds=time.perf_counter() - t0, skipped_steps=skipped,
+                       steps=i + 1 - start, ended=i + 1 == spe)
 
 
-def begin_epoch(s: Setup, data: DataSettings, epoch: int) -> None:
-    """What every epoch starts with in every replica: its RNG seeds (data order, device
-    RNG: flips, dropout; from ``data.seed``), its mixing draws (exact resume) and train mode."""
-    runtime.set_seed(data.seed * 1_000_003 + epoch * 1_009 + s.rank)
+def _loss_read(epoch: int, done: int, micro: int, loss_sum: torch.Tensor, s: Setup,
+               state: TrainState, *, cfg: TrainerConfig, lr: float, t0: float, progress: Any,
+               at_read: Callable[[int, int, float], str | None] | None) -> float:
+    """A loss read after ``done`` optimizer steps of ``epoch`` (``micro``: micro-batches run by
+    this call): every rank reads and the mean is exchanged on the host, so all ranks see the
+    same value and stop at the same step; the progress bar, the divergence check
+    (``state.stop_reason``), the step record, the RNGs seeded again and ``at_read``.
+    Returns the epoch's running training loss."""
+    spe, k = s.steps_per_epoch, s.accum_steps
+    train_loss = runtime.all_reduce(float(loss_sum.cpu()) / (done * k), op="mean")
+    if progress is not None:
+        seen = micro * cfg.batch_size * s.world_size
+        progress.comment = (f"loss {train_loss:.4f}  "
+                            f"{seen / (time.perf_counter() - t0):.0f} img/s")
+    if not math.isfinite(train_loss) and not state.diverged:
+        state.diverged = True
+        msg = divergence_message(cfg.diagnostics, train_loss, epoch, done, s, lr,
+                                 state.finite_state is not None)
+        state.warnings.append(msg)  # fit() warns with it once the run returns
+        if cfg.on_nan == "stop":
+            state.stop_reason = msg
+            return train_loss
+        runtime.master_print(msg)  # going on: say it now as well
+    s.steps.append({"epoch": epoch + 1, "step": state.step, "train_loss": train_loss, "lr": lr})
+    if done < spe:
+        begin_epoch(s, cfg.data, epoch, done)
+    note = None if at_read is None else at_read(epoch, done, train_loss)
+    if note and progress is not None:
+        progress.comment += f"  {note}"
+    return train_loss
+
+
+def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """The RNG seed of ``rank`` from optimizer step ``step`` (0-based, in the epoch) of
+    ``epoch`` on: the epoch's seed at its start, a hash of all four at a later loss read."""
+    if step == 0:
+        return seed * 1_000_003 + epoch * 1_009 + rank
+    return int(np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1)[0])
+
+
+def begin_epoch(s: Setup, data: DataSettings, epoch: int, step: int = 0) -> None:
+    """What every epoch starts with in every replica, and every loss read inside it (``step``:
+    the epoch's optimizer steps done): its RNG seeds (Python, NumPy, torch, the device RNG:
+    flips, dropout; :func:`step_seed` of ``data.seed``), its mixing draws and train mode, so
+    a run resumed at ``step`` draws what the uninterrupted run drew."""
+    runtime.set_seed(step_seed(data.seed, epoch, step, s.rank))
     if s.mix is not None:
-        s.mix.start_epoch()  # this epoch's draws come from this epoch's seed (exact resume)
+        s.mix.start_epoch()  # the next draws come from this seed (exact resume)
     s.model.train()
 
 

@@ -24,6 +24,7 @@ from . import inference, loop
 from .. import runtime
 from .checkpoint import save_checkpoint, sharded_meta
 from .history import BestTracker, History, epoch_files
+from .session import RunSession, StopPlan
 from ..simulate import resident as _resident
 from ..step.strategy import MeshRun, StrategyPlan, enter_mesh
 from .torch_compile import CompiledRun, compile_caches
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from .mixup import MixConfig
 
 __all__ = ["FitPlan", "fit_replica", "fit_on_mesh", "completed_run", "epoch_record", "end_epoch",
+           "in_epoch_read",
            "save_final", "inference_replica", "inference_on_mesh"]
 
 
@@ -60,6 +62,8 @@ class FitPlan:
         ckpt_extra: Fields every epoch checkpoint records beside the run's state, or None.
         note: Said at the end of the run's first line (what the trainer did to the model it
             was given), or "".
+        stop: When to write in-epoch checkpoints and to stop early (time limit, signals):
+            :class:`~xla_utils.train.session.StopPlan`.
     """
 
     model: torch.nn.Module
@@ -76,6 +80,7 @@ class FitPlan:
     lr_groups: Callable[..., Any] | None = None
     ckpt_extra: dict[str, Any] | None = None
     note: str = ""
+    stop: StopPlan = dataclasses.field(default_factory=StopPlan)
 
 
 def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
@@ -102,8 +107,15 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
                     strategy=strategy, inputs=spec,
                     note="; ".join(filter(None, [plan.note, compiled and compiled.words])))
     s.compiled = compiled
-    state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch,
+    state = loop.TrainState(step=s.start_epoch * s.steps_per_epoch + s.start_step,
                             initial_loss=None if ckpt is None else ckpt.get("initial_loss"))
+    session = RunSession(plan.stop, state.step)
+    session.catch_sigterm()
+
+    def at_read(epoch: int, done: int, train_loss: float) -> str | None:
+        return in_epoch_read(epoch, done, train_loss, s, state, session, run_id, cfg=cfg,
+                             extra=plan.ckpt_extra)
+
     master_bar, progress_bar = runtime.progress_bars()
     epochs = range(cfg.epochs)  # the whole run's: a resumed run's bar says Epoch 4/6
     best = BestTracker.resume(cfg.monitor, cfg.patience, s.history) if cfg.monitor else None
@@ -111,13 +123,14 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     for epoch in (mb if mb is not None else epochs):
         if epoch < s.start_epoch:  # done before the checkpoint
             continue
-        pb = progress_bar(range(s.steps_per_epoch * s.accum_steps),
+        start = s.start_step if epoch == s.start_epoch else 0
+        pb = progress_bar(range(start * s.accum_steps, s.steps_per_epoch * s.accum_steps),
                           parent=mb) if mb is not None else None
-        batches = s.batches(train_data, cfg.data, epoch, train=True)
+        batches = s.batches(train_data, cfg.data, epoch, train=True, start=start * s.accum_steps)
         res = loop.train_one_epoch(epoch, s, state, batches, cfg=cfg,
                                    train_step=plan.train_step, loss_fn=plan.loss,
-                                   inputs=spec, progress=pb)
-        if state.stop_reason is not None:
+                                   inputs=spec, progress=pb, start=start, at_read=at_read)
+        if state.stop_reason is not None or not res.ended:  # diverged, or paused inside
             break
         record = epoch_record(epoch, s, state, res, inputs["val"], cfg=cfg, loss_fn=plan.loss,
                               eval_step=plan.eval_step)
@@ -128,10 +141,16 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
             break
         end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss), cfg=cfg,
                   extra=plan.ckpt_extra)
-        if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir):
+        session.checkpointed(state.step)
+        if epoch + 1 == cfg.epochs:
+            state.paused = None  # a stop asked at the run's last step: the run is complete
+        if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir,
+                       steps=s.steps) or state.paused is not None:
             break
     if state.stop_reason is not None:
         final = state.finite_state or {}
+    elif state.paused is not None:  # its checkpoint holds the rest; final.pt is for the end
+        final = s.state_dict()
     else:
         final = state.finite_state if state.finite_state is not None else s.state_dict()
         final = best.best_state if best is not None and best.best_state else final
@@ -143,14 +162,42 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
                    base_lr=s.base_lr,
                    max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
                    backend=runtime.backend(), device_type=s.device.type, state_dict=final,
-                   stop_reason=state.stop_reason or (best and best.stop_reason),
+                   stop_reason=state.stop_reason or state.paused or (best and best.stop_reason),
                    monitor=cfg.monitor, best_epoch=best and best.best_epoch,
                    best_score=best and best.best_score,
                    warnings=state.warnings, run_id=run_id,
                    compile_cache=(compiled.summary() if compiled is not None else
                                   runtime.compile_cache_summary(cache, counters0,
                                                                 runtime.xla_counters())),
-                   ema_state_dict={} if s.ema is None else s.ema.state_dict())
+                   ema_state_dict={} if s.ema is None else s.ema.state_dict(), steps=s.steps)
+
+
+def in_epoch_read(epoch: int, done: int, train_loss: float, s: loop.Setup,
+                  state: loop.TrainState, session: RunSession, run_id: str, *,
+                  cfg: TrainerConfig, extra: dict[str, Any] | None = None) -> str | None:
+    """At a loss read after ``done`` optimizer steps of ``epoch`` (0-based): what the
+    replicas agreed (:meth:`RunSession.at_read <xla_utils.train.session.RunSession.at_read>`):
+    an in-epoch checkpoint (``checkpoint_dir`` set, the epoch not at its end: the epoch
+    checkpoint follows then) and a pause (``state.paused``). Every rank calls.
+
+    Returns:
+        The progress bar's note: the time left under a time limit, else None.
+    """
+    decision = session.at_read(state.step)
+    if decision.stop is not None:
+        state.paused = decision.stop
+    if not decision.checkpoint or done == s.steps_per_epoch or cfg.checkpoint_dir is None \
+            or not math.isfinite(train_loss):
+        return session.time_left_words()
+    save_checkpoint(
+        s.model, s.opt, cfg, epoch=epoch, history=s.history, base_lr=s.base_lr,
+        lr_world=s.lr_world, world_size=s.world_size, steps_per_epoch=s.steps_per_epoch,
+        run_id=run_id, host_state=s.state_dict(), initial_loss=state.initial_loss,
+        ema=None if s.ema is None else s.ema.state_dict(), scaler=s.plan.scaler_state(),
+        extra=extra, steps=s.steps,
+        in_epoch={"step": done, "train_loss": train_loss, "log_every": cfg.log_every})
+    session.checkpointed(state.step)
+    return session.time_left_words()
 
 
 def completed_run(plan: FitPlan) -> History:
@@ -166,7 +213,7 @@ def completed_run(plan: FitPlan) -> History:
                    state_dict={} if "sharded" in ckpt else dict(ckpt["model"]),
                    monitor=cfg.monitor, best_epoch=best and best.best_epoch,
                    best_score=best and best.best_score, run_id=plan.run_id,
-                   ema_state_dict=dict(ckpt.get("ema") or {}))
+                   ema_state_dict=dict(ckpt.get("ema") or {}), steps=list(ckpt.get("steps") or []))
 
 
 def save_final(s: loop.Setup, final: dict[str, torch.Tensor], is_best: bool, *,
@@ -198,8 +245,9 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
                                 autocast=s.autocast, dev=s.device, inputs=val[1], feed=s.feed,
                                 memory_format=s.plan.memory_format)
         record.update({"val_loss": metrics.pop("loss")}, **metrics)
+    steps = s.steps_per_epoch if res.steps is None else res.steps  # fewer when resumed inside
     record.update(lr_max=s.max_lr, lr_last=res.lr_last,
-                  images_per_s=s.steps_per_epoch * s.accum_steps * cfg.batch_size * s.world_size
+                  images_per_s=steps * s.accum_steps * cfg.batch_size * s.world_size
                   / res.seconds)
     if s.device.type == "xla":  # XLA's own counts; on the torch backend only compile= compiles
         record.update(compiles=runtime.xla_counters()["compiles"],
@@ -233,7 +281,7 @@ def end_epoch(epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str, fi
             run_id=run_id, host_state=state.finite_state if state.finite_state is not None
             else s.state_dict(), initial_loss=state.initial_loss,
             ema=None if s.ema is None else s.ema.state_dict(),
-            scaler=s.plan.scaler_state(), extra=extra)
+            scaler=s.plan.scaler_state(), extra=extra, steps=s.steps)
         if s.mesh is not None:  # its sharded twin (strategy="spmd"/"fsdp")
             s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
                                 cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),

@@ -47,6 +47,8 @@ from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .metrics import check_metrics
 from .mixup import MixConfig, mix_config_for
+from .session import StopPlan, checkpoint_interval, resolve_time_limit, stop_signals
+from ..env.detection import platform_name
 from .replica_loops import (FitPlan, completed_run, fit_on_mesh, fit_replica, inference_on_mesh,
                             inference_replica)
 from ..simulate.live import live_or_launch
@@ -61,6 +63,23 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_run",
            "scale_lr", "CheckpointError", "ResumeError"]
+
+
+def _deadline(time_limit: float | str | None, cfg: TrainerConfig) -> float | None:
+    """When (``time.time()``) a run under ``fit(time_limit=...)`` must have stopped (None: no
+    limit), said in a line; refused without ``checkpoint_dir`` (the run stops with a
+    checkpoint to resume from)."""
+    started = time.time()
+    limit, words = resolve_time_limit(time_limit, platform_name())
+    if limit is None:
+        return None
+    if cfg.checkpoint_dir is None:
+        raise ValueError("fit(time_limit=...) stops the run with a checkpoint to resume from, and "
+                         "needs checkpoint_dir=... (e.g. OneCycleTrainer(..., "
+                         "checkpoint_dir='checkpoints'))")
+    print(f"time limit {limit / 3600:.2f} h ({limit:,.0f} s" + (f": {words}" if words else "")
+          + "): the run stops in time with a checkpoint", flush=True)
+    return started + limit
 
 
 def _host_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
@@ -244,7 +263,8 @@ class OneCycleTrainer:
             lr_scaling: str | None = None, moms: tuple[float, float, float] | None = None,
             lr_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
             checkpoint_extra: dict[str, Any] | None = None, warn_if_trained: bool = True,
-            compile: bool | str | None = None) -> "History | DebugReport":
+            compile: bool | str | None = None,
+            time_limit: float | str | None = None) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
         Labels are checked against the model's output width and the dataset's classes
@@ -258,11 +278,11 @@ class OneCycleTrainer:
             simulate: Run N simulated XLA:CPU cores (no TPU needed); default None.
             max_lr: Overrides the configured one (``"find"`` runs the LR finder
                 first); default None: the configured ``max_lr``.
-            resume: Continue an earlier run exactly at its next epoch: an epoch checkpoint
-                file, a folder (its newest good ``epoch_*.pt``) or ``"last"`` (the newest in
-                ``checkpoint_dir``). Its configuration is compared with this run's (with the
-                overrides below) first: anything the schedule or optimizer state depends on
-                (optimizer, batch size, epochs, pct_start, cores, ...) must match. The run
+            resume: Continue an earlier run exactly at its next epoch (an in-epoch checkpoint:
+                at its step): a checkpoint file, a folder (its newest good ``epoch_*.pt``) or
+                ``"last"`` (the newest in ``checkpoint_dir``). Its configuration is compared
+                with this run's (with the overrides below) first: anything the schedule or
+                optimizer state depends on (optimizer, batch size, epochs, cores, ...) must match. The run
                 keeps the checkpoint's max_lr (as given to or found for it); a different
                 ``max_lr`` given here is refused. It goes on as the same run (its run id,
                 its epoch numbers: ``Epoch 4/6``). A checkpoint of the run's last epoch is
@@ -283,6 +303,8 @@ class OneCycleTrainer:
                 a new schedule from its weights (default True; ``fine_tune``'s phases pass
                 False).
             compile: This run's ``TrainerConfig.compile`` (default None: the configured one).
+            time_limit: Stop in time (``"2h30min"``, ``"auto"``; default None); see docs/TRAINER.md
+                "Long runs and session limits" (and SIGTERM/SIGINT: ``KeyboardInterrupt``).
 
         Returns:
             The run's :class:`History`.
@@ -302,6 +324,7 @@ class OneCycleTrainer:
                                div_factor=div_factor, final_div_factor=final_div_factor,
                                lr_scaling=lr_scaling, moms=moms, compile=compile)
         max_lr = None if max_lr is None else cfg.schedule.max_lr  # as read (strip, lower)
+        deadline = _deadline(time_limit, cfg)
         runtime.prestart_simulation(placement)
         device_plan.check_before_launch(cfg.precision, placement, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
@@ -311,10 +334,27 @@ class OneCycleTrainer:
             return self._fit_debug(cfg, inputs["train"])
         fit_plan, plan = self._plan_fit(cfg, inputs, placement, max_lr, resume, lr_groups,
                                         checkpoint_extra, warn_if_trained)
-        out = self._launch_fit(fit_plan, plan, placement, timeout)
+        return self._run_fit(fit_plan, plan, placement, timeout, deadline)
+
+    def _run_fit(self, fit_plan: FitPlan, plan: _strategy.StrategyPlan | None,
+                 placement: runtime.Placement, timeout: float | None,
+                 deadline: float | None) -> History:
+        """Launch ``fit_plan`` with its :class:`~xla_utils.train.session.StopPlan` (the
+        ``deadline``, ``checkpoint_every``, this process's SIGTERM/SIGINT caught meanwhile:
+        :func:`~xla_utils.train.session.stop_signals`), take its result and warn with its
+        warnings; raise ``KeyboardInterrupt`` after a signal's checkpoint."""
+        every = checkpoint_interval(fit_plan.config.checkpoint_every, platform_name())
+        with stop_signals() as signals:
+            fit_plan.stop = StopPlan(deadline=deadline, every_steps=every[0], every_s=every[1],
+                                     stop_file=signals.path, caller_pid=os.getpid())
+            out = self._launch_fit(fit_plan, plan, placement, timeout)
         self._take_result(out, resumed=fit_plan.ckpt is not None)
         for w in out.warnings:
-            warnings.warn(w, RuntimeWarning, stacklevel=3)  # fit's caller: past keyword_help
+            warnings.warn(w, RuntimeWarning, stacklevel=4)  # fit's caller: past keyword_help
+        if (out.stop_reason or "").startswith("stopped by "):  # a signal: after its checkpoint
+            raise KeyboardInterrupt(out.stop_reason)
+        if signals.received is not None:
+            raise KeyboardInterrupt(f"{signals.received} arrived as the run ended; it is complete")
         return out
 
     def _fit_debug(self, cfg: TrainerConfig, train: tuple) -> DebugReport:
