@@ -314,14 +314,7 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
         ValueError: ``folds`` < 2 or more than the items, unlabelled data, or a
             ``folder`` holding another split (the message says which and the fix).
     """
-    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
-        raise ValueError(f"folds must be an int >= 2, got {folds!r}")
-    if data is None or len(data) < folds:
-        raise ValueError(f"cross_validate needs at least folds={folds} items, got "
-                         f"{0 if data is None else len(data)}")
-    if getattr(data, "unlabeled", False):
-        raise ValueError("cross_validate needs labelled data; this cache was built with "
-                         "unlabeled=True (pass it as test= instead)")
+    _check_folds(data, folds)
     labels = _labels(data)
     fold_of = fold_assignment(labels, folds, stratify, seed)
     store = _FoldStore(folder, fold_of, folds, seed, stratify) if folder is not None else None
@@ -358,6 +351,18 @@ def cross_validate(make_trainer: Callable[..., "OneCycleTrainer"], data: Any, fo
                     test=None if tf is None else tf.mean(0), test_folds=tf, histories=histories,
                     folder=None if store is None else store.folder, metric=name,
                     oof_metrics=every)
+
+
+def _check_folds(data: Any, folds: Any) -> None:
+    """Refuse a fold count that is no int >= 2 or above the items, and unlabelled data."""
+    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+        raise ValueError(f"folds must be an int >= 2, got {folds!r}")
+    if data is None or len(data) < folds:
+        raise ValueError(f"cross_validate needs at least folds={folds} items, got "
+                         f"{0 if data is None else len(data)}")
+    if getattr(data, "unlabeled", False):
+        raise ValueError("cross_validate needs labelled data; this cache was built with "
+                         "unlabeled=True (pass it as test= instead)")
 
 
 def _train_fold(trainer: "OneCycleTrainer", run: Callable, val: Any, test: Any,

@@ -272,7 +272,6 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
         ResumeError: The checkpoint's world size or steps per epoch differ from
             this run's (the schedule would not continue exactly).
     """
-    from .checkpoint import ResumeError
     from .ema import DeviceEMA
     from .mixup import DeviceMix
 
@@ -294,21 +293,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
     sched = OneCycleSchedule(total_steps=cfg.epochs * steps_per_epoch, max_lr=max_lr,
                              pct_start=cfg.pct_start, div_factor=cfg.div_factor,
                              final_div_factor=cfg.final_div_factor, moms=cfg.moms)
-    history, steps, start_epoch, start_step, start_loss = [], [], 0, 0, math.nan
-    if ckpt is not None:
-        # fit() compared against the planned world; this is the actual one.
-        if (ckpt["world_size"], ckpt["steps_per_epoch"]) != (ws, steps_per_epoch):
-            raise ResumeError(
-                f"checkpoint was written with {ckpt['world_size']} cores and "
-                f"{ckpt['steps_per_epoch']} steps/epoch; this run has {ws} and "
-                f"{steps_per_epoch}: the one-cycle schedule would not continue exactly")
-        if not sharded:
-            opt.load_state_dict(ckpt["optimizer"])
-        start_epoch, history = ckpt["epoch"], list(ckpt["history"])
-        steps = list(ckpt.get("steps") or [])
-        if ckpt.get("in_epoch"):  # an in-epoch checkpoint: the epoch goes on at its step
-            start_step, start_loss = ckpt["in_epoch"]["step"], ckpt["in_epoch"]["train_loss"]
-        plan.load_scaler_state(ckpt.get("scaler"))
+    history, steps, start_epoch, start_step, start_loss = _resumed(
+        ckpt, opt, plan, ws, steps_per_epoch, sharded)
     ema = None if cfg.ema is None else DeviceEMA(
         plan.place(ema_from), cfg.ema, start_epoch * steps_per_epoch + start_step, dev,
         state=None if ckpt is None or sharded else ckpt.get("ema", ckpt["model"]),
@@ -323,6 +309,36 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                  mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan,
                  ddp=None if strategy is not None else runtime.data_parallel(model),
                  batch_transform=cfg.augment.batch_transform)
+
+
+def _resumed(ckpt: dict | None, opt: torch.optim.Optimizer, plan: DevicePlan, ws: int,
+             steps_per_epoch: int, sharded: bool) -> tuple[list, list, int, int, float]:
+    """``(history, step records, start epoch, start step in it, its running loss)`` of a run
+    resumed from ``ckpt`` (its optimizer and gradient-scaler state loaded here; a sharded
+    one's optimizer from the shards later), or a new run's.
+
+    Raises:
+        ResumeError: The checkpoint's world size or steps per epoch differ from ``ws`` and
+            ``steps_per_epoch`` (the schedule would not continue exactly).
+    """
+    from .checkpoint import ResumeError
+
+    if ckpt is None:
+        return [], [], 0, 0, math.nan
+    # fit() compared against the planned world; this is the actual one.
+    if (ckpt["world_size"], ckpt["steps_per_epoch"]) != (ws, steps_per_epoch):
+        raise ResumeError(
+            f"checkpoint was written with {ckpt['world_size']} cores and "
+            f"{ckpt['steps_per_epoch']} steps/epoch; this run has {ws} and "
+            f"{steps_per_epoch}: the one-cycle schedule would not continue exactly")
+    if not sharded:
+        opt.load_state_dict(ckpt["optimizer"])
+    plan.load_scaler_state(ckpt.get("scaler"))
+    start_step, start_loss = 0, math.nan
+    if ckpt.get("in_epoch"):  # an in-epoch checkpoint: the epoch goes on at its step
+        start_step, start_loss = ckpt["in_epoch"]["step"], ckpt["in_epoch"]["train_loss"]
+    return (list(ckpt["history"]), list(ckpt.get("steps") or []), ckpt["epoch"], start_step,
+            start_loss)
 
 
 def run_lr(cfg: TrainerConfig, base_lr: float, lr_world: int, world_size: int
