@@ -58,7 +58,8 @@ RESERVED_KEYS = ("model", "optimizer", "epoch", "history", "base_lr", "lr_world"
 # Config fields the optimizer state and the one-cycle schedule depend on: a
 # resumed run with any of them changed would not continue the same run.
 _RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_factor",
-                 "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema")
+                 "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema",
+                 "grad_clip")
 
 
 # An epoch file of a run: ``epoch_<nnn>-<run id>.pt`` or its sharded twin ``.dcp`` (a folder).

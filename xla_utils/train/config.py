@@ -15,6 +15,7 @@ group they read from here, and it imports none of them back.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -27,6 +28,7 @@ from .. import runtime
 from ..data import IMAGENET_MEAN, IMAGENET_STD
 from ..runtime.shardinfo import STRATEGIES
 from ..utils.suggest import choice, closest, deprecated, did_you_mean
+from ..step.clip import check_grad_clip
 from ..step.device_plan import PRECISIONS
 from .ema import check_ema
 from ..step.optim import resolve_optimizer
@@ -36,7 +38,7 @@ from .torch_compile import check_compile_option
 __all__ = ["TrainerConfig", "DataSettings", "ScheduleSettings", "OptimSettings",
            "AugmentSettings", "CheckpointSettings", "DeviceSettings", "DiagnosticsSettings",
            "GROUPS", "OPTION_GROUPS", "LR_SCALING", "ON_NAN", "LOSS_MONITORS",
-           "METRIC_MONITORS", "check_option_names"]
+           "METRIC_MONITORS", "check_option_names", "TENSORBOARD_MISSING"]
 
 LR_SCALING = ("linear", "sqrt", "none")
 ON_NAN = ("stop", "continue")
@@ -44,6 +46,8 @@ ON_NAN = ("stop", "continue")
 # better lower, metrics higher.
 LOSS_MONITORS = ("val_loss", "train_loss")
 METRIC_MONITORS = ("accuracy", "f1")
+TENSORBOARD_MISSING = ("tensorboard= writes TensorBoard event files, which needs the tensorboard "
+                       "package: pip install tensorboard (or tensorboard=None)")
 
 
 def _positive_int(value: Any) -> bool:
@@ -151,6 +155,11 @@ class OptimSettings:
         channels_last: ``"auto"`` (default): on CUDA, a model with ``Conv2d`` layers and image
             inputs run in channels_last memory format (the images normalised straight into it);
             True forces it on the torch backend, False keeps NCHW. XLA picks its own layouts.
+        grad_clip: Clip each optimizer step's gradients to this total L2 norm (after they are
+            averaged over the replicas and, with fp16, unscaled), on every backend and
+            strategy, inside the step's graph; default None (off). The history records the
+            norms per epoch (``grad_norm``, ``grad_norm_max``, ``clipped_steps``,
+            ``grad_norm_clipped_max``). See :mod:`xla_utils.step.clip`.
     """
 
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
@@ -158,9 +167,11 @@ class OptimSettings:
     accum_steps: int = 1
     precision: str = "auto"
     channels_last: bool | str = "auto"
+    grad_clip: float | None = None
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
+        self.grad_clip = check_grad_clip(self.grad_clip)
         self.precision = choice(self.precision, PRECISIONS, "precision")
         self.channels_last = choice(self.channels_last, ("auto",), "channels_last", "True/False")
         if not _positive_int(self.accum_steps):
@@ -355,11 +366,16 @@ class DiagnosticsSettings:
             of the last good epoch (a host copy made at each epoch end), no checkpoint is
             written for the bad one, and ``History.stop_reason`` and one warning say why.
             ``"continue"`` says so once and trains on (no checkpoint for a non-finite epoch).
+        tensorboard: Write TensorBoard event files (the master replica, each epoch's record as
+            it ends; :mod:`xla_utils.train.board`): a folder (each run in ``<folder>/<run
+            id>``), True (``checkpoint_dir/tensorboard``) or None (default, off). Needs the
+            ``tensorboard`` package (``pip install tensorboard``), checked here.
     """
 
     metrics: Sequence[str] | None = None
     log_every: int = 20
     on_nan: str = "stop"
+    tensorboard: bool | str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         self.on_nan = choice(self.on_nan, ON_NAN, "on_nan")
@@ -369,6 +385,12 @@ class DiagnosticsSettings:
             raise ValueError("log_every must be >= 1")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
+        board = self.tensorboard
+        if not (board is None or isinstance(board, (bool, str, os.PathLike))) or board == "":
+            raise ValueError(f"tensorboard must be a folder, True (checkpoint_dir/tensorboard) or "
+                             f"None (off), got {board!r}")
+        if board not in (None, False) and importlib.util.find_spec("tensorboard") is None:
+            raise ImportError(TENSORBOARD_MISSING)
 
 
 # The groups, by their attribute of TrainerConfig (docs/TRAINER.md's table, in its order).
@@ -446,13 +468,14 @@ class TrainerConfig:
         schedule: :class:`ScheduleSettings`: ``epochs``, ``max_lr``, ``lr_scaling``,
             ``pct_start``, ``div_factor``, ``final_div_factor``, ``moms``.
         optim: :class:`OptimSettings`: ``optimizer``, ``weight_decay``, ``accum_steps``,
-            ``precision``, ``channels_last``.
+            ``precision``, ``channels_last``, ``grad_clip``.
         augment: :class:`AugmentSettings`: ``mixup``, ``cutmix``, ``label_smoothing``, ``ema``.
         checkpoints: :class:`CheckpointSettings`: ``checkpoint_dir``, ``keep_checkpoints``,
             ``keep_runs``, ``monitor``, ``patience``.
         devices: :class:`DeviceSettings`: ``strategy``, ``fsdp_wrap``,
             ``activation_checkpointing``, ``lr_find_on_mesh``, ``compile_cache``, ``compile``.
-        diagnostics: :class:`DiagnosticsSettings`: ``metrics``, ``log_every``, ``on_nan``.
+        diagnostics: :class:`DiagnosticsSettings`: ``metrics``, ``log_every``, ``on_nan``,
+            ``tensorboard``.
     """
 
     data: DataSettings = field(default_factory=DataSettings)
@@ -481,7 +504,10 @@ class TrainerConfig:
         self._check_across_groups()
 
     def _check_across_groups(self) -> None:
-        """The rule that spans two groups."""
+        """The rules that span two groups."""
+        if self.diagnostics.tensorboard is True and self.checkpoints.checkpoint_dir is None:
+            raise ValueError("tensorboard=True writes beside the checkpoints, but checkpoint_dir "
+                             "is None. Fix: tensorboard='<folder>', or checkpoint_dir=...")
         bs = self.data.batch_size
         if self.augment.mixes and bs % 2:
             raise ValueError(f"mixup/cutmix pair each sample with the batch's reverse and need an even "

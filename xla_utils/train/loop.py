@@ -8,8 +8,8 @@ passes in :mod:`xla_utils.train.inference`) share :func:`replica_model`, :func:`
 :func:`loader` and :func:`metric_accumulator` with it.
 
 Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
-over replicas; through the gradient scaler of an fp16 run) and one
-``runtime.sync()``. On the replicas of a multi-replica torch launch (GPUs, or
+over replicas; through the gradient scaler of an fp16 run; with ``grad_clip=`` clipped
+first, :mod:`xla_utils.step.clip`) and one ``runtime.sync()``. On the replicas of a multi-replica torch launch (GPUs, or
 ``XLA_UTILS_CPU_REPLICAS``) the forward goes through torch's DistributedDataParallel
 (``Setup.ddp``), which averages the gradients during backward, once per optimizer step
 (accumulation micro-batches run under ``no_sync()``); ``train_step`` still gets the plain
@@ -33,6 +33,7 @@ import torch
 
 from .. import runtime
 from ..data import CachedImageDataset, default_loader_threads, iterate_batches
+from ..step.clip import GradClip
 from ..step.device_plan import DevicePlan, DeviceRequest
 from .metrics import MetricAccumulator, resolve_metrics
 from ..step.optim import make_optimizer, optimizer_label
@@ -155,6 +156,8 @@ class Setup:
             backward runs; the training forward goes through it), else None.
         compiled: ``compile=``'s :class:`~xla_utils.train.torch_compile.CompiledRun` (the
             compiled forward ``train_step`` and validation get), else None (eager).
+        clip: ``grad_clip=``'s :class:`~xla_utils.step.clip.GradClip` (the gradients'
+            total norm clipped before each optimizer step), else None.
     """
 
     model: torch.nn.Module
@@ -179,6 +182,7 @@ class Setup:
     plan: DevicePlan | None = None
     ddp: torch.nn.Module | None = None
     compiled: Any = None  # issue 45: a CompiledRun (compile=), set by fit_replica
+    clip: GradClip | None = None
 
     def batches(self, data, settings: DataSettings, epoch: int, train: bool):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh)."""
@@ -298,7 +302,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                  steps_per_epoch=steps_per_epoch, start_epoch=start_epoch, history=history,
                  autocast=plan.autocast, accum_steps=k, ema=ema,
                  mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan,
-                 ddp=None if strategy is not None else runtime.data_parallel(model))
+                 ddp=None if strategy is not None else runtime.data_parallel(model),
+                 clip=None if cfg.grad_clip is None else GradClip(cfg.grad_clip, dev))
 
 
 def run_lr(cfg: TrainerConfig, base_lr: float, lr_world: int, world_size: int
@@ -339,6 +344,9 @@ class EpochResult:
         seconds: Wall time of the epoch's training steps.
         skipped_steps: Optimizer steps the gradient scaler skipped (inf/NaN gradients) in
             an fp16 run; None without a scaler.
+        grad_norms: ``grad_clip=``'s figures (:meth:`~xla_utils.step.clip.GradClip.take`:
+            ``grad_norm``, ``grad_norm_max``, ``clipped_steps``, ``grad_norm_clipped_max``),
+            read once at the epoch's end; None without clipping.
     """
 
     train_loss: float
@@ -346,6 +354,7 @@ class EpochResult:
     to_host: int
     seconds: float
     skipped_steps: int | None = None
+    grad_norms: dict[str, float | int] | None = None
 
 
 def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *,
@@ -415,6 +424,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     if hasattr(it, "close"):
         it.close()  # micro-batches beyond the last full accumulation group are not used
     skipped = s.plan.take_skipped()
+    grad_norms = None if s.clip is None else s.clip.take()  # one host read an epoch
     if skipped and skipped > SKIPPED_WARN * spe:
         msg = (f"epoch {epoch + 1}: the fp16 gradient scaler skipped {skipped} of {spe} optimizer "
                "steps (inf/NaN gradients), so the weights barely trained. Fix: lower max_lr, check "
@@ -423,7 +433,8 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
         state.warnings.append(msg)
     return EpochResult(train_loss=train_loss, lr_last=lr_last,
                        to_host=runtime.xla_counters()["to_host"] - to_host0,
-                       seconds=time.perf_counter() - t0, skipped_steps=skipped)
+                       seconds=time.perf_counter() - t0, skipped_steps=skipped,
+                       grad_norms=grad_norms)
 
 
 def begin_epoch(s: Setup, data: DataSettings, epoch: int) -> None:
@@ -443,7 +454,8 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSetting
     ``runtime.sync()``): mixing, the input's device preparation (``data``: the
     normalisation and flip settings), at a step's first
     micro-batch the one-cycle LR and momentum and ``zero_grad``, forward and backward under
-    the run's autocast, and at its last micro-batch the optimizer step and the EMA update.
+    the run's autocast, and at its last micro-batch the optimizer step (with ``grad_clip=``
+    the gradients clipped first, :class:`~xla_utils.step.clip.GradClip`) and the EMA update.
     :meth:`OneCycleTrainer.check <xla_utils.train.trainer.OneCycleTrainer.check>` and ``debug()``
     measure this very function (:mod:`xla_utils.train.steps`).
 
@@ -472,7 +484,7 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSetting
         s.plan.backward(loss / k if k > 1 else loss)
     if last:
         # a step the fp16 scaler skips still advances the schedule
-        s.plan.step(s.opt, averaged=s.ddp is not None)
+        s.plan.step(s.opt, averaged=s.ddp is not None, clip=s.clip)
         if s.ema is not None:
             s.ema.update(s.model)
     return loss, lr
