@@ -136,9 +136,9 @@ def test_a_checkpoint_of_the_flat_settings_resumes(tmp_path, capsys):
            "compile_cache": "auto", "accum_steps": 1, "ema": None, "mixup": 0.0, "cutmix": 0.0,
            "label_smoothing": 0.0, "monitor": None, "patience": None, "strategy": "spawn",
            "fsdp_wrap": None, "activation_checkpointing": False, "lr_find_on_mesh": None}
-    # the same layout, less the alias, plus compile= (issue 45) and grad_clip= (issue 53; a
-    # file without them resumes)
-    assert set(state["config"]) == set(old) - {"bf16"} | {"compile", "grad_clip"}
+    # the same layout, less the alias, plus compile= (issue 45), grad_clip= and tensorboard=
+    # (issue 53; a file without them resumes)
+    assert set(state["config"]) == set(old) - {"bf16"} | {"compile", "grad_clip", "tensorboard"}
     (ck / f"epoch_002-{first.run_id}.pt").unlink()
     for batch, ok in ((32, False), (16, True)):
         state["config"] = {**old, "batch_size": batch}

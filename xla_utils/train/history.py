@@ -39,7 +39,9 @@ class History:
             gradient scaler (a GPU without bf16) ``skipped_steps`` (optimizer steps it
             skipped on inf/NaN gradients); with ``compile=`` on the torch backend
             ``compiles`` (dynamo graphs so far in the run, cumulative) and
-            ``compile_seconds`` (seconds compiling in this epoch).
+            ``compile_seconds`` (seconds compiling in this epoch); with ``grad_clip=``
+            ``grad_norm`` (mean total gradient norm before clipping), ``grad_norm_max``,
+            ``clipped_steps`` and ``grad_norm_clipped_max`` (:mod:`xla_utils.step.clip`).
         world_size, global_batch: Replicas (cores, GPUs or processes) and samples per step
             over all of them.
         base_lr, max_lr: The LR given (or found) and the peak LR used.
