@@ -57,6 +57,10 @@ def test_grad_clip_is_checked():
         with pytest.raises(ValueError, match="grad_clip must be None"):
             TrainerConfig(grad_clip=bad)
     assert check_grad_clip(None) is None
+    for theirs in ("gradient_clip_val", "max_grad_norm", "clip_grad", "clip_grad_norm"):
+        with pytest.raises(TypeError, match=rf"'{theirs}' \(did you mean 'grad_clip'\?\) in the "
+                                            r"optim group"):
+            OneCycleTrainer(tiny_mlp(), nn.CrossEntropyLoss(), [], **{theirs: 1.0})
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,9 @@ ON_NAN = ("stop", "continue")
 # better lower, metrics higher.
 LOSS_MONITORS = ("val_loss", "train_loss")
 METRIC_MONITORS = ("accuracy", "f1")
+# Other libraries' names for an option (Lightning, Hugging Face, timm), suggested as it.
+_THEIR_NAMES = {"gradient_clip_val": "grad_clip", "max_grad_norm": "grad_clip",
+                "clip_grad": "grad_clip", "clip_grad_norm": "grad_clip"}
 TENSORBOARD_MISSING = ("tensorboard= writes TensorBoard event files, which needs the tensorboard "
                        "package: pip install tensorboard (or tensorboard=None)")
 
@@ -421,10 +424,12 @@ def check_option_names(where: str, options: Mapping[str, Any]) -> None:
         return
     parts = []
     for k in unknown:
-        near = closest(k, OPTION_GROUPS, n=1)
+        near = [_THEIR_NAMES[k]] if k in _THEIR_NAMES else closest(k, OPTION_GROUPS, n=1)
         attr = OPTION_GROUPS[near[0]] if near else ""
         where_near = f" in the {attr} group (config.{attr}.{near[0]})" if near else ""
-        parts.append(f"{k!r}{did_you_mean(k, OPTION_GROUPS)}{where_near}")
+        mean = (f" (did you mean {near[0]!r}?)" if k in _THEIR_NAMES
+                else did_you_mean(k, OPTION_GROUPS))
+        parts.append(f"{k!r}{mean}{where_near}")
     by_group = "; ".join(f"{attr}: {', '.join(f.name for f in dataclasses.fields(cls))}"
                          for attr, cls in GROUPS.items())
     s = "s" if len(parts) > 1 else ""
