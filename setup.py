@@ -29,6 +29,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "plot": ["matplotlib"],
+        "tensorboard": ["tensorboard"],  # fit(tensorboard=...): xla_utils.train.board
         "demo": ["scikit-learn"],
         "gcs": ["fsspec", "gcsfs"],  # caches in gs:// buckets (xla_utils.cache.storage)
         "ray": ["ray"],  # build_cache(..., engine="ray")
@@ -39,6 +40,7 @@ setup(
             "scikit-image",
             "timm",  # test_ema, test_mixup (timm's EMA and Mixup), test_finetune (timm heads, no weights)
             "matplotlib",
+            "tensorboard",  # test_board (reads the event files back)
             "nbclient",
             "nbformat",
             "ipykernel",

@@ -212,6 +212,23 @@ def test_compile_count_stable_and_report():
     assert "XLA compilations" in report and "No CPU-fallback ops" in report
 
 
+@pytest.mark.multicore
+@pytest.mark.timeout(120)
+def test_reduce_gradients_then_the_step_alone_on_simulated_cores():
+    """What grad_clip= does around its clip on XLA: reduce_gradients averages the replicas'
+    gradients (1 and 2: 1.5 on both), optimizer_step(averaged=True) takes one step."""
+    def job():
+        w = torch.nn.Parameter(torch.zeros(3, device=rt.device()))
+        opt = torch.optim.SGD([w], lr=1.0)
+        (w * (rt.rank() + 1.0)).sum().backward()
+        rt.reduce_gradients(opt)
+        rt.optimizer_step(opt, averaged=True)
+        rt.sync()
+        return w.detach().cpu().tolist()
+
+    assert rt.launch(job, simulate=2) == [-1.5] * 3
+
+
 def test_torch_backend_in_process():
     # No TPU here and no simulate: plain torch, world size 1, in this process.
     out = rt.launch(lambda: (rt.backend(), rt.world_size(), rt.rank(), rt.device().type,

@@ -133,13 +133,19 @@ def test_sharded_dcp_under_spawn_or_another_mesh_is_refused_naming_both(runs, tm
 @pytest.mark.slow
 def test_ema_under_fsdp_equals_spawn_compiles_once_and_resumes_from_the_dcp(tmp_path):
     """ema= on the mesh: the EMA copy is sharded like its parameters (see the set-up test),
-    its weights equal spawn's, no compile after epoch 1, exact resume from the .dcp alone."""
+    its weights equal spawn's, no compile after epoch 1, exact resume from the .dcp alone.
+    With grad_clip= too: fsdp's gradients are sharded, yet the clip is by the whole model's
+    norm, as spawn's averaged gradients are (a per-shard norm would train otherwise)."""
     def run(strategy, d, **kw):
-        return _trainer(strategy, d, ema=0.9, epochs=4, val_data=digits_dataset(40)).fit(
-            simulate=DEVICES, **kw)
+        return _trainer(strategy, d, ema=0.9, epochs=4, val_data=digits_dataset(40),
+                        grad_clip=0.3).fit(simulate=DEVICES, **kw)
 
     ref = run("spawn", tmp_path / "spawn")
     h = run("fsdp", tmp_path / "fsdp")
+    assert [e["clipped_steps"] for e in h.epochs] == [e["clipped_steps"] for e in ref.epochs]
+    assert ref.epochs[0]["clipped_steps"] == 1  # one step an epoch, clipped
+    np.testing.assert_allclose([e["grad_norm"] for e in h.epochs],
+                               [e["grad_norm"] for e in ref.epochs], rtol=1e-4)
     np.testing.assert_allclose([e["val_loss"] for e in h.epochs],
                                [e["val_loss"] for e in ref.epochs], rtol=0, atol=1e-4)
     for k, v in ref.ema_state_dict.items():

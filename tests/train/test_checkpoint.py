@@ -138,10 +138,11 @@ def test_a_checkpoint_of_the_flat_settings_resumes(tmp_path, capsys):
            "compile_cache": "auto", "accum_steps": 1, "ema": None, "mixup": 0.0, "cutmix": 0.0,
            "label_smoothing": 0.0, "monitor": None, "patience": None, "strategy": "spawn",
            "fsdp_wrap": None, "activation_checkpointing": False, "lr_find_on_mesh": None}
-    # the same layout, less the alias, plus compile= (issue 45), the augmentation hooks
-    # (issue 53) and checkpoint_every (issue 54; a file without them resumes)
-    assert set(state["config"]) == set(old) - {"bf16"} | {"compile", "transform", "batch_transform",
-                                                         "checkpoint_every"}
+    # the same layout, less the alias, plus compile= (issue 45), the augmentation hooks,
+    # grad_clip= and tensorboard= (issue 53) and checkpoint_every (issue 54; a file without
+    # them resumes)
+    assert set(state["config"]) == set(old) - {"bf16"} | {
+        "compile", "transform", "batch_transform", "grad_clip", "tensorboard", "checkpoint_every"}
     (ck / f"epoch_002-{first.run_id}.pt").unlink()
     for batch, ok in ((32, False), (16, True)):
         state["config"] = {**old, "batch_size": batch}

@@ -130,6 +130,37 @@ def test_fine_tune_without_a_frozen_phase_and_the_trainer_untouched(recwarn):
         t.fit(epochs=1)
 
 
+def test_fine_tune_phases_are_one_run_on_disk(tmp_path, capsys):
+    """The frozen and unfrozen phases write ``<run>+frozen`` / ``<run>+unfrozen`` files: the
+    unfrozen phase names the frozen files as its own run's (not "1 earlier run(s)"), and
+    keep_runs=1 keeps them, while an earlier fit's files are pruned (torch backend)."""
+    from xla_utils.train.checkpoint import run_files
+
+    train, _ = digits_split(n_train=256)
+    t = OneCycleTrainer(Net, nn.CrossEntropyLoss(), train, batch_size=64, epochs=1,
+                        max_lr=1e-2, seed=0, checkpoint_dir=tmp_path)
+    old = t.fit()
+    capsys.readouterr()
+    t.config.keep_runs = 1
+    h = t.fine_tune(1, freeze_epochs=1)
+    out = capsys.readouterr().out
+    run = h.run_id.partition("+")[0]
+    assert h.run_id == f"{run}+unfrozen"
+    names = sorted(p.name for p in tmp_path.glob("epoch_*.pt"))
+    assert names == [f"epoch_001-{run}+frozen.pt", f"epoch_001-{run}+unfrozen.pt"], names
+    assert list(run_files(tmp_path)) == [run]  # one run; the earlier fit's files are gone
+    notes = [ln for ln in out.splitlines() if ln.startswith("checkpoint_dir")]
+    assert len(notes) == 2, out
+    assert f"1 epoch checkpoint(s) of 1 earlier run(s)" in notes[0] and old.run_id in notes[0]
+    assert notes[1].startswith(f"checkpoint_dir {tmp_path} holds 1 epoch checkpoint(s) of this "
+                               f"run's earlier phase(s) (frozen; run {run}, "), notes[1]
+    assert "earlier run(s)" not in notes[1]
+    with pytest.raises(ValueError, match="a resumed run goes on under its checkpoint's run id"):
+        t.fit(resume="last", run_id="mine")
+    with pytest.raises(ValueError, match="run_id must be a str"):
+        t.fit(run_id="a/b")
+
+
 @pytest.mark.parametrize("simulate", [1, pytest.param(2, marks=pytest.mark.multicore)])
 @pytest.mark.timeout(400)
 def test_freeze_then_fine_tune_on_xla(simulate):

@@ -64,19 +64,30 @@ def test_to_csv_union_of_keys_and_atomic(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["h.csv"]
 
 
-def test_plot_draws_three_panels(tmp_path):
+def test_plot_draws_each_kind_of_value_on_its_own_axis(tmp_path):
+    """Losses, metrics (0..1), LRs, and counts and timings (``samples`` 80, ``compiles``,
+    ``seconds``, the gradient norms, ...) each on their own axis: no count on the metrics'."""
     pytest.importorskip("matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
     h = _history([{"epoch": e, "train_loss": 2.0 / e, "val_loss": 2.2 / e, "accuracy": 0.3 * e,
-                   "lr_max": 1e-2, "lr_last": 1e-3 / e} for e in (1, 2, 3)])
+                   "top5": 0.9, "samples": 80, "lr_max": 1e-2, "lr_last": 1e-3 / e,
+                   "images_per_s": 5000.0, "compiles": 7, "host_reads_per_step": 1.0,
+                   "seconds": 0.5, "grad_norm": 0.4, "clipped_steps": 0, "phase": "frozen",
+                   "auc": 0.7}
+                  for e in (1, 2, 3)])
     h.monitor, h.best_epoch, h.best_score = "accuracy", 3, 0.9
     fig = h.plot(tmp_path / "h.png")
     assert (tmp_path / "h.png").stat().st_size > 1000
     labels = [[l.get_label() for l in ax.get_lines()] for ax in fig.axes]
-    assert labels[0][:2] == ["train_loss", "val_loss"] and "accuracy" in labels[1]
+    assert labels[0][:2] == ["train_loss", "val_loss"]
+    assert labels[1] == ["accuracy", "top5", "auc", "best (accuracy)"]
     assert labels[2][:2] == ["lr_last", "lr_max"]
+    assert labels[3] == ["samples", "images_per_s", "compiles", "host_reads_per_step", "seconds",
+                         "grad_norm", "clipped_steps"]
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "validation metrics", "learning rate",
+                                                   "counts and timings"]
     with pytest.raises(ValueError, match="no epochs"):
         _history([]).plot()
 

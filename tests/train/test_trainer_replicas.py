@@ -28,14 +28,15 @@ def two_cpu_replicas(monkeypatch):
 @pytest.mark.multicore
 @pytest.mark.timeout(180)
 def test_two_replicas_train_as_one_with_the_global_batch(two_cpu_replicas, capfd):
-    """20 steps (one per epoch: the history is the loss curve), validation on 45 samples."""
+    """20 steps (one per epoch: the history is the loss curve), validation on 45 samples.
+    With grad_clip=: DDP averages the gradients in backward, and the clip comes after."""
     train, val = _digits()
     init = _mlp()
     runs = {}
     for cores, bs in (("all", 32), (1, 64)):
         t = OneCycleTrainer(copy.deepcopy(init), nn.CrossEntropyLoss(), train, val,
                             batch_size=bs, epochs=20, max_lr=0.5, optimizer="sgd",
-                            lr_scaling="none", seed=3)
+                            lr_scaling="none", seed=3, grad_clip=0.3)
         runs[cores] = t.fit(cores=cores, timeout=120)
     two, one = runs["all"], runs[1]
     out, err = capfd.readouterr()
@@ -49,6 +50,8 @@ def test_two_replicas_train_as_one_with_the_global_batch(two_cpu_replicas, capfd
     for key in ("val_loss", "accuracy"):
         np.testing.assert_allclose([e[key] for e in two], [e[key] for e in one], rtol=1e-5)
     assert two[-1]["samples"] == len(val)  # every validation sample once over both replicas
+    assert [e["clipped_steps"] for e in two] == [e["clipped_steps"] for e in one]
+    assert 0 < sum(e["clipped_steps"] for e in two) < 20  # some steps clipped, not all
     for k, v in one.state_dict.items():
         torch.testing.assert_close(two.state_dict[k], v, rtol=1e-5, atol=1e-6)
 

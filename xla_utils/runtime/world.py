@@ -158,7 +158,7 @@ def optimizer_step(optimizer, barrier: bool = False, averaged: bool = False) -> 
             ``xm.optimizer_step(opt, barrier=True)``); default False: call
             :func:`sync` yourself.
         averaged: The gradients were averaged already (a model in
-            :func:`data_parallel`): step only.
+            :func:`data_parallel`, or :func:`reduce_gradients` called first): step only.
     """
     if backend() != "xla":
         if torch_world.active() and not averaged:
@@ -166,7 +166,11 @@ def optimizer_step(optimizer, barrier: bool = False, averaged: bool = False) -> 
         optimizer.step()
         return
     xm = load_xla()["xm"]
-    if STATE.sim is not None and barrier:
+    if averaged:  # e.g. reduce_gradients, then clipping: the step alone
+        optimizer.step()
+        if barrier:
+            sync()
+    elif STATE.sim is not None and barrier:
         xm.optimizer_step(optimizer)
         sync()
     else:

@@ -7,6 +7,7 @@ steps made of the same parts; neither is imported from here, so ``train`` import
 * ``inputs``: Checks on datasets and targets, done in the calling process before any device
   time
 * ``device_plan``: How a run uses its device
+* ``clip``: Gradient clipping by the global norm (``grad_clip=``), inside the step's graph
 * ``optim``: Optimizer construction and per-step hyper-parameter setting
 * ``strategy``: How a step is spread over the devices (``"spawn"``, ``"spmd"``, ``"fsdp"``)
 * ``plain``: The plain step :func:`xla_utils.check` and :func:`xla_utils.debug_run` measure by

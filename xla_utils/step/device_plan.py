@@ -33,7 +33,7 @@ unless the optimizer does the scaling itself (torch's fused optimizers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -226,17 +226,28 @@ class DevicePlan:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def step(self, opt: torch.optim.Optimizer, barrier: bool = False,
-             averaged: bool = False) -> None:
+             averaged: bool = False, clip: Callable[[torch.optim.Optimizer], None] | None = None
+             ) -> None:
         """The optimizer step: :func:`xla_utils.runtime.optimizer_step`, or through the
         gradient scaler (which skips a step with inf/NaN gradients and then lowers its
         scale: the skip is counted on the device, no host read). ``averaged``: the
-        gradients were averaged over the replicas during backward (DistributedDataParallel)."""
-        if self.scaler is None:
+        gradients were averaged over the replicas during backward (DistributedDataParallel).
+        ``clip``: called with ``opt`` where the gradients are final, averaged over the
+        replicas and unscaled (``scaler.unscale_``), before the step
+        (:class:`xla_utils.step.clip.GradClip`); default None."""
+        if self.scaler is None and clip is None:
             runtime.optimizer_step(opt, barrier=barrier, averaged=averaged)
             return
-        before = self.scaler.scale(self._one)
         if not averaged:
             runtime.reduce_gradients(opt)
+        if self.scaler is None:
+            clip(opt)
+            runtime.optimizer_step(opt, barrier=barrier, averaged=True)
+            return
+        before = self.scaler.scale(self._one)
+        if clip is not None:
+            self.scaler.unscale_(opt)  # clip the true gradients; step() does not unscale again
+            clip(opt)
         # averaged gradients: every replica sees the same inf/NaN and skips the same steps
         self.scaler.step(opt)
         self.scaler.update()

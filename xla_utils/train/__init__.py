@@ -17,6 +17,7 @@ use (``from xla_utils.train import CVResult``), the same objects :mod:`xla_utils
 * ``finetune``: Fine-tuning a pretrained backbone, fastai style
 * ``crossval``: Splits of one cache
 * ``history``: What a fit run returns and keeps
+* ``board``: TensorBoard event files of a fit run (``tensorboard=``)
 * ``checkpoint``: Epoch checkpoints of :class:`~xla_utils.train.trainer.OneCycleTrainer`
 * ``schedule``: One-cycle learning-rate and momentum schedule (Smith 2018), per optimizer
   step

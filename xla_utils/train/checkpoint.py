@@ -10,7 +10,9 @@ the epoch files; ``final.pt`` holds weights only. Reading never touches a device
 Disk: every run writes its own epoch files (a run rotates only its own, see
 ``keep_checkpoints``), so reruns into one ``checkpoint_dir`` add up.
 :func:`earlier_runs_note` says what a folder holds from earlier runs and
-:func:`prune_runs` deletes all but the newest runs' files (``keep_runs=``).
+:func:`prune_runs` deletes all but the newest runs' files (``keep_runs=``). A run of
+several phases (``fine_tune``: frozen, then unfrozen) names each phase's files
+``<run id>+<phase>`` (:func:`phase_run_id`): the phases are one run there.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import copy
 import math
 import os
 import re
+import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "checkpoint_name",
            "resolve_resume", "check_resume",
            "model_with_weights", "sharded_meta", "run_files", "prune_runs",
-           "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS"]
+           "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS",
+           "new_run_id", "phase_run_id", "run_of", "check_run_id"]
 
 
 class CheckpointError(ValueError):
@@ -59,12 +64,42 @@ RESERVED_KEYS = ("model", "optimizer", "epoch", "history", "base_lr", "lr_world"
 # Config fields the optimizer state and the one-cycle schedule depend on: a
 # resumed run with any of them changed would not continue the same run.
 _RESUME_FIXED = ("batch_size", "epochs", "weight_decay", "pct_start", "div_factor",
-                 "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema")
+                 "final_div_factor", "moms", "lr_scaling", "mean", "std", "accum_steps", "ema",
+                 "grad_clip")
 
 
 # An epoch file of a run: ``epoch_<nnn>-<run id>.pt`` or its sharded twin ``.dcp`` (a folder),
 # or an in-epoch one, ``epoch_<nnn>_step<ssssss>-<run id>.pt``.
 _RUN_FILE = re.compile(r"^epoch_(\d+)(?:_step\d+)?-(.+)\.(pt|dcp)$")
+# A run id: what a file name can hold on every system; ``+`` joins a run and its phase.
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.-]+(\+[A-Za-z0-9_.-]+)?$")
+
+
+def new_run_id() -> str:
+    """A new run's id: the local time and 4 random hex digits (``20261202-031500-ab12``)."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def phase_run_id(run: str, phase: str) -> str:
+    """The id of phase ``phase`` of run ``run`` (``<run>+<phase>``): its files are the run's
+    in :func:`run_files`, :func:`prune_runs` and :func:`earlier_runs_note`."""
+    return f"{run_of(run)}+{phase}"
+
+
+def run_of(run_id: str) -> str:
+    """The run a run id belongs to: itself, or for a phase's id (:func:`phase_run_id`) its run."""
+    return run_id.split("+", 1)[0]
+
+
+def check_run_id(run_id: object) -> None:
+    """Refuse a ``run_id`` that cannot name checkpoint files.
+
+    Raises:
+        ValueError: not a str of letters, digits, ``_``, ``.``, ``-`` (and one ``+<phase>``).
+    """
+    if not (isinstance(run_id, str) and _RUN_ID.match(run_id)):
+        raise ValueError(f"run_id must be a str of letters, digits, '_', '.' and '-' (optionally "
+                         f"'+<phase>': a phase of that run), e.g. {new_run_id()!r}; got {run_id!r}")
 
 
 def _size(path: Path) -> int:
@@ -75,9 +110,10 @@ def _size(path: Path) -> int:
 
 def run_files(directory: str | os.PathLike) -> dict[str, list[Path]]:
     """The epoch files of every run in ``directory``: ``{run id: [paths]}``, the oldest
-    run first (by its newest file's modification time). ``.pt`` files and sharded
-    ``.dcp`` folders count; ``final.pt``, ``best.pt`` and ``history.csv`` belong to no
-    run (each run overwrites them). A missing folder holds nothing."""
+    run first (by its newest file's modification time); the files of a run's phases
+    (``<run id>+<phase>``) are its own. ``.pt`` files and sharded ``.dcp`` folders count;
+    ``final.pt``, ``best.pt`` and ``history.csv`` belong to no run (each run overwrites
+    them). A missing folder holds nothing."""
     folder = Path(directory)
     runs: dict[str, list[Path]] = {}
     if not folder.is_dir():
@@ -85,7 +121,7 @@ def run_files(directory: str | os.PathLike) -> dict[str, list[Path]]:
     for p in folder.iterdir():
         m = _RUN_FILE.match(p.name)
         if m:
-            runs.setdefault(m.group(2), []).append(p)
+            runs.setdefault(run_of(m.group(2)), []).append(p)
     newest = {rid: max(p.stat().st_mtime for p in ps) for rid, ps in runs.items()}
     return {rid: sorted(runs[rid]) for rid in sorted(runs, key=lambda r: (newest[r], r))}
 
@@ -97,13 +133,15 @@ def prune_runs(directory: str | os.PathLike, keep: int, current: str | None = No
         directory: a ``checkpoint_dir``.
         keep: runs whose files stay (``current`` counts as one); 0 deletes every run's
             epoch files except ``current``'s.
-        current: a run id whose files are never deleted (the running fit's).
+        current: a run id whose run's files are never deleted (the running fit's; a
+            phase's id keeps its whole run: ``fine_tune``'s frozen phase too).
 
     Returns:
         The paths deleted. ``final.pt``, ``best.pt``, ``final_raw.pt`` and ``history.csv``
         are never touched.
     """
     runs = run_files(directory)
+    current = None if current is None else run_of(current)
     others = [rid for rid in runs if rid != current]
     stay = max(0, keep - (current is not None and current in runs))
     doomed = others[:max(0, len(others) - stay)]
@@ -122,8 +160,8 @@ def earlier_runs_note(directory: str | os.PathLike | None, keep_runs: int | None
                       show: bool = False, current: str | None = None) -> str | None:
     """One line on what ``directory`` holds from earlier runs (files, runs, size) and how
     to remove them, or None when it holds none. ``fit`` prints it (``show``) before a run;
-    ``current`` is the run a resumed fit continues, named as such and not counted as an
-    earlier run."""
+    ``current`` is the run's id: its files (a resumed run's, or the earlier phases' of a
+    run in phases, ``fine_tune``'s) are named as such and not counted as an earlier run."""
     runs = run_files(directory) if directory is not None else {}
     if not runs:
         return None
@@ -135,11 +173,17 @@ def earlier_runs_note(directory: str | os.PathLike | None, keep_runs: int | None
 
 def _runs_note(directory: Any, runs: dict[str, list[Path]], keep_runs: int | None,
                current: str | None = None) -> str:
-    own = runs.pop(current, []) if current is not None else []
+    own = runs.pop(run_of(current), []) if current is not None else []
     head = f"checkpoint_dir {directory} holds "
     if own:
-        head += (f"{len(own)} epoch checkpoint(s) of run {current}, resumed here "
-                 f"({format_bytes(sum(_size(p) for p in own))})")
+        size = format_bytes(sum(_size(p) for p in own))
+        ids = sorted({_RUN_FILE.match(p.name).group(2) for p in own})
+        if current in ids:
+            head += f"{len(own)} epoch checkpoint(s) of run {current}, resumed here ({size})"
+        else:  # only its earlier phases' (fine_tune's frozen phase, in the unfrozen one)
+            words = ", ".join(r.partition("+")[2] or r for r in ids)
+            head += (f"{len(own)} epoch checkpoint(s) of this run's earlier phase(s) ({words}; "
+                     f"run {run_of(current)}, {size})")
         if not runs:
             return head
         head += " and "

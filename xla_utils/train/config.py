@@ -15,6 +15,7 @@ group they read from here, and it imports none of them back.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -27,6 +28,7 @@ from .. import runtime
 from ..data import IMAGENET_MEAN, IMAGENET_STD
 from ..runtime.shardinfo import STRATEGIES
 from ..utils.suggest import choice, closest, deprecated, did_you_mean
+from ..step.clip import check_grad_clip
 from ..step.device_plan import PRECISIONS
 from .ema import check_ema
 from .metrics import METRICS, metric_names, normalize_metrics
@@ -38,7 +40,7 @@ from .torch_compile import check_compile_option
 __all__ = ["TrainerConfig", "DataSettings", "ScheduleSettings", "OptimSettings",
            "AugmentSettings", "CheckpointSettings", "DeviceSettings", "DiagnosticsSettings",
            "GROUPS", "OPTION_GROUPS", "LR_SCALING", "ON_NAN", "LOSS_MONITORS",
-           "METRIC_MONITORS", "check_option_names", "callable_name"]
+           "METRIC_MONITORS", "check_option_names", "callable_name", "TENSORBOARD_MISSING"]
 
 LR_SCALING = ("linear", "sqrt", "none")
 ON_NAN = ("stop", "continue")
@@ -46,6 +48,11 @@ ON_NAN = ("stop", "continue")
 # callable metrics); which way is better: ``metrics.lower_is_better``.
 LOSS_MONITORS = ("val_loss", "train_loss")
 METRIC_MONITORS = tuple(METRICS)
+# Other libraries' names for an option (Lightning, Hugging Face, timm), suggested as it.
+_THEIR_NAMES = {"gradient_clip_val": "grad_clip", "max_grad_norm": "grad_clip",
+                "clip_grad": "grad_clip", "clip_grad_norm": "grad_clip"}
+TENSORBOARD_MISSING = ("tensorboard= writes TensorBoard event files, which needs the tensorboard "
+                       "package: pip install tensorboard (or tensorboard=None)")
 
 
 def callable_name(fn: Any) -> str:
@@ -174,6 +181,11 @@ class OptimSettings:
         channels_last: ``"auto"`` (default): on CUDA, a model with ``Conv2d`` layers and image
             inputs run in channels_last memory format (the images normalised straight into it);
             True forces it on the torch backend, False keeps NCHW. XLA picks its own layouts.
+        grad_clip: Clip each optimizer step's gradients to this total L2 norm (after they are
+            averaged over the replicas and, with fp16, unscaled), on every backend and
+            strategy, inside the step's graph; default None (off). The history records the
+            norms per epoch (``grad_norm``, ``grad_norm_max``, ``clipped_steps``,
+            ``grad_norm_clipped_max``). See :mod:`xla_utils.step.clip`.
     """
 
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
@@ -181,9 +193,11 @@ class OptimSettings:
     accum_steps: int = 1
     precision: str = "auto"
     channels_last: bool | str = "auto"
+    grad_clip: float | None = None
 
     def __post_init__(self) -> None:
         self.optimizer = resolve_optimizer(self.optimizer)
+        self.grad_clip = check_grad_clip(self.grad_clip)
         self.precision = choice(self.precision, PRECISIONS, "precision")
         self.channels_last = choice(self.channels_last, ("auto",), "channels_last", "True/False")
         if not _positive_int(self.accum_steps):
@@ -402,11 +416,16 @@ class DiagnosticsSettings:
             of the last good epoch (a host copy made at each epoch end), no checkpoint is
             written for the bad one, and ``History.stop_reason`` and one warning say why.
             ``"continue"`` says so once and trains on (no checkpoint for a non-finite epoch).
+        tensorboard: Write TensorBoard event files (the master replica, each epoch's record as
+            it ends; :mod:`xla_utils.train.board`): a folder (each run in ``<folder>/<run
+            id>``), True (``checkpoint_dir/tensorboard``) or None (default, off). Needs the
+            ``tensorboard`` package (``pip install tensorboard``), checked here.
     """
 
     metrics: Sequence[str | Callable] | Mapping[str, Callable] | None = None
     log_every: int = 20
     on_nan: str = "stop"
+    tensorboard: bool | str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         self.on_nan = choice(self.on_nan, ON_NAN, "on_nan")
@@ -415,6 +434,12 @@ class DiagnosticsSettings:
             raise ValueError("log_every must be >= 1")
         if self.on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
+        board = self.tensorboard
+        if not (board is None or isinstance(board, (bool, str, os.PathLike))) or board == "":
+            raise ValueError(f"tensorboard must be a folder, True (checkpoint_dir/tensorboard) or "
+                             f"None (off), got {board!r}")
+        if board not in (None, False) and importlib.util.find_spec("tensorboard") is None:
+            raise ImportError(TENSORBOARD_MISSING)
 
 
 # The groups, by their attribute of TrainerConfig (docs/TRAINER.md's table, in its order).
@@ -445,10 +470,12 @@ def check_option_names(where: str, options: Mapping[str, Any]) -> None:
         return
     parts = []
     for k in unknown:
-        near = closest(k, OPTION_GROUPS, n=1)
+        near = [_THEIR_NAMES[k]] if k in _THEIR_NAMES else closest(k, OPTION_GROUPS, n=1)
         attr = OPTION_GROUPS[near[0]] if near else ""
         where_near = f" in the {attr} group (config.{attr}.{near[0]})" if near else ""
-        parts.append(f"{k!r}{did_you_mean(k, OPTION_GROUPS)}{where_near}")
+        mean = (f" (did you mean {near[0]!r}?)" if k in _THEIR_NAMES
+                else did_you_mean(k, OPTION_GROUPS))
+        parts.append(f"{k!r}{mean}{where_near}")
     by_group = "; ".join(f"{attr}: {', '.join(f.name for f in dataclasses.fields(cls))}"
                          for attr, cls in GROUPS.items())
     s = "s" if len(parts) > 1 else ""
@@ -492,14 +519,15 @@ class TrainerConfig:
         schedule: :class:`ScheduleSettings`: ``epochs``, ``max_lr``, ``lr_scaling``,
             ``pct_start``, ``div_factor``, ``final_div_factor``, ``moms``.
         optim: :class:`OptimSettings`: ``optimizer``, ``weight_decay``, ``accum_steps``,
-            ``precision``, ``channels_last``.
+            ``precision``, ``channels_last``, ``grad_clip``.
         augment: :class:`AugmentSettings`: ``mixup``, ``cutmix``, ``label_smoothing``, ``ema``,
             ``batch_transform``.
         checkpoints: :class:`CheckpointSettings`: ``checkpoint_dir``, ``keep_checkpoints``,
             ``keep_runs``, ``monitor``, ``patience``, ``checkpoint_every``.
         devices: :class:`DeviceSettings`: ``strategy``, ``fsdp_wrap``,
             ``activation_checkpointing``, ``lr_find_on_mesh``, ``compile_cache``, ``compile``.
-        diagnostics: :class:`DiagnosticsSettings`: ``metrics``, ``log_every``, ``on_nan``.
+        diagnostics: :class:`DiagnosticsSettings`: ``metrics``, ``log_every``, ``on_nan``,
+            ``tensorboard``.
     """
 
     data: DataSettings = field(default_factory=DataSettings)
@@ -529,8 +557,11 @@ class TrainerConfig:
 
     def _check_across_groups(self) -> None:
         """The rules that span two groups: the monitor is a value the run records, mixing
-        needs an even batch."""
+        needs an even batch, ``tensorboard=True`` needs a ``checkpoint_dir``."""
         self._check_monitor_name()
+        if self.diagnostics.tensorboard is True and self.checkpoints.checkpoint_dir is None:
+            raise ValueError("tensorboard=True writes beside the checkpoints, but checkpoint_dir "
+                             "is None. Fix: tensorboard='<folder>', or checkpoint_dir=...")
         bs = self.data.batch_size
         if self.augment.mixes and bs % 2:
             raise ValueError(f"mixup/cutmix pair each sample with the batch's reverse and need an even "

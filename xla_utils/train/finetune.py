@@ -14,6 +14,11 @@
    spaced geometrically from ``base_lr / 2 / lr_mult`` (first group) to
    ``base_lr / 2`` (head), ``pct_start=0.3``, ``div_factor=5``.
 
+The two phases are one run on disk: their epoch files are named ``<run id>+frozen`` and
+``<run id>+unfrozen`` (:func:`xla_utils.train.checkpoint.phase_run_id`), so the folder's
+listing counts them as one run and ``keep_runs`` never deletes the frozen phase's files
+while the unfrozen phase runs.
+
 Each phase is one training graph: freezing changes which gradients exist, so the
 frozen phase compiles its own step once and the unfrozen phase once; nothing
 recompiles inside a phase. The LR multiplier of a group rides in its param group
@@ -36,6 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import torch
+
+from .checkpoint import new_run_id, phase_run_id, resolve_resume, run_of
 
 if TYPE_CHECKING:
     from .history import History
@@ -267,6 +274,7 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
     _Budget.install(fit_kwargs)
     groups = layer_groups(model, head, n_groups)
     path, resumed = _resume_phase(resume, cfg.checkpoint_dir)
+    run = resumed.get("run") or new_run_id()  # the phases' files are one run's
     if weights is not None and path is None:
         load_pretrained(model, weights, head)
     base = cfg.max_lr if base_lr is None else base_lr
@@ -277,7 +285,8 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
         if freeze_epochs and resumed.get("phase") != "unfrozen":
             freeze(model, head, train_bn)
             mults = [0.1] * (len(groups) - 1) + [1.0]
-            h1 = _phase(trainer, groups, mults, frozen, base, fit_kwargs, "frozen", [], path, [])
+            h1 = _phase(trainer, groups, mults, frozen, base, fit_kwargs, "frozen", [], path, [],
+                        run)
             phases.append(("frozen", h1))
             base, path = h1.base_lr, None
             if h1.stop_reason and not h1.stop_reason.startswith("early stop"):
@@ -289,7 +298,7 @@ def fine_tune(trainer: "OneCycleTrainer", epochs: int, freeze_epochs: int = 1,
             phase2_lr = "find" if base == "find" else float(base) / 2
         done = list(phases[0][1].epochs) if phases else []
         h2 = _phase(trainer, groups, even_mults(lr_mult, len(groups)), unfrozen, phase2_lr,
-                    fit_kwargs, "unfrozen", done, path, resumed.get("before", []))
+                    fit_kwargs, "unfrozen", done, path, resumed.get("before", []), run)
         if not phases and h2.epochs and h2.epochs[0].get("phase") == "frozen":
             return h2  # resumed: the frozen epochs came back from the checkpoint
         phases.append(("unfrozen", h2))
@@ -317,36 +326,37 @@ def _check_fine_tune_args(epochs: Any, freeze_epochs: Any, lr_mult: Any,
 def _resume_phase(resume: Any, checkpoint_dir: Any) -> tuple[Path | None, dict[str, Any]]:
     """``(checkpoint file, its fine_tune record)`` of ``fine_tune(resume=...)``: the
     record holds ``"phase"`` (``"frozen"`` | ``"unfrozen"``), ``"before"`` (the earlier
-    phase's epochs) and ``"base_lr"`` (the run's max_lr for one core); ``(None, {})``
-    for a new run."""
+    phase's epochs), ``"base_lr"`` (the run's max_lr for one core) and ``"run"`` (the run
+    whose phase wrote it); ``(None, {})`` for a new run."""
     if resume is None:
         return None, {}
-    from .checkpoint import resolve_resume
-
     path, ckpt = resolve_resume(resume, checkpoint_dir)
     info = ckpt.get("fine_tune")
     if not isinstance(info, dict) or info.get("phase") not in ("frozen", "unfrozen"):
         raise ValueError(f"fine_tune(resume={str(resume)!r}): {path} was written by fit(), not "
                          "by fine_tune (it records no phase); continue it with "
                          "trainer.fit(resume=...) or start fine_tune without resume")
-    return path, {**info, "base_lr": float(ckpt["base_lr"])}
+    run = ckpt.get("run_id")
+    return path, {**info, "base_lr": float(ckpt["base_lr"]), "run": run and run_of(run)}
 
 
 def _phase(trainer: OneCycleTrainer, groups: list[list[str]], mults: list[float],
            schedule: dict[str, Any], max_lr: float | str, fit_kwargs: dict[str, Any], name: str,
            before: list[dict[str, Any]], resume: Path | None,
-           resumed_before: list[dict[str, Any]]) -> History:
+           resumed_before: list[dict[str, Any]], run: str) -> History:
     """One phase: ``fit`` with the phase's ``schedule`` (``epochs``, ``pct_start``, ...: fit's
     per-run overrides) and layer-group LRs, a planned continuation of the trained weights
     (no warning about them); its checkpoints record ``name`` and the earlier phase's epochs
-    (``before``). A resumed unfrozen phase returns the merged history (``resumed_before``:
-    the frozen epochs its checkpoint recorded)."""
+    (``before``) and are named as phase ``name`` of ``run`` (a resumed phase keeps its
+    checkpoint's run id). A resumed unfrozen phase returns the merged history
+    (``resumed_before``: the frozen epochs its checkpoint recorded)."""
     kwargs = dict(fit_kwargs)
     if isinstance(kwargs.get("time_limit"), _Budget):
         kwargs["time_limit"] = kwargs["time_limit"].left()
     h = trainer.fit(max_lr=max_lr, resume=resume, lr_groups=layer_group_lrs(groups, mults),
                     checkpoint_extra={"fine_tune": {"phase": name, "before": before}},
-                    warn_if_trained=False, **schedule, **kwargs)
+                    warn_if_trained=False, **schedule, **kwargs,
+                    run_id=None if resume is not None else phase_run_id(run, name))
     if resume is not None and name == "unfrozen" and resumed_before:
         return _merge([("frozen", dataclasses.replace(h, epochs=list(resumed_before), steps=[])),
                        ("unfrozen", h)])

@@ -21,7 +21,7 @@ from ..utils.atomic import atomic_write
 from .config import LOSS_MONITORS
 from .metrics import lower_is_better
 
-__all__ = ["History", "BestTracker", "monitor_mode", "write_csv_atomic"]
+__all__ = ["History", "BestTracker", "monitor_mode", "write_csv_atomic", "value_kinds"]
 
 
 @dataclass(repr=False)
@@ -40,7 +40,9 @@ class History:
             gradient scaler (a GPU without bf16) ``skipped_steps`` (optimizer steps it
             skipped on inf/NaN gradients); with ``compile=`` on the torch backend
             ``compiles`` (dynamo graphs so far in the run, cumulative) and
-            ``compile_seconds`` (seconds compiling in this epoch).
+            ``compile_seconds`` (seconds compiling in this epoch); with ``grad_clip=``
+            ``grad_norm`` (mean total gradient norm before clipping), ``grad_norm_max``,
+            ``clipped_steps`` and ``grad_norm_clipped_max`` (:mod:`xla_utils.step.clip`).
         world_size, global_batch: Replicas (cores, GPUs or processes) and samples per step
             over all of them.
         base_lr, max_lr: The LR given (or found) and the peak LR used.
@@ -130,7 +132,10 @@ class History:
         return write_csv_atomic(self.steps, path)
 
     def plot(self, path: str | os.PathLike | None = None, show: bool | None = None) -> Any:
-        """Loss, validation metrics and LR per epoch, as a matplotlib figure.
+        """Loss, validation metrics, LR, and counts and timings per epoch, as a matplotlib
+        figure: each kind of value on its own axis (metrics 0..1; counts such as
+        ``samples``, ``compiles``, ``seconds``, ``images_per_s`` and the gradient norms of
+        ``grad_clip`` on a symmetric-log axis of their own, never on the metrics').
 
         Args:
             path: Also save the figure there (PNG, SVG, ... by suffix). Default None.
@@ -138,7 +143,7 @@ class History:
                 and the backend is interactive (a notebook shows the returned figure).
 
         Returns:
-            The ``matplotlib.figure.Figure`` (three panels: losses, metrics, LR).
+            The ``matplotlib.figure.Figure`` (four panels: losses, metrics, LR, counts).
 
         Raises:
             ImportError: matplotlib is not installed (``pip install matplotlib``).
@@ -154,18 +159,24 @@ class History:
         if not self.epochs:
             raise ValueError("History.plot(): the history has no epochs to plot")
         x = [e["epoch"] for e in self.epochs]
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+        fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
         for key in LOSS_MONITORS[::-1]:
             if any(key in e for e in self.epochs):
                 axes[0].plot(x, [_num(e.get(key)) for e in self.epochs], marker="o", label=key)
         axes[0].set_title("loss")
-        for key in _metric_keys(self.epochs):
+        kinds = value_kinds(self.epochs)
+        metrics, counts = kinds["metrics"], kinds["counts"]
+        for key in metrics:
             axes[1].plot(x, [_num(e.get(key)) for e in self.epochs], marker="o", label=key)
         axes[1].set_title("validation metrics")
         axes[2].plot(x, [_num(e.get("lr_last")) for e in self.epochs], marker="o", label="lr_last")
         axes[2].plot(x, [_num(e.get("lr_max")) for e in self.epochs], ls="--", label="lr_max")
         axes[2].set_yscale("log")
         axes[2].set_title("learning rate")
+        for key in counts:
+            axes[3].plot(x, [_num(e.get(key)) for e in self.epochs], marker=".", label=key)
+        axes[3].set_yscale("symlog", linthresh=1.0)  # 0 skipped steps to 10^4 images/s
+        axes[3].set_title("counts and timings")
         if self.best_epoch is not None:
             for ax in axes[:2]:
                 ax.axvline(self.best_epoch, color="grey", ls=":", label=f"best ({self.monitor})")
@@ -221,14 +232,30 @@ class History:
         return f"<div><p>{esc(self._summary())}</p>{table}{notes}</div>"
 
 
-_NOT_METRICS = {"epoch", "train_loss", "val_loss", "lr_max", "lr_last", "images_per_s",
-                "compiles", "host_reads_per_step", "seconds", "skipped_steps",
-                "compile_seconds"}
+# Counts, timings and other non-metric figures (History.plot's counts axis). A value that is
+# none of these is a metric when every epoch's value lies in 0..1 (accuracy, top<k>, f1).
+_COUNTS = {"samples", "images_per_s", "compiles", "host_reads_per_step", "seconds",
+           "skipped_steps", "compile_seconds", "clipped_steps", "grad_norm", "grad_norm_max",
+           "grad_norm_clipped_max"}
 
 
-def _metric_keys(epochs: list[dict[str, Any]]) -> list[str]:
-    keys = dict.fromkeys(k for e in epochs for k in e if k not in _NOT_METRICS)
-    return [k for k in keys if any(isinstance(e.get(k), (int, float)) for e in epochs)]
+def value_kinds(epochs: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The records' numeric keys by kind, each first seen first: ``"loss"`` (train_loss,
+    val_loss), ``"lr"`` (lr_last, lr_max), ``"metrics"`` (values in 0..1: accuracy, top<k>,
+    f1) and ``"counts"`` (samples, compiles, seconds, images_per_s, gradient norms, and any
+    other value outside 0..1). What :meth:`History.plot` and TensorBoard's tags group by."""
+    keys = dict.fromkeys(k for e in epochs for k in e if k != "epoch")
+    kinds: dict[str, list[str]] = {"loss": [], "lr": [], "metrics": [], "counts": []}
+    for k in keys:
+        vals = [e[k] for e in epochs if isinstance(e.get(k), (int, float))
+                and not isinstance(e.get(k), bool)]
+        if not vals:
+            continue
+        unit = all(0.0 <= v <= 1.0 for v in vals if math.isfinite(v))
+        kind = ("loss" if k in LOSS_MONITORS else "lr" if k in ("lr_last", "lr_max") else
+                "metrics" if unit and k not in _COUNTS else "counts")
+        kinds[kind].append(k)
+    return kinds
 
 
 def _num(v: Any) -> float:

@@ -8,8 +8,8 @@ passes in :mod:`xla_utils.train.inference`) share :func:`replica_model`, :func:`
 :func:`loader` and :func:`metric_accumulator` with it.
 
 Each step is forward, backward, ``runtime.optimizer_step`` (gradients averaged
-over replicas; through the gradient scaler of an fp16 run) and one
-``runtime.sync()``. On the replicas of a multi-replica torch launch (GPUs, or
+over replicas; through the gradient scaler of an fp16 run; with ``grad_clip=`` clipped
+first, :mod:`xla_utils.step.clip`) and one ``runtime.sync()``. On the replicas of a multi-replica torch launch (GPUs, or
 ``XLA_UTILS_CPU_REPLICAS``) the forward goes through torch's DistributedDataParallel
 (``Setup.ddp``), which averages the gradients during backward, once per optimizer step
 (accumulation micro-batches run under ``no_sync()``); ``train_step`` still gets the plain
@@ -34,6 +34,7 @@ import torch
 
 from .. import runtime
 from ..data import apply_batch_transform, iterate_batches, plan_loading
+from ..step.clip import GradClip
 from ..step.device_plan import DevicePlan, DeviceRequest
 from .metrics import MetricAccumulator, metric_keys, resolve_metrics, target_kind
 from ..step.optim import make_optimizer, optimizer_label
@@ -166,6 +167,8 @@ class Setup:
             compiled forward ``train_step`` and validation get), else None (eager).
         batch_transform: ``cfg.augment.batch_transform``: ``fn(x, y) -> (x, y)`` on each
             normalised training micro-batch, in the step's graph; or None.
+        clip: ``grad_clip=``'s :class:`~xla_utils.step.clip.GradClip` (the gradients'
+            total norm clipped before each optimizer step), else None.
     """
 
     model: torch.nn.Module
@@ -194,6 +197,7 @@ class Setup:
     ddp: torch.nn.Module | None = None
     compiled: Any = None  # issue 45: a CompiledRun (compile=), set by fit_replica
     batch_transform: Callable | None = None
+    clip: GradClip | None = None
 
     def batches(self, data, settings: DataSettings, epoch: int, train: bool, start: int = 0):
         """This replica's host batches of ``data`` for ``epoch`` (global ones on a mesh), from
@@ -308,7 +312,8 @@ def set_up(model: torch.nn.Module, cfg: TrainerConfig, train_data, *, base_lr: f
                  autocast=plan.autocast, accum_steps=k, ema=ema,
                  mix=None if mix is None else DeviceMix(mix, dev), mesh=strategy, plan=plan,
                  ddp=None if strategy is not None else runtime.data_parallel(model),
-                 batch_transform=cfg.augment.batch_transform)
+                 batch_transform=cfg.augment.batch_transform,
+                 clip=None if cfg.grad_clip is None else GradClip(cfg.grad_clip, dev))
 
 
 def _resumed(ckpt: dict | None, opt: torch.optim.Optimizer, plan: DevicePlan, ws: int,
@@ -390,6 +395,9 @@ class EpochResult:
         steps: Optimizer steps run by this call (fewer than the epoch's when it resumed
             inside it or paused; None: all of them).
         ended: Whether the epoch ran to its last step (False: the run paused inside it).
+        grad_norms: ``grad_clip=``'s figures (:meth:`~xla_utils.step.clip.GradClip.take`:
+            ``grad_norm``, ``grad_norm_max``, ``clipped_steps``, ``grad_norm_clipped_max``),
+            read once at the epoch's end; None without clipping.
     """
 
     train_loss: float
@@ -399,6 +407,7 @@ class EpochResult:
     skipped_steps: int | None = None
     steps: int | None = None
     ended: bool = True
+    grad_norms: dict[str, float | int] | None = None
 
 
 def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, *,
@@ -471,6 +480,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     if hasattr(it, "close"):
         it.close()  # micro-batches beyond the last full accumulation group are not used
     skipped = s.plan.take_skipped()
+    grad_norms = None if s.clip is None else s.clip.take()  # one host read an epoch
     if skipped and skipped > SKIPPED_WARN * spe:
         msg = (f"epoch {epoch + 1}: the fp16 gradient scaler skipped {skipped} of {spe} optimizer "
                "steps (inf/NaN gradients), so the weights barely trained. Fix: lower max_lr, check "
@@ -480,7 +490,7 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
     return EpochResult(train_loss=train_loss, lr_last=lr_last,
                        to_host=runtime.xla_counters()["to_host"] - to_host0,
                        seconds=time.perf_counter() - t0, skipped_steps=skipped,
-                       steps=i + 1 - start, ended=i + 1 == spe)
+                       steps=i + 1 - start, ended=i + 1 == spe, grad_norms=grad_norms)
 
 
 def _loss_read(epoch: int, done: int, micro: int, loss_sum: torch.Tensor, s: Setup,
@@ -542,7 +552,8 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSetting
     ``runtime.sync()``): mixing, the input's device preparation (``data``: the
     normalisation and flip settings), at a step's first
     micro-batch the one-cycle LR and momentum and ``zero_grad``, forward and backward under
-    the run's autocast, and at its last micro-batch the optimizer step and the EMA update.
+    the run's autocast, and at its last micro-batch the optimizer step (with ``grad_clip=``
+    the gradients clipped first, :class:`~xla_utils.step.clip.GradClip`) and the EMA update.
     :meth:`OneCycleTrainer.check <xla_utils.train.trainer.OneCycleTrainer.check>` and ``debug()``
     measure this very function (:mod:`xla_utils.train.steps`).
 
@@ -574,7 +585,7 @@ def micro_step(s: Setup, step: int, m: int, x: Any, y: Any, *, data: DataSetting
         s.plan.backward(loss / k if k > 1 else loss)
     if last:
         # a step the fp16 scaler skips still advances the schedule
-        s.plan.step(s.opt, averaged=s.ddp is not None)
+        s.plan.step(s.opt, averaged=s.ddp is not None, clip=s.clip)
         if s.ema is not None:
             s.ema.update(s.model)
     return loss, lr

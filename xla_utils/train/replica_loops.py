@@ -22,6 +22,7 @@ import torch
 
 from . import inference, loop
 from .. import runtime
+from .board import EpochBoard
 from .checkpoint import save_checkpoint, sharded_meta
 from .history import BestTracker, History, epoch_files
 from .session import RunSession, StopPlan
@@ -120,6 +121,7 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
     epochs = range(cfg.epochs)  # the whole run's: a resumed run's bar says Epoch 4/6
     best = BestTracker.resume(cfg.monitor, cfg.patience, s.history) if cfg.monitor else None
     mb = master_bar(epochs) if runtime.is_master() else None
+    board = EpochBoard.open(cfg.tensorboard, cfg.checkpoint_dir, run_id, runtime.is_master())
     for epoch in (mb if mb is not None else epochs):
         if epoch < s.start_epoch:  # done before the checkpoint
             continue
@@ -137,6 +139,8 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
         s.history.append(record)
         if mb is not None:
             mb.write(loop.epoch_line(record))
+        if board is not None:
+            board.epoch(record)
         if state.stop_reason is not None:  # the epoch's loss exploded: no checkpoint for it
             break
         end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss), cfg=cfg,
@@ -157,7 +161,7 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
         if cfg.checkpoint_dir is not None:
             save_final(s, final, best is not None and bool(best.best_state),
                        checkpoints=cfg.checkpoints)
-    return History(epochs=s.history, world_size=s.world_size,
+    history = History(epochs=s.history, world_size=s.world_size,
                    global_batch=s.world_size * cfg.batch_size * s.accum_steps,
                    base_lr=s.base_lr,
                    max_lr=s.max_lr, lr_scaling=s.rule, lr_note=s.lr_note,
@@ -170,6 +174,9 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
                                   runtime.compile_cache_summary(cache, counters0,
                                                                 runtime.xla_counters())),
                    ema_state_dict={} if s.ema is None else s.ema.state_dict(), steps=s.steps)
+    if board is not None:
+        board.close(history)  # its per-step rows, when it has them
+    return history
 
 
 def in_epoch_read(epoch: int, done: int, train_loss: float, s: loop.Setup,
@@ -261,6 +268,7 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
     record["seconds"] = res.seconds
     if res.skipped_steps is not None:  # a gradient scaler's (fp16 on a GPU)
         record["skipped_steps"] = res.skipped_steps
+    record.update(res.grad_norms or {})  # grad_clip=
     loop.explosion(record, state, cfg.diagnostics, s, epoch)
     return record
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
-import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -31,8 +29,8 @@ from ..step import device_plan
 from .. import runtime
 from . import mesh_tasks as _mesh_tasks
 from ..step import strategy as _strategy
-from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume,
-                         earlier_runs_note, model_with_weights, resolve_resume)
+from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume, check_run_id,
+                         earlier_runs_note, model_with_weights, new_run_id, resolve_resume)
 from .config import LOSS_MONITORS, TrainerConfig, check_option_names
 from ..data import CachedImageDataset, check_transform, iterate_batches
 from ..diagnostics.debug import DebugReport, debug_run
@@ -263,8 +261,8 @@ class OneCycleTrainer:
             lr_scaling: str | None = None, moms: tuple[float, float, float] | None = None,
             lr_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
             checkpoint_extra: dict[str, Any] | None = None, warn_if_trained: bool = True,
-            compile: bool | str | None = None,
-            time_limit: float | str | None = None) -> "History | DebugReport":
+            compile: bool | str | None = None, time_limit: float | str | None = None,
+            run_id: str | None = None) -> "History | DebugReport":
         """Train on all cores (``cores="all"``) or one (``cores=1``).
 
         Labels are checked against the model's output width and the dataset's classes
@@ -284,10 +282,9 @@ class OneCycleTrainer:
                 with this run's (with the overrides below) first: anything the schedule or
                 optimizer state depends on (optimizer, batch size, epochs, cores, ...) must match. The run
                 keeps the checkpoint's max_lr (as given to or found for it); a different
-                ``max_lr`` given here is refused. It goes on as the same run (its run id,
-                its epoch numbers: ``Epoch 4/6``). A checkpoint of the run's last epoch is
-                a complete run: ``fit`` says so and returns its history, training nothing
-                and writing no file.
+                ``max_lr`` given here is refused. It goes on as the same run (its run id, its
+                epoch numbers: ``Epoch 4/6``). A checkpoint of the run's last epoch is a
+                complete run: ``fit`` says so and returns its history, writing no file.
             debug: Deprecated: use :meth:`debug` (returns its report instead of training).
             timeout: Seconds after which the replicas are killed (default none).
             check: First run :meth:`check` and print its report; default False.
@@ -299,12 +296,13 @@ class OneCycleTrainer:
                 at one LR (after :meth:`freeze`, the trainable ones).
             checkpoint_extra: Fields every epoch checkpoint of this run records beside its
                 state (``fine_tune`` records its phase); default None.
-            warn_if_trained: Warn when an earlier fit trained this model and this run starts
-                a new schedule from its weights (default True; ``fine_tune``'s phases pass
-                False).
+            warn_if_trained: Warn when an earlier fit trained this model and this run starts a
+                new schedule from its weights (default True; ``fine_tune``'s phases: False).
             compile: This run's ``TrainerConfig.compile`` (default None: the configured one).
             time_limit: Stop in time (``"2h30min"``, ``"auto"``; default None); see docs/TRAINER.md
                 "Long runs and session limits" (and SIGTERM/SIGINT: ``KeyboardInterrupt``).
+            run_id: Names the epoch files (default None: new; not with ``resume``);
+                ``<run>+<phase>`` is a phase of ``<run>`` (fine_tune's): one run for keep_runs.
 
         Returns:
             The run's :class:`History`.
@@ -333,7 +331,7 @@ class OneCycleTrainer:
         if debug:
             return self._fit_debug(cfg, inputs["train"])
         fit_plan, plan = self._plan_fit(cfg, inputs, placement, max_lr, resume, lr_groups,
-                                        checkpoint_extra, warn_if_trained)
+                                        checkpoint_extra, warn_if_trained, run_id)
         return self._run_fit(fit_plan, plan, placement, timeout, deadline)
 
     def _run_fit(self, fit_plan: FitPlan, plan: _strategy.StrategyPlan | None,
@@ -402,8 +400,8 @@ class OneCycleTrainer:
     def _plan_fit(self, cfg: TrainerConfig, inputs: dict[str, tuple[Any, InputSpec] | None],
                   placement: runtime.Placement, max_lr: float | str | None,
                   resume: str | os.PathLike | None, lr_groups: Callable[..., Any] | None,
-                  checkpoint_extra: dict[str, Any] | None, warn_if_trained: bool
-                  ) -> tuple[FitPlan, _strategy.StrategyPlan | None]:
+                  checkpoint_extra: dict[str, Any] | None, warn_if_trained: bool,
+                  run_id: str | None = None) -> tuple[FitPlan, _strategy.StrategyPlan | None]:
         """Every check and decision of a fit run, here on the host before any device time:
         the replicas' :class:`~xla_utils.train.replica_loops.FitPlan` and the mesh plan (None
         under ``"spawn"``)."""
@@ -411,6 +409,11 @@ class OneCycleTrainer:
             raise TypeError(f"lr_groups must be a callable model -> param-group dicts (e.g. "
                             f"xla_utils.train.finetune.layer_group_lrs(...)) or None, got {lr_groups!r}")
         check_extra(checkpoint_extra)
+        if run_id is not None:
+            check_run_id(run_id)
+            if resume is not None:
+                raise ValueError("fit(run_id=..., resume=...): a resumed run goes on under its "
+                                 "checkpoint's run id. Fix: drop run_id")
         check_monitor_data(cfg.monitor, self._check_metrics(cfg, inputs["val"], "val_data"),
                            self.val_data is not None)
         world = placement.replicas
@@ -419,9 +422,7 @@ class OneCycleTrainer:
         plan = None
         if cfg.strategy != "spawn":
             plan = _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model, placement)
-        ckpt = None
-        run_id = runtime.same_everywhere(time.strftime("%Y%m%d-%H%M%S") + "-"
-                                         + secrets.token_hex(2), placement)
+        ckpt, run_id = None, runtime.same_everywhere(run_id or new_run_id(), placement)
         if resume is not None:
             path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
             # On a TPU the world is detected, not known (pod slices span hosts):
@@ -437,8 +438,7 @@ class OneCycleTrainer:
         if not (isinstance(base_lr, (int, float)) and base_lr > 0):
             raise ValueError(f"max_lr must be a positive number or 'find', got {base_lr!r}")
         if ckpt is None or ckpt["epoch"] < cfg.epochs:  # a complete run trains nothing
-            earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True,
-                              current=None if ckpt is None else run_id)
+            earlier_runs_note(cfg.checkpoint_dir, cfg.keep_runs, show=True, current=run_id)
         lr_groups = self._lr_groups if lr_groups is None else lr_groups
         note, self._model_note = self._model_note, ""  # said once, in the first run's first line
         return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
