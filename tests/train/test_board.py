@@ -39,7 +39,10 @@ def test_fit_writes_each_epoch_grouped_as_the_plot(tmp_path):
                      ("counts/samples", "samples"), ("counts/grad_norm", "grad_norm")):
         assert [s for s, _ in got[tag]] == [1, 2], tag
         assert [v for _, v in got[tag]] == pytest.approx([e[key] for e in h.epochs], rel=1e-6)
-    assert not any(tag.startswith("step/") for tag in got)  # this history has no step rows
+    # the run's per-step rows (History.steps), each at its optimizer step
+    assert got["step/train_loss"] == pytest.approx([(r["step"], r["train_loss"]) for r in h.steps],
+                                                   rel=1e-6)
+    assert [s for s, _ in got["step/lr"]] == [r["step"] for r in h.steps] and h.steps
 
 
 def test_step_rows_are_written_when_the_history_has_them(tmp_path):

@@ -19,7 +19,7 @@ import torch
 
 from ..utils.atomic import atomic_write
 from .config import LOSS_MONITORS
-from .metrics import lower_is_better
+from .metrics import RECORD_KEYS, lower_is_better
 
 __all__ = ["History", "BestTracker", "monitor_mode", "write_csv_atomic", "value_kinds"]
 
@@ -133,7 +133,7 @@ class History:
 
     def plot(self, path: str | os.PathLike | None = None, show: bool | None = None) -> Any:
         """Loss, validation metrics, LR, and counts and timings per epoch, as a matplotlib
-        figure: each kind of value on its own axis (metrics 0..1; counts such as
+        figure: each kind of value on its own axis (validation metrics; counts such as
         ``samples``, ``compiles``, ``seconds``, ``images_per_s`` and the gradient norms of
         ``grad_clip`` on a symmetric-log axis of their own, never on the metrics').
 
@@ -232,18 +232,11 @@ class History:
         return f"<div><p>{esc(self._summary())}</p>{table}{notes}</div>"
 
 
-# Counts, timings and other non-metric figures (History.plot's counts axis). A value that is
-# none of these is a metric when every epoch's value lies in 0..1 (accuracy, top<k>, f1).
-_COUNTS = {"samples", "images_per_s", "compiles", "host_reads_per_step", "seconds",
-           "skipped_steps", "compile_seconds", "clipped_steps", "grad_norm", "grad_norm_max",
-           "grad_norm_clipped_max"}
-
-
 def value_kinds(epochs: list[dict[str, Any]]) -> dict[str, list[str]]:
     """The records' numeric keys by kind, each first seen first: ``"loss"`` (train_loss,
-    val_loss), ``"lr"`` (lr_last, lr_max), ``"metrics"`` (values in 0..1: accuracy, top<k>,
-    f1) and ``"counts"`` (samples, compiles, seconds, images_per_s, gradient norms, and any
-    other value outside 0..1). What :meth:`History.plot` and TensorBoard's tags group by."""
+    val_loss), ``"lr"`` (lr_last, lr_max), ``"counts"`` (samples, compiles, seconds,
+    images_per_s, gradient norms: :data:`xla_utils.train.metrics.RECORD_KEYS`) and
+    ``"metrics"`` (every other value: the validation metrics, a callable's included). What :meth:`History.plot` and TensorBoard's tags group by."""
     keys = dict.fromkeys(k for e in epochs for k in e if k != "epoch")
     kinds: dict[str, list[str]] = {"loss": [], "lr": [], "metrics": [], "counts": []}
     for k in keys:
@@ -251,9 +244,8 @@ def value_kinds(epochs: list[dict[str, Any]]) -> dict[str, list[str]]:
                 and not isinstance(e.get(k), bool)]
         if not vals:
             continue
-        unit = all(0.0 <= v <= 1.0 for v in vals if math.isfinite(v))
         kind = ("loss" if k in LOSS_MONITORS else "lr" if k in ("lr_last", "lr_max") else
-                "metrics" if unit and k not in _COUNTS else "counts")
+                "counts" if k in RECORD_KEYS else "metrics")
         kinds[kind].append(k)
     return kinds
 

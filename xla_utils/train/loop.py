@@ -479,18 +479,25 @@ def train_one_epoch(epoch: int, s: Setup, state: TrainState, batches: Iterable, 
                 break
     if hasattr(it, "close"):
         it.close()  # micro-batches beyond the last full accumulation group are not used
-    skipped = s.plan.take_skipped()
+    skipped = _skipped_steps(s, state, epoch)
     grad_norms = None if s.clip is None else s.clip.take()  # one host read an epoch
+    return EpochResult(train_loss=train_loss, lr_last=lr_last,
+                       to_host=runtime.xla_counters()["to_host"] - to_host0,
+                       seconds=time.perf_counter() - t0, skipped_steps=skipped,
+                       steps=i + 1 - start, ended=i + 1 == spe, grad_norms=grad_norms)
+
+
+def _skipped_steps(s: Setup, state: TrainState, epoch: int) -> int | None:
+    """The optimizer steps of ``epoch`` (0-based) that an fp16 run's gradient scaler skipped
+    (None without a scaler); more than :data:`SKIPPED_WARN` of the epoch's are warned about."""
+    skipped, spe = s.plan.take_skipped(), s.steps_per_epoch
     if skipped and skipped > SKIPPED_WARN * spe:
         msg = (f"epoch {epoch + 1}: the fp16 gradient scaler skipped {skipped} of {spe} optimizer "
                "steps (inf/NaN gradients), so the weights barely trained. Fix: lower max_lr, check "
                "the loss and inputs for inf/NaN, or train in precision='fp32'.")
         runtime.master_print(msg)
         state.warnings.append(msg)
-    return EpochResult(train_loss=train_loss, lr_last=lr_last,
-                       to_host=runtime.xla_counters()["to_host"] - to_host0,
-                       seconds=time.perf_counter() - t0, skipped_steps=skipped,
-                       steps=i + 1 - start, ended=i + 1 == spe, grad_norms=grad_norms)
+    return skipped
 
 
 def _loss_read(epoch: int, done: int, micro: int, loss_sum: torch.Tensor, s: Setup,

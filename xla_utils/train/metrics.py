@@ -67,7 +67,8 @@ LOWER_SUFFIXES = ("loss", "error", "mse", "mae", "msle")
 # Keys of an epoch record that are not validation metrics (a callable may not take them).
 RECORD_KEYS = ("epoch", "loss", "samples", "train_loss", "val_loss", "lr_max", "lr_last",
                "images_per_s", "seconds", "compiles", "host_reads_per_step", "skipped_steps",
-               "compile_seconds")
+               "compile_seconds", "grad_norm", "grad_norm_max", "clipped_steps",
+               "grad_norm_clipped_max")
 _TOPK = re.compile(r"top[1-9]\d*")
 # Rows of the validation set a callable is tried on before any device time.
 CHECK_ROWS = 64

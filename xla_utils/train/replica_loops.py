@@ -151,16 +151,7 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
         if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir,
                        steps=s.steps) or state.paused is not None:
             break
-    if state.stop_reason is not None:
-        final = state.finite_state or {}
-    elif state.paused is not None:  # its checkpoint holds the rest; final.pt is for the end
-        final = s.state_dict()
-    else:
-        final = state.finite_state if state.finite_state is not None else s.state_dict()
-        final = best.best_state if best is not None and best.best_state else final
-        if cfg.checkpoint_dir is not None:
-            save_final(s, final, best is not None and bool(best.best_state),
-                       checkpoints=cfg.checkpoints)
+    final = _final_weights(s, state, best, cfg)
     history = History(epochs=s.history, world_size=s.world_size,
                    global_batch=s.world_size * cfg.batch_size * s.accum_steps,
                    base_lr=s.base_lr,
@@ -205,6 +196,23 @@ def in_epoch_read(epoch: int, done: int, train_loss: float, s: loop.Setup,
         in_epoch={"step": done, "train_loss": train_loss, "log_every": cfg.log_every})
     session.checkpointed(state.step)
     return session.time_left_words()
+
+
+def _final_weights(s: loop.Setup, state: loop.TrainState, best: BestTracker | None,
+                   cfg: TrainerConfig) -> dict[str, torch.Tensor]:
+    """The weights a fit run returns: after a divergence the last good epoch's (or none),
+    after a pause this step's (its checkpoint holds the rest), else the best epoch's or the
+    last ones, also written as ``final.pt`` (:func:`save_final`)."""
+    if state.stop_reason is not None:
+        return state.finite_state or {}
+    if state.paused is not None:  # final.pt is for the end
+        return s.state_dict()
+    final = state.finite_state if state.finite_state is not None else s.state_dict()
+    final = best.best_state if best is not None and best.best_state else final
+    if cfg.checkpoint_dir is not None:
+        save_final(s, final, best is not None and bool(best.best_state),
+                   checkpoints=cfg.checkpoints)
+    return final
 
 
 def completed_run(plan: FitPlan) -> History:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
