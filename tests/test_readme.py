@@ -9,6 +9,7 @@ and `tests/test_demo.py` (`python -m xla_utils.demo`).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -45,8 +46,9 @@ def _substitute(code: str, subs: dict[str, str]) -> str:
 
 
 def _image_folders(root: Path, n: int = 6) -> None:
-    """train_images/ and val_images/ (3 classes) plus training_labels.csv (multi-label), and a
-    flat test_images/ (5 images, unlabelled)."""
+    """train_images/ and val_images/ (3 classes) plus training_labels.csv (multi-label) and
+    train.csv (a number per training image: regression), and a flat test_images/ (5 images,
+    unlabelled)."""
     rng = np.random.default_rng(0)
     rows = ["path,label"]
     for split, count in (("train_images", n), ("val_images", 2)):
@@ -60,6 +62,8 @@ def _image_folders(root: Path, n: int = 6) -> None:
                 if split == "train_images":
                     rows.append(f"{name}/{i}.png,{name}{' rust' if i % 2 and name == 'scab' else ''}")
     (root / "training_labels.csv").write_text("\n".join(rows) + "\n")
+    scores = [f"train_images/{r.split(',')[0]},{0.25 * k + 0.1:.2f}" for k, r in enumerate(rows[1:])]
+    (root / "train.csv").write_text("path,score\n" + "\n".join(scores) + "\n")
     (root / "test_images").mkdir()
     for i in range(5):
         arr = rng.integers(0, 255, (48, 40, 3), dtype=np.uint8)
@@ -73,7 +77,7 @@ def test_every_block_is_covered():
     bash = [code for lang, code in BLOCKS if lang == "bash"]
     python = [code for lang, code in BLOCKS if lang == "python"]
     # one bash block runs elsewhere: docs/STRATEGIES.md's torchrun command (tests/runtime/test_hosts.py)
-    assert len(bash) == 5 and len(python) == 11, "a README or docs/ block was added: run it in this file"
+    assert len(bash) == 5 and len(python) == 12, "a README or docs/ block was added: run it in this file"
 
 
 def test_quick_start_is_the_first_python_block_within_80_lines():
@@ -120,13 +124,15 @@ def test_tpu_cache_ds_commands(tmp_path):
                            env=env, timeout=240)
         assert p.returncode == 0, (cmd, p.stdout[-2000:], p.stderr[-2000:])
         ran += 1
-    assert ran == 10
+    assert ran == 11
     assert (tmp_path / "grid.png").stat().st_size > 0
     assert not (tmp_path / "cache" / "big").exists()  # --dry-run writes nothing
     import json
 
     manifest = json.loads((tmp_path / "cache" / "train_csv" / "manifest.json").read_text())
     assert manifest["complete"]
+    reg = json.loads((tmp_path / "cache" / "train_reg" / "manifest.json").read_text())
+    assert reg["complete"] and reg["task"] == "regression" and reg["targets"] == ["score"]
 
 
 @pytest.mark.timeout(300)
@@ -297,6 +303,30 @@ def test_python_blocks(tmp_path, monkeypatch, capsys):
     assert sum(s["compiles"] for s in report.per_step[2:]) == 0, report.per_step
     assert {"memory", "input_bound"} <= set(report.codes)
     assert capsys.readouterr().out.count("xla_utils.check for TPU v5e:") == 1  # printed once
+
+def test_augmentation_block(tmp_path, capsys):
+    """docs/TRAINER.md's transform= / batch_transform= block trains on a cache of 32 px images,
+    its transform on the loader threads (the fast path)."""
+    import torch
+    from torch import nn
+
+    from xla_utils import CachedImageDataset, OneCycleTrainer, build_cache, split
+
+    _image_folders(tmp_path, n=16)  # 36 training images: one batch of the block's default 32
+    build_cache(tmp_path / "train_images", tmp_path / "cache", size=32, variants=2)
+    train, val = split(CachedImageDataset(tmp_path / "cache"), val_fraction=0.25)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 3))
+    ns: dict = {"torch": torch, "nn": nn, "OneCycleTrainer": OneCycleTrainer, "model": model,
+                "train": train, "val": val}
+    code = _substitute(_block("python", "batch_transform=lambda x, y"),
+                       {"RandomResizedCrop(224": "RandomResizedCrop(32"})
+    exec(compile(code, "docs/TRAINER.md:augmentation", "exec"), ns)
+    capsys.readouterr()
+    h = ns["trainer"].fit(epochs=1, max_lr=1e-3)
+    assert len(h) == 1 and math.isfinite(h[-1]["train_loss"])
+    out = capsys.readouterr().out
+    assert "per sample" in out and "transform=" in out and "DataLoader" not in out, out
+
 
 def _fifteen_lines(tmp_path: Path) -> str:
     """The Fifteen lines with generated image folders, 32 px, batch 4 and one epoch."""

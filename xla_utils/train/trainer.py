@@ -594,7 +594,7 @@ class OneCycleTrainer:
                 trainer cannot feed (its type, shape and dtype named, with the fix).
         """
         placement = runtime.resolve(cores, simulate)
-        self._refuse_compile(compile, placement)  # issue 45: before any device time
+        self._refuse_before_launch(compile, placement)
         runtime.prestart_simulation(placement)
         plan = self._inference_plan(data, tta, batch_size, activation, weights, labelled=False)
         missing_note(data, show=True)  # images the cache build skipped get no row
@@ -617,7 +617,7 @@ class OneCycleTrainer:
         """
         require_labels(data, "data", action="evaluate")
         placement = runtime.resolve(cores, simulate)
-        self._refuse_compile(compile, placement)  # issue 45: before any device time
+        self._refuse_before_launch(compile, placement)
         runtime.prestart_simulation(placement)
         activation = "auto" if isinstance(tta, int) and tta > 1 else None
         plan = self._inference_plan(data, tta, batch_size, activation, None, labelled=True)
@@ -626,8 +626,6 @@ class OneCycleTrainer:
     def _launch_inference(self, plan: inference.InferencePlan, placement: runtime.Placement,
                           compile: bool | str | None = None) -> Any:
         """Run ``plan`` on every core of ``placement`` (``"spawn"``) or on the strategy's mesh."""
-        device_plan.check_before_launch(self.config.precision, placement,
-                                        mesh=self.config.strategy != "spawn")
         if compile is not None:  # this call's compile= (issue 45), checked as the config's
             plan = dataclasses.replace(plan, config=dataclasses.replace(self.config,
                                                                         compile=compile))
@@ -636,6 +634,14 @@ class OneCycleTrainer:
         splan = _strategy.plan_strategy(self.config.devices, self.config.batch_size, self.model,
                                         placement)
         return _strategy.launch(inference_on_mesh, (plan,), splan, None)
+
+    def _refuse_before_launch(self, compile: bool | str | None,
+                              placement: runtime.Placement) -> None:
+        """What ``predict``/``evaluate`` refuse before anything else (no forward on the host,
+        no device time): ``compile=`` on XLA, a precision ``placement`` cannot run."""
+        self._refuse_compile(compile, placement)  # issue 45
+        device_plan.check_before_launch(self.config.precision, placement,
+                                        mesh=self.config.strategy != "spawn")
 
     def _refuse_compile(self, compile: bool | str | None, placement: runtime.Placement) -> None:
         """A run's ``compile=`` (None: the configured one), refused on XLA."""
