@@ -241,6 +241,9 @@ def test_regression_from_a_csv_of_numbers_on_the_cpu(scores, tmp_path):
     np.testing.assert_allclose(p, _raw(t.model, train), atol=1e-5)  # no activation
     mse = float(((p - train.labels) ** 2).mean())
     assert h.epochs[-1]["val_loss"] == pytest.approx(mse, rel=1e-4)
+    # the regression default metric: RMSE, the square root of that MSE (and no class metric)
+    assert h.epochs[-1]["rmse"] == pytest.approx(mse ** 0.5, rel=1e-4)
+    assert not {"accuracy", "f1", "top5"} & set(h.epochs[-1])
     assert t.evaluate(train)["loss"] == pytest.approx(mse, rel=1e-4)
     np.testing.assert_allclose(t.predict(train, activation="sigmoid"), 1 / (1 + np.exp(-p)), atol=1e-5)
     out = write_submission(t.predict(test), test, tmp_path / "s.csv", train=t,
@@ -264,3 +267,5 @@ def test_regression_on_2_simulated_cores_predicts_the_raw_outputs(scores):
     assert p.shape == (64, 1)
     np.testing.assert_allclose(p, _raw(t.model, train), atol=1e-4)
     assert h.epochs[-1]["val_loss"] == pytest.approx(float(((p - train.labels) ** 2).mean()), rel=1e-3)
+    assert h.epochs[-1]["rmse"] == pytest.approx(float(((p - train.labels) ** 2).mean()) ** 0.5,
+                                                 rel=1e-3)
