@@ -261,7 +261,9 @@ class CheckpointSettings:
             was not stopped: the weights ``predict`` uses (with ``ema`` the EMA
             weights, with ``monitor`` the best epoch's), and with ``ema`` also
             ``final_raw.pt`` (the trained, non-averaged weights of the last epoch;
-            resuming uses the epoch files, which hold both). None (default) = no files.
+            resuming uses the epoch files, which hold both). A URL (``"gs://bucket/run"``)
+            keeps them in the bucket: written through a local folder and uploaded after every
+            checkpoint (:mod:`xla_utils.train.mirror`). None (default) = no files.
         keep_checkpoints: This run's newest epoch files kept (default 2, >= 1).
         keep_runs: Runs whose epoch files stay in ``checkpoint_dir``, this one included:
             older runs' files are deleted once this run has written its first epoch

@@ -25,6 +25,7 @@ from .. import runtime
 from .board import EpochBoard
 from .checkpoint import save_checkpoint, sharded_meta
 from .history import BestTracker, History, epoch_files
+from .mirror import CheckpointMirror
 from .session import RunSession, StopPlan
 from ..simulate import resident as _resident
 from ..step.strategy import MeshRun, StrategyPlan, enter_mesh
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from .mixup import MixConfig
 
 __all__ = ["FitPlan", "fit_replica", "fit_on_mesh", "completed_run", "epoch_record", "end_epoch",
-           "in_epoch_read",
+           "in_epoch_read", "push_checkpoints",
            "save_final", "inference_replica", "inference_on_mesh"]
 
 
@@ -65,6 +66,9 @@ class FitPlan:
             was given), or "".
         stop: When to write in-epoch checkpoints and to stop early (time limit, signals):
             :class:`~xla_utils.train.session.StopPlan`.
+        mirror: ``checkpoint_dir`` at a URL: the :class:`~xla_utils.train.mirror.CheckpointMirror`
+            the master uploads the local checkpoint folder through after every checkpoint; None
+            for a local folder.
     """
 
     model: torch.nn.Module
@@ -82,6 +86,7 @@ class FitPlan:
     ckpt_extra: dict[str, Any] | None = None
     note: str = ""
     stop: StopPlan = dataclasses.field(default_factory=StopPlan)
+    mirror: CheckpointMirror | None = None
 
 
 def fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
@@ -115,7 +120,7 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
 
     def at_read(epoch: int, done: int, train_loss: float) -> str | None:
         return in_epoch_read(epoch, done, train_loss, s, state, session, run_id, cfg=cfg,
-                             extra=plan.ckpt_extra)
+                             extra=plan.ckpt_extra, mirror=plan.mirror)
 
     master_bar, progress_bar = runtime.progress_bars()
     epochs = range(cfg.epochs)  # the whole run's: a resumed run's bar says Epoch 4/6
@@ -144,14 +149,14 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
         if state.stop_reason is not None:  # the epoch's loss exploded: no checkpoint for it
             break
         end_epoch(epoch, s, state, run_id, finite=math.isfinite(res.train_loss), cfg=cfg,
-                  extra=plan.ckpt_extra)
+                  extra=plan.ckpt_extra, mirror=plan.mirror)
         session.checkpointed(state.step)
         if epoch + 1 == cfg.epochs:
             state.paused = None  # a stop asked at the run's last step: the run is complete
         if epoch_files(best, record, loop.eval_module(s), s.history, cfg.checkpoint_dir,
                        steps=s.steps) or state.paused is not None:
             break
-    final = _final_weights(s, state, best, cfg)
+    final = _final_weights(s, state, best, cfg, plan.mirror)
     history = History(epochs=s.history, world_size=s.world_size,
                    global_batch=s.world_size * cfg.batch_size * s.accum_steps,
                    base_lr=s.base_lr,
@@ -172,7 +177,8 @@ def _fit_replica(plan: FitPlan, strategy: MeshRun | None = None) -> History:
 
 def in_epoch_read(epoch: int, done: int, train_loss: float, s: loop.Setup,
                   state: loop.TrainState, session: RunSession, run_id: str, *,
-                  cfg: TrainerConfig, extra: dict[str, Any] | None = None) -> str | None:
+                  cfg: TrainerConfig, extra: dict[str, Any] | None = None,
+                  mirror: CheckpointMirror | None = None) -> str | None:
     """At a loss read after ``done`` optimizer steps of ``epoch`` (0-based): what the
     replicas agreed (:meth:`RunSession.at_read <xla_utils.train.session.RunSession.at_read>`):
     an in-epoch checkpoint (``checkpoint_dir`` set, the epoch not at its end: the epoch
@@ -194,25 +200,37 @@ def in_epoch_read(epoch: int, done: int, train_loss: float, s: loop.Setup,
         ema=None if s.ema is None else s.ema.state_dict(), scaler=s.plan.scaler_state(),
         extra=extra, steps=s.steps,
         in_epoch={"step": done, "train_loss": train_loss, "log_every": cfg.log_every})
+    push_checkpoints(mirror)
     session.checkpointed(state.step)
     return session.time_left_words()
 
 
 def _final_weights(s: loop.Setup, state: loop.TrainState, best: BestTracker | None,
-                   cfg: TrainerConfig) -> dict[str, torch.Tensor]:
+                   cfg: TrainerConfig, mirror: CheckpointMirror | None = None
+                   ) -> dict[str, torch.Tensor]:
     """The weights a fit run returns: after a divergence the last good epoch's (or none),
     after a pause this step's (its checkpoint holds the rest), else the best epoch's or the
-    last ones, also written as ``final.pt`` (:func:`save_final`)."""
+    last ones, also written as ``final.pt`` (:func:`save_final`); then the checkpoint folder
+    is mirrored to its URL (``mirror``: the files written since the last checkpoint)."""
     if state.stop_reason is not None:
-        return state.finite_state or {}
-    if state.paused is not None:  # final.pt is for the end
-        return s.state_dict()
-    final = state.finite_state if state.finite_state is not None else s.state_dict()
-    final = best.best_state if best is not None and best.best_state else final
-    if cfg.checkpoint_dir is not None:
-        save_final(s, final, best is not None and bool(best.best_state),
-                   checkpoints=cfg.checkpoints)
+        final = state.finite_state or {}
+    elif state.paused is not None:  # final.pt is for the end
+        final = s.state_dict()
+    else:
+        final = state.finite_state if state.finite_state is not None else s.state_dict()
+        final = best.best_state if best is not None and best.best_state else final
+        if cfg.checkpoint_dir is not None:
+            save_final(s, final, best is not None and bool(best.best_state),
+                       checkpoints=cfg.checkpoints)
+    push_checkpoints(mirror)
     return final
+
+
+def push_checkpoints(mirror: CheckpointMirror | None) -> None:
+    """On the master, upload the checkpoint folder's new files to ``mirror``'s URL (a
+    ``checkpoint_dir`` at a URL; nothing for a local one). Every rank may call."""
+    if mirror is not None and runtime.is_master():
+        mirror.push()
 
 
 def completed_run(plan: FitPlan) -> History:
@@ -282,10 +300,12 @@ def epoch_record(epoch: int, s: loop.Setup, state: loop.TrainState, res: loop.Ep
 
 
 def end_epoch(epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str, finite: bool, *,
-              cfg: TrainerConfig, extra: dict[str, Any] | None = None) -> None:
+              cfg: TrainerConfig, extra: dict[str, Any] | None = None,
+              mirror: CheckpointMirror | None = None) -> None:
     """Keep a host copy of finite weights (master, ``on_nan="stop"``) and
     write the epoch checkpoint when configured and the loss is finite (``extra``: fields
-    recorded beside the run's state, :func:`~xla_utils.train.checkpoint.save_checkpoint`)."""
+    recorded beside the run's state, :func:`~xla_utils.train.checkpoint.save_checkpoint`;
+    ``mirror``: then uploaded to the checkpoint folder's URL)."""
     if finite and cfg.on_nan == "stop" and runtime.is_master():
         state.finite_state = runtime.host_copy(s.state_dict())
     if cfg.checkpoint_dir is None:
@@ -302,6 +322,7 @@ def end_epoch(epoch: int, s: loop.Setup, state: loop.TrainState, run_id: str, fi
             s.mesh.save_sharded(s.model, s.opt, cfg.checkpoint_dir, epoch + 1, run_id,
                                 cfg.keep_checkpoints, meta=sharded_meta(written, cfg.strategy),
                                 ema=s.ema)
+        push_checkpoints(mirror)
     else:
         runtime.master_print(f"epoch {epoch + 1}: no checkpoint written "
                              "(non-finite loss); older checkpoints are kept")

@@ -36,7 +36,8 @@ from typing import Any, Iterator
 from .. import runtime
 
 __all__ = ["StopPlan", "RunSession", "Decision", "parse_duration", "check_checkpoint_every",
-           "checkpoint_interval", "resolve_time_limit", "session_age_s", "stop_signals",
+           "checkpoint_interval", "resolve_time_limit", "run_deadline", "session_age_s",
+           "stop_signals",
            "SESSION_LIMITS_S", "AUTO_MARGIN_S", "AUTO_CHECKPOINT_S", "TIME_LIMIT_REASON"]
 
 # The platforms' session limits (seconds): Kaggle's TPU and GPU sessions (9 h; 12 h for CPU
@@ -151,6 +152,27 @@ def resolve_time_limit(value: Any, platform: str | None = None,
                       f"{(age or 0) / 60:.0f} min already run and a {AUTO_MARGIN_S / 60:.0f}-min "
                       "margin")
     return parse_duration(value, "time_limit"), ""
+
+
+def run_deadline(time_limit: Any, checkpoint_dir: Any, platform: str | None) -> float | None:
+    """When (``time.time()``) a run under ``fit(time_limit=...)`` must have stopped (None: no
+    limit; :func:`resolve_time_limit` on ``platform``), said in a line.
+
+    Raises:
+        ValueError: a time limit without ``checkpoint_dir`` (the run stops with a checkpoint
+            to resume from), or one :func:`resolve_time_limit` refuses.
+    """
+    started = time.time()
+    limit, words = resolve_time_limit(time_limit, platform)
+    if limit is None:
+        return None
+    if checkpoint_dir is None:
+        raise ValueError("fit(time_limit=...) stops the run with a checkpoint to resume from, and "
+                         "needs checkpoint_dir=... (e.g. OneCycleTrainer(..., "
+                         "checkpoint_dir='checkpoints'))")
+    print(f"time limit {limit / 3600:.2f} h ({limit:,.0f} s" + (f": {words}" if words else "")
+          + "): the run stops in time with a checkpoint", flush=True)
+    return started + limit
 
 
 @dataclass(frozen=True)

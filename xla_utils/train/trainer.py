@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -45,8 +44,9 @@ from ..step.inputs import (AsPairs, InputSpec, TargetPlan, check_batch_transform
 from .loop import scale_lr
 from .lr_finder import FIT_SHARE
 from .metrics import check_metrics
+from .mirror import staged
 from .mixup import MixConfig, mix_config_for
-from .session import StopPlan, checkpoint_interval, resolve_time_limit, stop_signals
+from .session import StopPlan, checkpoint_interval, run_deadline, stop_signals
 from ..env.detection import platform_name
 from .replica_loops import (FitPlan, completed_run, fit_on_mesh, fit_replica, inference_on_mesh,
                             inference_replica)
@@ -64,21 +64,18 @@ __all__ = ["TrainerConfig", "OneCycleTrainer", "History", "DebugReport", "debug_
            "scale_lr", "CheckpointError", "ResumeError"]
 
 
-def _deadline(time_limit: float | str | None, cfg: TrainerConfig) -> float | None:
-    """When (``time.time()``) a run under ``fit(time_limit=...)`` must have stopped (None: no
-    limit), said in a line; refused without ``checkpoint_dir`` (the run stops with a
-    checkpoint to resume from)."""
-    started = time.time()
-    limit, words = resolve_time_limit(time_limit, platform_name())
-    if limit is None:
-        return None
-    if cfg.checkpoint_dir is None:
-        raise ValueError("fit(time_limit=...) stops the run with a checkpoint to resume from, and "
-                         "needs checkpoint_dir=... (e.g. OneCycleTrainer(..., "
-                         "checkpoint_dir='checkpoints'))")
-    print(f"time limit {limit / 3600:.2f} h ({limit:,.0f} s" + (f": {words}" if words else "")
-          + "): the run stops in time with a checkpoint", flush=True)
-    return started + limit
+def _check_plan_args(lr_groups: Any, checkpoint_extra: Any, run_id: Any, resume: Any) -> None:
+    """Refuse ``fit``'s ``lr_groups``, ``checkpoint_extra`` and ``run_id`` when they are not
+    what they must be (``run_id`` with ``resume``: the resumed run keeps its own)."""
+    if lr_groups is not None and not callable(lr_groups):
+        raise TypeError(f"lr_groups must be a callable model -> param-group dicts (e.g. "
+                        f"xla_utils.train.finetune.layer_group_lrs(...)) or None, got {lr_groups!r}")
+    check_extra(checkpoint_extra)
+    if run_id is not None:
+        check_run_id(run_id)
+        if resume is not None:
+            raise ValueError("fit(run_id=..., resume=...): a resumed run goes on under its "
+                             "checkpoint's run id. Fix: drop run_id")
 
 
 def _host_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
@@ -323,7 +320,7 @@ class OneCycleTrainer:
                                div_factor=div_factor, final_div_factor=final_div_factor,
                                lr_scaling=lr_scaling, moms=moms, compile=compile)
         max_lr = None if max_lr is None else cfg.schedule.max_lr  # as read (strip, lower)
-        deadline = _deadline(time_limit, cfg)
+        deadline = run_deadline(time_limit, cfg.checkpoint_dir, platform_name())
         runtime.prestart_simulation(placement)
         device_plan.check_before_launch(cfg.precision, placement, mesh=cfg.strategy != "spawn")
         inputs = self._check_inputs()
@@ -406,15 +403,8 @@ class OneCycleTrainer:
         """Every check and decision of a fit run, here on the host before any device time:
         the replicas' :class:`~xla_utils.train.replica_loops.FitPlan` and the mesh plan (None
         under ``"spawn"``)."""
-        if lr_groups is not None and not callable(lr_groups):
-            raise TypeError(f"lr_groups must be a callable model -> param-group dicts (e.g. "
-                            f"xla_utils.train.finetune.layer_group_lrs(...)) or None, got {lr_groups!r}")
-        check_extra(checkpoint_extra)
-        if run_id is not None:
-            check_run_id(run_id)
-            if resume is not None:
-                raise ValueError("fit(run_id=..., resume=...): a resumed run goes on under its "
-                                 "checkpoint's run id. Fix: drop run_id")
+        _check_plan_args(lr_groups, checkpoint_extra, run_id, resume)
+        cfg, mirror = staged(cfg)  # checkpoint_dir at a URL: its local folder, pulled
         check_monitor_data(cfg.monitor, self._check_metrics(cfg, inputs["val"], "val_data"),
                            self.val_data is not None)
         world = placement.replicas
@@ -445,7 +435,7 @@ class OneCycleTrainer:
         return FitPlan(model=self.model, loss=self.loss, config=cfg, train_step=self.train_step,
                        eval_step=self.eval_step, inputs=inputs, base_lr=float(base_lr),
                        lr_world=lr_world, ckpt=ckpt, run_id=run_id, mix=mix, lr_groups=lr_groups,
-                       ckpt_extra=checkpoint_extra, note=note), plan
+                       ckpt_extra=checkpoint_extra, note=note, mirror=mirror), plan
 
     def _check_metrics(self, cfg: TrainerConfig, val: tuple[Any, InputSpec] | None,
                        name: str) -> tuple[str, ...] | None:
