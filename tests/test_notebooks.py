@@ -120,7 +120,7 @@ EXPECTED_OUTPUT = {
     "build_cache.ipynb": [r"OK: \d+ shards", r"wrote .*train_preview\.png", r"samples/s"],
     "gpt_fsdp.ipynb": [r"8 cores x 8 per core = 64 global batch", r"bytes from \d+ files",
                        r"fsdp: params .* per device \(paper\)", r"held-out loss \d"],
-    "competition.ipynb": [r"2 cores x 16 per core = 32 global batch", r"OOF score \d",
+    "competition.ipynb": [r"2 cores x 16 per core = 32 global batch", r"OOF accuracy \d",
                           r"wrote .*submission\.csv: \d+ rows",
                           r"submission accuracy against the hidden labels"],
     "debug_single_core.ipynb": [r"Steps \[3, 4, 5\] compiled again after warm-up",

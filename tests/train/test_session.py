@@ -213,6 +213,7 @@ def two_replicas(cache, tmp_path_factory):
         return _trainer(cache, tmp_path_factory.mktemp("two"), batch_size=4).fit()
 
 
+@pytest.mark.slow  # about 25 s in CI: two replica processes, stopped, then resumed
 @pytest.mark.multicore
 @pytest.mark.timeout(300)
 def test_sigterm_to_one_of_two_cpu_replicas_stops_both_and_resumes_exactly(
