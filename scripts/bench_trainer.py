@@ -14,6 +14,11 @@ which goes first), all pairs in every repetition:
   device; sweep steps/s over the whole call after the imports (device start and
   compilation included in both; the zygote is started before timing).
 
+* ``ckpt`` (issue 54): ``fit(simulate=1)`` writing its epoch checkpoints only
+  (``checkpoint_every=None``) vs the same with an in-epoch checkpoint every 25 optimizer
+  steps as well (each a whole checkpoint: model, optimizer, history, written atomically while
+  the replica waits): the cost of one in-epoch checkpoint, whose share at the default
+  interval (30 minutes on Kaggle and Colab) follows from it.
 * ``accum``, ``ema``, ``mixup``, ``all`` (issue 18): ``fit(simulate=1)`` with
   ``accum_steps=2`` / ``ema=0.999`` / ``mixup=0.2, cutmix=1.0, label_smoothing=0.1`` /
   all of them vs the plain ``fit(simulate=1)``; micro-batches/s (= images/s over the
@@ -50,8 +55,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import _bench
@@ -64,11 +71,14 @@ CLASSES = 10
 SWEEP = (1e-7, 10.0, 100)  # lr_find's defaults: start, end, steps
 PAIRS = {"fit1": ("hand1", "fit1"), "fit8": ("hand8", "fit8"), "lr_find": ("hand_lr", "lr_find"),
          "accum": ("fit1", "fit1_accum"), "ema": ("fit1", "fit1_ema"),
-         "mixup": ("fit1", "fit1_mixup"), "all": ("fit1", "fit1_all")}
+         "mixup": ("fit1", "fit1_mixup"), "all": ("fit1", "fit1_all"),
+         "ckpt": ("fit1_epochfiles", "fit1_ckpt")}
 # The trainer options of issue 18, each timed against the plain fit(simulate=1).
 OPTIONS = {"accum": dict(accum_steps=2), "ema": dict(ema=0.999),
            "mixup": dict(mixup=0.2, cutmix=1.0, label_smoothing=0.1),
-           "all": dict(accum_steps=2, ema=0.999, mixup=0.2, cutmix=1.0, label_smoothing=0.1)}
+           "all": dict(accum_steps=2, ema=0.999, mixup=0.2, cutmix=1.0, label_smoothing=0.1),
+           # issue 54: epoch files only, against an in-epoch checkpoint every 25 optimizer steps
+           "epochfiles": dict(checkpoint_every=None), "ckpt": dict(checkpoint_every=25)}
 
 
 MODELS = ("small", "mlp", "resnet")
@@ -172,9 +182,15 @@ def run_fit(batch: int, epochs: int, cores: int, **options) -> dict:
     from xla_utils import OneCycleTrainer
 
     torch.manual_seed(0)
-    t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), make_data(), batch_size=batch,
-                        epochs=epochs, optimizer="sgd", max_lr=0.01, seed=0, **options)
-    h = t.fit(simulate=cores)
+    folder = tempfile.mkdtemp(prefix="bench-ckpt-") if "checkpoint_every" in options else None
+    try:
+        t = OneCycleTrainer(make_model(), torch.nn.CrossEntropyLoss(), make_data(),
+                            batch_size=batch, epochs=epochs, optimizer="sgd", max_lr=0.01, seed=0,
+                            checkpoint_dir=folder, **options)
+        h = t.fit(simulate=cores)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     steps = N_SAMPLES // (batch * cores)
     return {"steps": steps, "epoch_s": [e["seconds"] for e in h.epochs],
             "to_host_per_step": [e["host_reads_per_step"] for e in h.epochs]}
