@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 from ..utils.atomic import atomic_write
 from .storage import Store
 
-__all__ = ["ShardCache", "LocalBudgetError", "default_local_cache", "DOWNLOADS"]
+__all__ = ["ShardCache", "LocalBudgetError", "default_local_cache", "local_folder", "DOWNLOADS"]
 
 # Concurrent shard downloads per process.
 DOWNLOADS = 4
@@ -46,17 +46,21 @@ class LocalBudgetError(ValueError):
 
 
 def default_local_cache(url: str) -> Path:
-    """The default local folder for the cache at ``url``.
+    """The default local folder for the cache at ``url``: :func:`local_folder` ``"remote"``."""
+    return local_folder(url, "remote")
 
-    Under ``/kaggle/working`` on Kaggle, ``/content`` on Colab, else ``~/.cache/xla_utils``;
-    then ``remote/<bucket>_<prefix>-<hash>`` so that two caches never share a folder.
-    """
+
+def local_folder(url: str, kind: str) -> Path:
+    """A local folder of this session's for what lives at ``url``: under ``/kaggle/working`` on
+    Kaggle, ``/content`` on Colab, else ``~/.cache/xla_utils``; then
+    ``<kind>/<bucket>_<prefix>-<hash>``, so that two URLs never share one (``kind``:
+    ``"remote"`` for a cache's bounded copy, ``"checkpoints"`` for a checkpoint folder's)."""
     for base in (Path("/kaggle/working"), Path("/content")):
         if base.is_dir() and os.access(base, os.W_OK):
-            root = base / ".xla_utils" / "remote"
+            root = base / ".xla_utils" / kind
             break
     else:
-        root = Path.home() / ".cache" / "xla_utils" / "remote"
+        root = Path.home() / ".cache" / "xla_utils" / kind
     tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[-1]).strip("_")[-80:]
     return root / f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
 

@@ -14,13 +14,13 @@ its sub-folders (``tensorboard/``, the ``.dcp`` twins of ``"spmd"``/``"fsdp"``),
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ..cache.fetch import local_folder
 from ..cache.storage import Store, is_url
 
 if TYPE_CHECKING:
@@ -37,15 +37,8 @@ _TEMPORARY = re.compile(r"\.(tmp|part)-")
 def staging_folder(url: str) -> Path:
     """The local folder a run on ``url`` writes its checkpoints into: under ``/kaggle/working``
     on Kaggle, ``/content`` on Colab, else ``~/.cache/xla_utils``; then
-    ``checkpoints/<bucket>_<prefix>-<hash>``, so that two URLs never share one."""
-    for base in (Path("/kaggle/working"), Path("/content")):
-        if base.is_dir() and os.access(base, os.W_OK):
-            root = base / ".xla_utils" / "checkpoints"
-            break
-    else:
-        root = Path.home() / ".cache" / "xla_utils" / "checkpoints"
-    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[-1]).strip("_")[-80:]
-    return root / f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+    ``checkpoints/<bucket>_<prefix>-<hash>`` (:func:`xla_utils.cache.fetch.local_folder`)."""
+    return local_folder(url, "checkpoints")
 
 
 def _chunks(path: Path) -> Iterator[bytes]:
