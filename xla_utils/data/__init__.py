@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from .dataset import CachedImageDataset
 from .loader import (RING_VALID_FOR, BatchIterable, LoadPlan, caches_inside, check_transform,
-                     default_loader_threads, iterate_batches, plan_loading)
+                     default_loader_threads, describe_value, iterate_batches, plan_loading,
+                     type_name)
 from .samplers import DistributedBatchSampler, ShardWindowSampler
 from .transforms import (IMAGE_CHANNELS, IMAGENET_MEAN, IMAGENET_STD, apply_batch_transform, image_layout,
                          images_to_float)
@@ -47,4 +48,6 @@ __all__ = [
     "image_layout",
     "IMAGE_CHANNELS",
     "apply_batch_transform",
+    "describe_value",  # a value in words (type, shape, dtype): the loader's and step.inputs' errors
+    "type_name",
 ]

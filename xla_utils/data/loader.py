@@ -23,7 +23,8 @@ from .samplers import DistributedBatchSampler, ShardWindowSampler
 from .transforms import image_layout
 
 __all__ = ["iterate_batches", "BatchIterable", "default_loader_threads", "RING_VALID_FOR",
-           "LoadPlan", "plan_loading", "caches_inside", "check_transform"]
+           "LoadPlan", "plan_loading", "caches_inside", "check_transform", "describe_value",
+           "type_name"]
 
 # A batch of a cache's ring stays valid while this many further batches are requested.
 RING_VALID_FOR = 2
@@ -138,10 +139,10 @@ def plan_loading(data: Any) -> LoadPlan:
         layout = "channels_first"
     if layout is None:
         return LoadPlan("dataloader", caches, name,
-                        f"its inputs are {_describe(x)}")
+                        f"its inputs are {describe_value(x)}")
     target = _target_kind(y)
     if target is None:
-        return LoadPlan("dataloader", caches, name, f"its targets are {_describe(y)}")
+        return LoadPlan("dataloader", caches, name, f"its targets are {describe_value(y)}")
     return LoadPlan("wrapper", caches, name, "", tuple(a.shape), layout == "channels_first", *target)
 
 
@@ -169,16 +170,28 @@ def _target_kind(y: Any) -> tuple[tuple[int, ...], Any] | None:
     return None
 
 
-def _describe(v: Any) -> str:
-    """``v`` in words: its type (module-qualified), shape and dtype where it has them."""
-    t = type(v)
+def type_name(x: Any) -> str:
+    """``x``'s type in words: ``tv_tensors.Image``, ``numpy.ndarray``, ``torch.Tensor``, ``int``."""
+    t = type(x)
+    if t.__module__.startswith("torchvision.tv_tensors"):
+        return f"tv_tensors.{t.__name__}"
+    if t.__module__ in ("builtins",):
+        return t.__name__
+    mod = t.__module__.split(".")[0]
+    return f"{'numpy' if mod == 'numpy' else mod}.{t.__name__}"
+
+
+def describe_value(v: Any) -> str:
+    """A value named with its type, shape and dtype where it has them."""
     shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
-    out = f"a {t.__name__ if t.__module__ == 'builtins' else t.__module__.split('.')[0] + '.' + t.__name__}"
+    what = f"a {type_name(v)}"
     if shape is not None:
-        out += f" of shape {tuple(int(d) for d in shape)}"
+        what += f" of shape {tuple(int(d) for d in shape)}"
     if dtype is not None:
-        out += f" and dtype {str(dtype).replace('torch.', '')}"
-    return out
+        what += f" and dtype {str(dtype).replace('torch.', '')}"
+    if isinstance(v, (str, bytes)):
+        what += f" ({v[:40]!r})"
+    return what
 
 
 def _callable_name(fn: Any) -> str:
@@ -216,7 +229,7 @@ def _transform_problem(out: Any, shape: tuple[int, ...]) -> str:
         return ""
     msg = (f"transform= must return a uint8 [C, H, W] tensor of the shape it is given, {shape} (the "
            f"loader writes it into the batch's preallocated slot, and every batch has one shape), "
-           f"but it returned {_describe(out)}")
+           f"but it returned {describe_value(out)}")
     if not isinstance(out, torch.Tensor):
         fix = ("return a tensor: torchvision v2 transforms do when given one (leave out ToPILImage); "
                "numpy code's [H, W, C] result is torch.from_numpy(a).permute(2, 0, 1)")
@@ -384,7 +397,7 @@ def _fill_samples(data: Any, plan: LoadPlan, idx: np.ndarray, xs: np.ndarray, ys
         x, y = sample if isinstance(sample, (tuple, list)) and len(sample) == 2 else (sample, None)
         a = _host_array(x)
         if a is None or a.dtype != np.uint8 or a.shape != plan.x_shape or _target_kind(y) is None:
-            raise ValueError(f"{plan.name} sample {i} is ({_describe(x)}, {_describe(y)}) but its sample "
+            raise ValueError(f"{plan.name} sample {i} is ({describe_value(x)}, {describe_value(y)}) but its sample "
                              f"0 was a uint8 image of shape {plan.x_shape} and a target: the loader's "
                              "batches have one shape (resize in the dataset, or use transform=)")
         xs[j] = a

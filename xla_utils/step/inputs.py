@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..data import IMAGE_CHANNELS, CachedImageDataset, apply_batch_transform, image_layout, images_to_float
+from ..data import (IMAGE_CHANNELS, CachedImageDataset, apply_batch_transform, describe_value,
+                    image_layout, images_to_float, type_name)
 
 __all__ = ["check_batches", "check_targets", "require_labels", "shape_mismatch",
            "AsPairs", "InputSpec", "InputRefused", "inspect_inputs", "HostFeed", "pil_array",
@@ -524,7 +525,7 @@ def pil_array(img: Any) -> np.ndarray:
     from PIL import Image
 
     if not isinstance(img, Image.Image):
-        raise InputRefused(f"a sample's input is a {_type_name(img)}, but the dataset's first "
+        raise InputRefused(f"a sample's input is a {type_name(img)}, but the dataset's first "
                            "sample was a PIL image: every sample must have the same type")
     mode = img.mode
     if mode not in _PIL_DIRECT:
@@ -536,16 +537,6 @@ def pil_array(img: Any) -> np.ndarray:
         img = img.convert(_PIL_CONVERT.get(mode, "RGB"))
     a = np.array(img)  # a writable copy (np.asarray's view of PIL's bytes is read-only)
     return a[:, :, None] if a.ndim == 2 else a
-
-
-def _type_name(x: Any) -> str:
-    t = type(x)
-    if t.__module__.startswith("torchvision.tv_tensors"):
-        return f"tv_tensors.{t.__name__}"
-    if t.__module__ in ("builtins",):
-        return t.__name__
-    mod = t.__module__.split(".")[0]
-    return f"{'numpy' if mod == 'numpy' else mod}.{t.__name__}"
 
 
 def _split_sample(sample: Any, name: str, need_target: bool, verb: str
@@ -569,23 +560,10 @@ def _split_sample(sample: Any, name: str, need_target: bool, verb: str
         x, y = sample, None
     if need_target and y is None:
         raise InputRefused(
-            f"{name} item 0 is {_describe_value(sample)}, not an (input, target) pair: {verb} needs "
+            f"{name} item 0 is {describe_value(sample)}, not an (input, target) pair: {verb} needs "
             "targets. Fix: return (input, target) from the dataset's __getitem__"
             + (f" (a dict sample needs one of the keys {', '.join(TARGET_KEYS)})" if keys else ""))
     return x, y, keys
-
-
-def _describe_value(v: Any) -> str:
-    """A value named with its type, shape and dtype where it has them."""
-    shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
-    what = f"a {_type_name(v)}"
-    if shape is not None:
-        what += f" of shape {tuple(int(d) for d in shape)}"
-    if dtype is not None:
-        what += f" and dtype {str(dtype).replace('torch.', '')}"
-    if isinstance(v, (str, bytes)):
-        what += f" ({v[:40]!r})"
-    return what
 
 
 def _leaf_problem(v: Any, depth: int = 0) -> tuple[Any] | None:
@@ -605,7 +583,7 @@ def _leaf_problem(v: Any, depth: int = 0) -> tuple[Any] | None:
 
 def _refuse_input(name: str, x: Any, why: str) -> InputRefused:
     return InputRefused(
-        f"{name} item 0: the input is {_describe_value(x)}, which the trainer cannot feed{why}. "
+        f"{name} item 0: the input is {describe_value(x)}, which the trainer cannot feed{why}. "
         "It feeds uint8 images [C, H, W] or [H, W, C] with C in 1, 3, 4 (torch tensors, "
         "tv_tensors.Image, numpy arrays; normalised on the device), PIL images (converted on the "
         "host), and numeric tensors/arrays of any other dtype (passed to the model unchanged). "
@@ -624,7 +602,7 @@ def _input_spec(x: Any, name: str) -> InputSpec:
     tv_image = type(x).__module__.startswith("torchvision.tv_tensors") and \
         type(x).__name__ == "Image"
     if isinstance(x, (torch.Tensor, np.ndarray)):
-        src = _type_name(x) if not isinstance(x, torch.Tensor) or tv_image else "torch.Tensor"
+        src = type_name(x) if not isinstance(x, torch.Tensor) or tv_image else "torch.Tensor"
         dtype = str(x.dtype).replace("torch.", "")
         shape = tuple(int(d) for d in x.shape)
         if isinstance(x, np.ndarray) and x.dtype.kind in "OUSV":
@@ -642,11 +620,11 @@ def _input_spec(x: Any, name: str) -> InputSpec:
         return InputSpec(layout, shape, dtype, src, ambiguous=ambiguous)
     bad = _leaf_problem(x)
     if bad is not None:
-        part = "" if bad[0] is x else f" (the part {_describe_value(bad[0])})"
+        part = "" if bad[0] is x else f" (the part {describe_value(bad[0])})"
         raise _refuse_input(name, x, part)
     what = "number" if not isinstance(x, (tuple, list, dict)) else \
         f"{type(x).__name__} of {len(x)} inputs"
-    return InputSpec(None, None, what, _type_name(x))
+    return InputSpec(None, None, what, type_name(x))
 
 
 def inspect_inputs(data: Any, name: str, *, need_target: bool = True, verb: str = "training",
@@ -679,7 +657,7 @@ def inspect_inputs(data: Any, name: str, *, need_target: bool = True, verb: str 
         spec = dataclasses.replace(_input_spec(x, name), keys=keys)
         if y is not None and _leaf_problem(y) is not None:
             raise InputRefused(
-                f"{name} item 0: the target is {_describe_value(y)}, which cannot be batched into "
+                f"{name} item 0: the target is {describe_value(y)}, which cannot be batched into "
                 "a tensor. Fix: return class indices (int), or float/int tensors or arrays, e.g. "
                 "dataset.classes.index(name) for class names")
     c = spec.channels
