@@ -91,6 +91,7 @@ assert "More than one device->host transfer" in bad_item.report
 assert {"host_sync", "f64"} <= set(bad_check.codes) and not bad_check.ok, bad_check
 assert not {"recompile", "cpu_fallback", "dynamic_shape", "padding"} & set(bad_check.codes), bad_check
 assert fixed_check.ok and not {"host_sync", "f64", "padding"} & set(fixed_check.codes), fixed_check
+assert pod_status == 0, pod_status
 """,
 }
 
@@ -126,7 +127,9 @@ EXPECTED_OUTPUT = {
     "debug_single_core.ipynb": [r"Steps \[3, 4, 5\] compiled again after warm-up",
                                 r"Steps 3\.\. reused the compiled graph",
                                 r"xla_utils\.check for TPU v5e: NOT READY \(2 warnings\)",
-                                r"ready: True"],
+                                r"ready: True",
+                                r"2 cores on 2 hosts x 16 per core = 32 global batch",
+                                r"slice exit status: 0"],
 }
 
 
@@ -137,7 +140,8 @@ ONCE = {
     "debug_single_core.ipynb": [r"^Steps \[3, 4, 5\] compiled again after warm-up",
                                 r"^xla_utils\.check for TPU v5e: NOT READY \(2 warnings\)$",
                                 r"^  \[warning\] host_sync: ", r"^  \[warning\] f64: ",
-                                r"^xla_utils\.check for TPU v5e: READY"],
+                                r"^xla_utils\.check for TPU v5e: READY",
+                                r"^2 cores on 2 hosts x 16 per core"],
 }
 
 

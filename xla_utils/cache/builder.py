@@ -40,6 +40,7 @@ from .sources import Source, resolve_source
 from .space import check_space, disk_full, estimate_bytes, is_disk_full
 from .storage import LockedError, Store, load_manifest
 from .runners import ENGINES, mp_context, run_shards
+from ..runtime.hosts import slice_host
 from .worker import init_worker, pilot_item
 
 __all__ = ["BuildReport", "DryRunEstimate", "build_cache", "missing_rows_warning"]
@@ -204,9 +205,46 @@ def build_cache(source: Any, out: str | os.PathLike, config: CacheConfig | None 
         if state == "complete":
             return _labels_note(_complete_report(out, old, t0, verbose), src, unlabeled, verbose)
     _make_folder(out, src, cfg)
-    with _locked(out, src, cfg):
-        report = _build(src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address)
+    report = _build_once(out, src, cfg, overwrite, verbose, lambda: _build(
+        src, cfg, out, workers, strict, overwrite, verbose, engine, ray_address))
     return _labels_note(report, src, unlabeled, verbose)
+
+
+def _build_once(out: Store, src: Source, cfg: CacheConfig, overwrite: bool, verbose: bool,
+                build: Any) -> Any:
+    """``build()`` under the cache's lock; on a pod slice whose other host holds a bucket's
+    lock (every host runs the same script), wait for that build and reuse it instead."""
+    waited = None
+    while True:
+        try:
+            with _locked(out, src, cfg):
+                t0 = time.perf_counter()
+                state, old = _existing_state(out, src, cfg) if out.is_url else ("", None)
+                if state == "complete" and not overwrite:  # another build finished meanwhile
+                    return _complete_report(out, old, waited or t0, verbose)
+                return build()
+        except _SliceBuilding as busy:
+            waited = waited or _say_waiting(out, busy.where)
+            time.sleep(1.0)
+            state, old = _existing_state(out, src, cfg)
+            if state == "complete" and not overwrite:
+                return _complete_report(out, old, waited, verbose)
+
+
+class _SliceBuilding(Exception):
+    """The lock of a bucket's cache is held, and this process is one host of a pod slice
+    (or torchrun node) where every host runs the same build: one builds, the others wait."""
+
+    def __init__(self, where: tuple[int, int]) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+def _say_waiting(out: Store, where: tuple[int, int]) -> float:
+    print(f"build_cache on host {where[0]} of {where[1]}: another host is building {out} (every "
+          "host runs this script; one builds, the others wait for its manifest and reuse it)",
+          flush=True)
+    return time.perf_counter()
 
 
 def _config_of(config: CacheConfig | None, config_fields: dict[str, Any]) -> CacheConfig:
@@ -309,6 +347,9 @@ def _locked(out: Store, src: Source, cfg: CacheConfig):
             with out.lock():
                 yield
         except LockedError as e:
+            where = slice_host()
+            if where is not None:
+                raise _SliceBuilding(where) from None
             raise BuildError(str(e)) from None
         return
     lock_path = out.local(".lock")

@@ -65,6 +65,13 @@ def local_folder(url: str, kind: str) -> Path:
     return root / f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
 
 
+def _in_flight(name: str) -> bool:
+    """Whether a file of the folder is another process's write in progress: a shard's
+    download (``.part-``) or the stamp's atomic write (``<stamp>.tmp-``), which the processes
+    of one host (one per core) adopting the folder at once must not delete under each other."""
+    return ".part-" in name or name.startswith(_STAMP + ".tmp-")
+
+
 class ShardCache:
     """Shards of one remote cache, downloaded on demand into a folder of bounded size.
 
@@ -128,7 +135,7 @@ class ShardCache:
                 self._resident[s] = None  # opened on first use
                 self._used += p.stat().st_size
             elif p.name != _STAMP and p.is_file() and (
-                    ".part-" not in p.name or time.time() - p.stat().st_mtime > 3600):
+                    not _in_flight(p.name) or time.time() - p.stat().st_mtime > 3600):
                 with contextlib.suppress(FileNotFoundError):  # another process's download stays
                     p.unlink()
         atomic_write(stamp_file, stamp)

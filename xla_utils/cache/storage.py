@@ -50,6 +50,8 @@ LOCK_STALE_S = 120.0
 _HEARTBEAT_S = 20.0
 _TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 _FILESYSTEMS: dict[tuple[str, int], Any] = {}
+# Seconds after which a build that wrote the lock reads it again (see Store._take_lock).
+_LOCK_CONFIRM_S = 0.5
 
 
 class StorageError(OSError):
@@ -515,8 +517,13 @@ class Store:
             if isinstance(e, FileExistsError) or _http_code(e) == 412:
                 raise LockedError(f"another build took the lock {self.path('.lock')} of {self.root} just now") from e
             raise
-        if json.loads(self.fs.cat_file(key)).get("token") != token:  # stores that ignore preconditions
-            raise LockedError(f"another build took the lock {self.path('.lock')} of {self.root} just now")
+        # Stores that ignore the precondition (emulators): the last of two writers racing for
+        # the lock wins; read it again after a moment, so that the first one sees it lost.
+        for pause in (0.0, _LOCK_CONFIRM_S):
+            time.sleep(pause)
+            if json.loads(self.fs.cat_file(key)).get("token") != token:
+                raise LockedError(f"another build took the lock {self.path('.lock')} of "
+                                  f"{self.root} just now")
 
 
 def _pid_alive(pid: Any) -> bool:

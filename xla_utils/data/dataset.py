@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
+from ..runtime.hosts import slice_host
 from ..cache.fetch import LocalBudgetError, ShardCache, default_local_cache
 from ..cache.format import (LABELS, cached_ids, read_jpeg_index, read_manifest, requested_ids,
                            skipped_records)
@@ -105,7 +106,10 @@ class CachedImageDataset:
 
     def _open(self) -> None:
         self._remote: ShardCache | None = None
-        m = load_manifest(self.path) if self.is_remote else read_manifest(self.path)  # errors name the fix
+        try:  # errors name the fix
+            m = load_manifest(self.path) if self.is_remote else read_manifest(self.path)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{exc}{_other_hosts_hint()}") from None
         if not m["complete"]:
             raise ValueError(f"the cache in {self.path} is incomplete ({len(m['shards'])}/{m['num_shards']} "
                              "shards): rerun the same build command to finish it")
@@ -413,3 +417,15 @@ def _open_remote(url: str, m: dict[str, Any], local_cache: str | os.PathLike | N
 
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) if folder.is_dir() else 0
+
+
+def _other_hosts_hint() -> str:
+    """What a missing local cache means on one host of several (each has its own disk)."""
+    where = slice_host()
+    if where is None:
+        return ""
+    return (f"\nThis is host {where[0]} of {where[1]}: each host of a pod slice (or torchrun "
+            "node) has its own disk, so a local cache folder built on one host does not exist "
+            "on the others. Fix: build the cache into a bucket (build_cache(src, "
+            "'gs://bucket/cache/train')) and read that URL on every host, or build it on every "
+            "host")

@@ -86,6 +86,7 @@ from .counters import xla_counters, xla_counters_report
 from .launcher import (launch, launch_job, prestart_if_simulation_likely, prestart_simulation,
                        register_simulator, same_everywhere)
 from ..env.gpu import CPU_REPLICAS_ENV, TorchDevices, torch_devices
+from .hosts import slice_host
 from .placement import Placement, resolve
 from .replica import ReplicaError
 from .state import STATE, RuntimeState
@@ -163,4 +164,5 @@ INTERNAL_API = (
     "resolve",  # the entry points' one placement of a run (cores=, simulate=, the host)
     "Placement",
     "same_everywhere",  # a host-side decision (a run's id) made once in a torchrun world
+    "slice_host",  # (this host, hosts) on a pod slice or torchrun's nodes, else None
 )

@@ -19,9 +19,19 @@ of this host); :func:`run_joined` runs a launch there:
 
 The ranks are torchrun's: ``RANK`` (global), ``LOCAL_RANK`` (on this host), ``GROUP_RANK``
 (this host's index); the global master is global rank 0, wherever torchrun put it.
+
+A rehearsed pod slice (``python -m xla_utils.simulate --hosts H --cores C script.py``) runs
+the script once per simulated host, each with :data:`POD_ENV` describing its place:
+:func:`simulated_pod` reads it (a :class:`PodWorld`), ``resolve`` makes it the placement's
+hosts, and a launch there runs this host's C simulated cores as replicas of the H x C world
+(:mod:`xla_utils.simulate`); decisions made on each host before a launch are made once, by
+the host holding global ordinal 0 (:func:`pod_agreed`). As on a real pod, that host need not be
+the first one (``--master-host``).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
@@ -29,16 +39,25 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from . import torch_world
+from ..utils.atomic import atomic_write
 from .replica import dumps_cpu
 from .state import STATE
 
-__all__ = ["TorchrunWorld", "torchrun_world", "run_joined", "agreed", "JOIN_TIMEOUT_S"]
+__all__ = ["TorchrunWorld", "torchrun_world", "run_joined", "agreed", "JOIN_TIMEOUT_S",
+           "PodWorld", "simulated_pod", "pod_agreed", "pod_lost", "slice_host", "POD_ENV",
+           "HostLost"]
 
 # Seconds the processes of a joined world wait for each other in a collective (a host
 # that died is named by torchrun's agent long before; torch's default is 30 minutes).
 JOIN_TIMEOUT_S = float(os.environ.get("XLA_UTILS_COLLECTIVE_TIMEOUT", "1800"))
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+# The environment variable that makes a process one host of a rehearsed pod slice (JSON,
+# written by ``python -m xla_utils.simulate --hosts``).
+POD_ENV = "XLA_UTILS_SIM_POD"
+# Store key set when a host of a rehearsed pod is lost (its text names the host).
+POD_LOST = "pod/lost"
 
 
 @dataclass(frozen=True)
@@ -166,3 +185,158 @@ def _from_rank_0(payload: bytes | None) -> Any:
         raise RuntimeError(f"global rank 0 of torchrun's world failed ({value}); its traceback "
                            "is in its own output")
     return value
+
+
+class HostLost(RuntimeError):
+    """Another host of the (rehearsed) pod slice died or failed: this host stops too."""
+
+
+@dataclass(frozen=True)
+class PodWorld:
+    """This host's place in a rehearsed pod slice (:data:`POD_ENV`).
+
+    Attributes:
+        hosts: Hosts in the slice.
+        host: This host's index (its worker id), 0 .. hosts-1.
+        cores: Simulated cores (replica processes) per host.
+        master_host: The host holding global ordinal 0 (the global master).
+        port: The slice's store on ``127.0.0.1`` (the rehearsal's interconnect).
+        folder: The interconnect's payload folder (collective inputs, results).
+    """
+
+    hosts: int
+    host: int
+    cores: int
+    master_host: int
+    port: int
+    folder: str
+
+    @property
+    def world_size(self) -> int:
+        """Replicas over all hosts."""
+        return self.hosts * self.cores
+
+    @property
+    def is_master_host(self) -> bool:
+        """Whether this host holds global ordinal 0."""
+        return self.host == self.master_host
+
+    def ordinal(self, local: int, host: int | None = None) -> int:
+        """The global ordinal of core ``local`` of ``host`` (default: this host). Hosts are
+        numbered from the master host on, so ``ordinal(0, master_host) == 0``."""
+        host = self.host if host is None else host
+        return ((host - self.master_host) % self.hosts) * self.cores + local
+
+    def host_of(self, ordinal: int) -> int:
+        """The host holding global ordinal ``ordinal``."""
+        return (ordinal // self.cores + self.master_host) % self.hosts
+
+    def env_value(self) -> str:
+        """This world as :data:`POD_ENV`'s value."""
+        import json
+
+        return json.dumps(dataclasses.asdict(self))
+
+
+def simulated_pod(environ: Mapping[str, str] | None = None) -> PodWorld | None:
+    """This process's host of a rehearsed pod slice, or None (:data:`POD_ENV` unset).
+
+    Raises:
+        ValueError: :data:`POD_ENV` is set but not a pod's description (named).
+    """
+    import json
+
+    env = os.environ if environ is None else environ
+    text = env.get(POD_ENV)
+    if not text:
+        return None
+    try:
+        pod = PodWorld(**json.loads(text))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{POD_ENV}={text!r} is not a pod slice's description ({exc}); it is "
+                         "set by `python -m xla_utils.simulate --hosts H`: unset it") from None
+    if not (pod.hosts >= 1 and 0 <= pod.host < pod.hosts and 0 <= pod.master_host < pod.hosts
+            and pod.cores >= 1):
+        raise ValueError(f"{POD_ENV}={text!r}: host and master_host must be below hosts, "
+                         "cores positive")
+    return pod
+
+
+def slice_host(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(host, hosts)`` when this process runs on one host of several (a rehearsed slice,
+    or a TPU pod slice whose ``TPU_WORKER_HOSTNAMES`` lists more than one worker, this one
+    ``TPU_WORKER_ID``; torchrun's nodes), else None."""
+    env = os.environ if environ is None else environ
+    pod = simulated_pod(env)
+    if pod is not None:
+        return (pod.host, pod.hosts) if pod.hosts > 1 else None
+    names = [n for n in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if n.strip()]
+    if len(names) > 1:
+        with contextlib.suppress(ValueError):
+            return int(env.get("TPU_WORKER_ID", "0")), len(names)
+    world = torchrun_world(env)
+    if world is not None and world.hosts > 1:
+        return world.host, world.hosts
+    return None
+
+
+_POD_STORE: dict = {}
+_AGREED: list = [0]  # how many values this process agreed on (each has its key)
+
+
+def pod_store(pod: PodWorld):
+    """This process's client of the slice's store (one per process)."""
+    key = (os.getpid(), pod.port)
+    if key not in _POD_STORE:
+        import torch.distributed as dist
+
+        _POD_STORE[key] = dist.TCPStore("127.0.0.1", pod.port, is_master=False,
+                                        timeout=datetime.timedelta(seconds=60))
+    return _POD_STORE[key]
+
+
+def pod_lost(pod: PodWorld) -> str | None:
+    """Why the slice's rehearsal marked a host lost (naming it), or None."""
+    store = pod_store(pod)
+    return store.get(POD_LOST).decode() if store.check([POD_LOST]) else None
+
+
+def check_pod(store) -> None:
+    """Raise :class:`HostLost` when the slice's rehearsal marked a host lost."""
+    if store.check([POD_LOST]):
+        raise HostLost(store.get(POD_LOST).decode())
+
+
+def pod_wait(store, key: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> bytes:
+    """``key``'s value once some host set it; :class:`HostLost` when a host was lost first,
+    ``TimeoutError`` (naming ``what``) after ``timeout_s`` seconds."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not store.check([key]):
+        check_pod(store)
+        if time.monotonic() > end:
+            raise TimeoutError(f"no host set {what} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return store.get(key)
+
+
+def pod_agreed(value: Any, pod: PodWorld) -> Any:
+    """``value`` as the master host (global ordinal 0's) has it, on every host of the
+    rehearsed slice: what each host's script decides before a launch (a new run's id, the
+    LR finder's answer), decided once. Every host must call it, in the same order. The
+    value travels as a file in the slice's folder (any size), its key says it is there.
+
+    Raises:
+        HostLost: a host of the slice was lost meanwhile.
+    """
+    store = pod_store(pod)
+    _AGREED[0] += 1
+    key, path = f"agreed/{_AGREED[0]}", os.path.join(pod.folder, f"agreed.{_AGREED[0]}")
+    if pod.is_master_host:
+        atomic_write(path, pickle.dumps(value), durable=False)
+        store.set(key, "1")
+        return value
+    pod_wait(store, key, f"agreed value {_AGREED[0]} (the master host's)")
+    with open(path, "rb") as f:
+        return pickle.loads(f.read())

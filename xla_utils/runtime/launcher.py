@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .hosts import agreed, run_joined, torchrun_world
+from .hosts import agreed, pod_agreed, run_joined, simulated_pod, torchrun_world
 from .placement import Placement, resolve
 from .replica import ReplicaError, job_main
 from .state import STATE
@@ -136,6 +136,8 @@ def same_everywhere(value: Any, placement: Placement) -> Any:
     own); ``value`` itself when this process is the world's only caller."""
     if placement.joined == "torchrun":
         return agreed(value, kind=placement.kind, world=torchrun_world())
+    if placement.joined == "pod":
+        return pod_agreed(value, simulated_pod())
     return value
 
 
@@ -201,10 +203,34 @@ def launch_job(fn: Callable[..., Any], args: tuple, *, placement: Placement,
 
 
 def _launch_xla(fn, args, placement: Placement, *, timeout, sim_threads) -> Any:
+    if placement.joined == "pod":
+        return _launch_pod(fn, args, placement, timeout=timeout, sim_threads=sim_threads)
     if placement.is_simulated:
         return _simulator().run_replicas(fn, tuple(args), placement.replicas,
                                          timeout=timeout, threads=sim_threads)
     return _launch_tpu(fn, args, placement, timeout=timeout)
+
+
+def _launch_pod(fn, args, placement: Placement, *, timeout, sim_threads) -> Any:
+    """A launch on a host of a rehearsed pod slice: this host's cores join the slice's world
+    (every host gets global ordinal 0's result); ``cores=1`` (the LR finder): the master host
+    runs it alone and every host gets its answer (or its error)."""
+    pod = simulated_pod()
+    run = _simulator().run_replicas
+    if not placement.one_core:
+        return run(fn, tuple(args), pod.cores, timeout=timeout, pod=pod)
+    outcome = None
+    if pod.is_master_host:
+        try:
+            outcome = ("result", run(fn, tuple(args), 1, timeout=timeout, threads=sim_threads))
+        except BaseException as exc:
+            pod_agreed(("error", f"{type(exc).__name__}: {exc}"), pod)
+            raise
+    what, value = pod_agreed(outcome, pod)
+    if what == "error":
+        raise RuntimeError(f"host {pod.master_host}, the master host, ran this one-core launch "
+                           f"and failed ({value}); its traceback is in its own output")
+    return value
 
 
 def _launch_tpu(fn, args, placement: Placement, *, timeout) -> Any:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..env.gpu import torch_devices
 from ..utils.suggest import choice
-from .hosts import torchrun_world
+from .hosts import simulated_pod, slice_host, torchrun_world
 from .xla import tpu_present, xla_available
 
 __all__ = ["Placement", "resolve", "KINDS"]
@@ -41,11 +41,14 @@ class Placement:
         host_devices: Devices of ``kind`` on this host (a torch launch's replica
             processes when all are used; a TPU's devices; the simulated count; under
             torchrun, its processes on this host).
-        hosts: Hosts the run spans (torchrun's nodes; 1 otherwise).
-        host: This host's index among them (torchrun's ``GROUP_RANK``; 0 otherwise).
+        hosts: Hosts the run spans (torchrun's nodes, a TPU pod slice's workers listed in
+            ``TPU_WORKER_HOSTNAMES``, a rehearsed slice's hosts; 1 otherwise).
+        host: This host's index among them (``GROUP_RANK``, ``TPU_WORKER_ID``, the rehearsed
+            host's; 0 otherwise).
         joined: ``"torchrun"``: the replicas are the processes torchrun started, which a
-            launch joins (:func:`xla_utils.runtime.hosts.run_joined`); None: a launch starts
-            its own.
+            launch joins (:func:`xla_utils.runtime.hosts.run_joined`); ``"pod"``: a host of a
+            rehearsed pod slice, whose launches start this host's share of the world
+            (:func:`xla_utils.runtime.hosts.simulated_pod`); None: a launch starts its own.
     """
 
     backend: str
@@ -93,13 +96,23 @@ def resolve(cores: int | str = "all", simulate: int | None = None) -> Placement:
     if simulate is not None and (not isinstance(simulate, int) or simulate < 1):
         raise ValueError(f"simulate must be a positive int (number of XLA:CPU devices), got {simulate!r}")
     one = cores == 1
+    pod = simulated_pod()
+    if pod is not None:  # a host of a rehearsed pod slice: its world, whatever simulate says
+        if simulate not in (None, pod.world_size):
+            raise ValueError(
+                f"simulate={simulate} on host {pod.host} of a rehearsed pod slice of "
+                f"{pod.hosts} hosts x {pod.cores} cores: the world is {pod.world_size} cores. "
+                f"Fix: simulate={pod.world_size} or no simulate (as fit() on a real slice)")
+        return Placement("xla", "xla_cpu", 1 if one else pod.world_size, one, pod.world_size,
+                         pod.cores, pod.hosts, pod.host, "pod")
     if simulate is not None:
         return Placement("xla", "xla_cpu", 1 if one else simulate, one, simulate, simulate)
     if tpu_present() and xla_available():
         from .. import env
 
         count = max(env.detect().num_devices or 1, 1)
-        return Placement("xla", "tpu", 1 if one else count, one, None, count)
+        host, hosts = slice_host() or (0, 1)  # a pod slice: TPU_WORKER_ID of TPU_WORKER_HOSTNAMES
+        return Placement("xla", "tpu", 1 if one else count, one, None, count, hosts, host)
     devices = torch_devices()
     world = torchrun_world()
     if world is not None:  # each torchrun process is one replica; its device is its LOCAL_RANK's

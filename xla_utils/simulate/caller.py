@@ -22,10 +22,12 @@ from typing import Any, Callable
 
 from .dist import LOOPBACK_ENV
 from .footprint import ReplicaMeter, check_fits, record
-from .protocol import (ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
+from .protocol import (ABORT, ERROR_GRACE_S, FOLDER_PREFIX, JOB_STATUS, POLL_S, RESULT, EventReader,
                        TransportError, describe_status, lost_name, read_error, read_payload,
                        recv_msg, send_msg, serve_store)
 from ..runtime.fresh import child_env
+from ..runtime.hosts import HostLost, PodWorld, pod_lost
+from .pod_link import pod_launch
 from ..runtime.relay import forward_output
 
 # Seconds the zygote may take to import torch and torch_xla (cold disk: ~25 s).
@@ -181,7 +183,7 @@ def _caller_env() -> dict[str, str]:
 def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
                  timeout: float | None = None, pass_index: bool = False,
                  threads: bool = False, detect_spmd: bool = True,
-                 program: str | None = None) -> Any:
+                 program: str | None = None, pod: PodWorld | None = None) -> Any:
     """Run ``fn(*args)`` (``fn(index, *args)`` with ``pass_index``) on ``n`` simulated
     cores and return rank 0's result; used by ``runtime.launch(simulate=N)``.
 
@@ -191,6 +193,11 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
     With ``detect_spmd`` (default), a function whose code uses SPMD (``use_spmd``,
     ``Mesh``, ``mark_sharding``, ...) runs once in one process with ``n`` XLA:CPU
     devices instead (:mod:`.spmd_fn`).
+
+    ``pod`` (a host of a rehearsed pod slice, :mod:`.pod`): this host's ``pod.cores``
+    replica processes join the slice's world of ``pod.world_size`` (``n`` is ignored): their
+    collectives meet the other hosts' through the slice's store and folder, and every host
+    gets global ordinal 0's result.
 
     Before ``n`` replica processes start, their memory is checked against what the
     machine has left (:func:`.footprint.check_fits`), from the figure recorded for
@@ -221,20 +228,19 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
             "inside the function, or pass only what it needs (e.g. not a whole namespace "
             "dict)") from exc
     program = program or _program_of(fn)
+    if pod is not None:
+        n, threads = pod.cores, False
     if not threads:
         check_fits(program, n, zygote_running=_ZYGOTE is not None and _ZYGOTE.alive())
-    shm = _new_job_folder()
-    store = serve_store()
-    request = {"n": n, "port": store.port, "payload": payload, "path": list(sys.path),
-               "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index,
-               "shm": shm, "threads": threads}
+    store, request = _job_request(n, pod, payload, pass_index, threads)
+    shm, status, ranks, world = (request[k] for k in ("shm", "status", "ranks", "world"))
     sys.stdout.flush()
     sys.stderr.flush()
     job = None
     try:
         zygote = _zygote()
         job = zygote.start_job(request)
-        watch = _JobWatch(store, shm, n)
+        watch = _JobWatch(store, shm, world, status, None if pod is None else set(ranks))
         meter = None if threads else ReplicaMeter(job, shm, n)
         try:
             _watch_job(watch, job, timeout, meter)
@@ -248,13 +254,40 @@ def run_replicas(fn: Callable[..., Any], args: tuple, n: int,
             watch.store = watch.events.store = None
     finally:
         del store
-        _end_job(job, shm)
+        _end_job(job, shm if pod is None else None)  # a slice's folder is the slice's
     zygote.drain()
+    return _outcome(watch, pod)
+
+
+def _outcome(watch: "_JobWatch", pod: PodWorld | None) -> Any:
+    """Rank 0's result, or the job's error (on a pod slice that lost a host: that first)."""
+    from ..runtime.replica import ReplicaError
+
     if watch.first_error is not None:
+        lost = pod_lost(pod) if pod is not None else None
+        if lost is not None:
+            raise HostLost(f"{lost}; host {pod.host} stopped too (its first replica error "
+                           "follows)") from watch.first_error
         raise watch.first_error
     if not watch.got_result:
         raise ReplicaError(0, "replica 0 exited without returning a result", "ProcessDied")
     return watch.result
+
+
+def _job_request(n: int, pod: PodWorld | None, payload: bytes, pass_index: bool,
+                 threads: bool) -> tuple[Any, dict]:
+    """The job's store (this process's server, or the pod slice's under the launch's prefix)
+    and the request the zygote forks the job from."""
+    if pod is None:
+        shm, store, prefix, ranks = _new_job_folder(), serve_store(), "", list(range(n))
+        status, port, world = shm, store.port, n
+    else:
+        shm, store, prefix, status = pod_launch(pod)
+        ranks, port, world = [pod.ordinal(i) for i in range(n)], pod.port, pod.world_size
+    return store, {"n": n, "port": port, "payload": payload, "path": list(sys.path),
+                   "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index,
+                   "shm": shm, "threads": threads, "prefix": prefix, "ranks": ranks,
+                   "world": world, "host": 0 if pod is None else pod.host, "status": status}
 
 
 def _new_job_folder() -> str:
@@ -272,15 +305,16 @@ def _new_job_folder() -> str:
     return tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=base)
 
 
-def _end_job(job: int | None, shm: str) -> None:
+def _end_job(job: int | None, shm: str | None) -> None:
     """Kill what is left of the job, wait until the zygote has reaped it (it
-    writes the job's status to ``shm`` first), then remove ``shm``."""
+    writes the job's status to ``shm`` first), then remove ``shm`` (None: keep it)."""
     if job is not None:
         _kill_job(job)
         end = time.monotonic() + 5.0
         while time.monotonic() < end and _pid_exists(job):
             time.sleep(0.005)
-    shutil.rmtree(shm, ignore_errors=True)
+    if shm is not None:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def _program_of(fn: Callable[..., Any]) -> str:
@@ -307,16 +341,17 @@ def _watch_job(watch: "_JobWatch", job: int, timeout: float | None,
             return
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"launch() timed out after {timeout} s; all replicas were killed")
-        if job_gone:
+        if job_gone and not watch.others_pending():
             if watch.first_error is None:
-                watch.first_error = _job_died(job, watch.folder)
+                watch.first_error = _job_died(job, watch.folder, watch.status)
             return
         time.sleep(POLL_S)
 
 
-def _job_died(job: int, folder: str):
+def _job_died(job: int, folder: str, status_folder: str | None = None):
     """The ``ReplicaError`` for a job that ended before its replicas reported:
-    a report its store connection could not carry, else its exit status."""
+    a report its store connection could not carry (in ``folder``), else its exit status
+    (in ``status_folder``)."""
     from ..runtime.replica import ReplicaError
 
     for path in sorted(glob.glob(os.path.join(folder, "lost.*"))):
@@ -327,7 +362,7 @@ def _job_died(job: int, folder: str):
     while time.monotonic() < end and _pid_exists(job):
         time.sleep(0.005)
     try:
-        status = int(read_payload(folder, JOB_STATUS))
+        status = int(read_payload(status_folder or folder, JOB_STATUS))
     except (TransportError, ValueError) as exc:
         return ReplicaError(-1, "the simulated job process ended before its replicas reported, "
                             f"and its exit status is unknown ({exc})", "ProcessDied")
@@ -354,11 +389,16 @@ def _lost_report(folder: str, rank: int):
 class _JobWatch:
     """What the caller has learnt from a running job's store events."""
 
-    def __init__(self, store, folder: str, n: int) -> None:
-        self.store, self.folder, self.n = store, folder, n
+    def __init__(self, store, folder: str, n: int, status: str | None = None,
+                 local: set[int] | None = None) -> None:
+        # status: where the zygote writes the job's exit status (default: folder); local: on
+        # a pod slice, the ranks of this host's replicas (None: every rank is)
+        self.store, self.folder, self.n, self.local = store, folder, n, local
+        self.status = status or folder
         self.events = EventReader(store)
         self.result, self.got_result = None, False
         self.finished: set[int] = set()
+        self.errored: set[int] = set()  # ranks that reported their error
         self.exited: dict[int, int] = {}
         self.first_error = None  # runtime ReplicaError: the root cause once known
         self.error_deadline: float | None = None
@@ -390,6 +430,15 @@ class _JobWatch:
             self._blame(ReplicaError(r, f"replica {r} returned, but its result could not be "
                                      f"handed back: {exc}", "TransportError"))
 
+    def others_pending(self) -> bool:
+        """On a pod slice: this host's replicas all finished and exited, the other hosts'
+        have not yet reported (their reports, or the slice's loss, end the watch)."""
+        if self.local is None or self.first_error is not None:
+            return False
+        if not self.local <= self.finished or not self.local <= set(self.exited):
+            return False
+        return not self.store.check([ABORT])  # aborted: a host was lost
+
     def over(self) -> bool:
         """All replicas finished, all exited, or the grace after the first error ran out."""
         if self.first_error is None and self.got_result and len(self.finished) == self.n:
@@ -417,6 +466,7 @@ class _JobWatch:
                                        f"not be handed over: {exc}", "TransportError", False)
         err = ReplicaError(r, tb, exc_type)
         err._secondary = secondary
+        self.errored.add(r)
         self._blame(err)
 
     def _on_exit(self, r: int, value: int) -> None:
@@ -425,7 +475,7 @@ class _JobWatch:
         self.exited[r] = value
         if value == 0 or r in self.finished:
             return
-        if self.first_error is not None and self.first_error.rank == r:
+        if r in self.errored:
             return  # it reported its error before dying
         why = describe_status(value)
         self.store.set("abort", f"replica {r} died ({why})")

@@ -424,18 +424,24 @@ def _to_device(cpu_tensors: list, device) -> list:
     return xm.send_cpu_data_to_device(list(cpu_tensors), device)
 
 
-def _patch_torch_xla(rank: int, n: int) -> None:
-    """Make this process's torch_xla report and reduce over the simulated world."""
+def _patch_torch_xla(rank: int, n: int, local: int | None = None, local_n: int | None = None,
+                     host: int = 0) -> None:
+    """Make this process's torch_xla report and reduce over the simulated world: global
+    ordinal ``rank`` of ``n``; on a rehearsed pod slice, core ``local`` of ``local_n`` on host
+    ``host`` (default: one host, ``local == rank``)."""
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
+    local = rank if local is None else local
+    local_n = n if local_n is None else local_n
     xr.world_size = lambda: n
     xr.global_ordinal = lambda: rank
-    xr.local_ordinal = lambda: rank
-    xr.local_process_count = lambda: n
+    xr.local_ordinal = lambda: local
+    xr.local_process_count = lambda: local_n
     xr.global_device_count = lambda: n
     xr.process_index = lambda: rank  # one process per device, as xmp.spawn on a TPU VM
     xr.process_count = lambda: n
+    xr.host_index = lambda: host
     xr._WORLD_SIZE, xr._ORDINAL = n, rank
     for name, value in (("get_ordinal", lambda local=False: rank),
                         ("xrt_world_size", lambda: n)):

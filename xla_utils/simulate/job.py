@@ -17,6 +17,7 @@ import threading
 import traceback
 
 from .collectives import _PROF, _World, _patch_torch_xla, _profile_report, _profile_sync
+from .pod_link import UP
 from .protocol import (ABORT, JOB_STATUS, PeerFailed, Reporter, TransportError, connect, event,
                        recv_msg, send_msg, write_payload)
 
@@ -77,7 +78,7 @@ def zygote_main(fd: int) -> None:
                 _job_main(request)
             finally:
                 os._exit(1)
-        jobs[pid] = request["shm"]
+        jobs[pid] = request["status"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         send_msg(sock, ("job", pid))
 
@@ -141,14 +142,13 @@ def _job_main(request: dict) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     if request["threads"]:
         _thread_job(request)
-    n = request["n"]
     pids = {}
-    for r in range(n):
+    for local, r in enumerate(request["ranks"]):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                code = _replica_main(r, request)
+                code = _replica_main(r, local, request)
             except BaseException:  # before the replica could report through the store
                 traceback.print_exc()
             finally:
@@ -159,7 +159,7 @@ def _job_main(request: dict) -> None:
                 # natively at exit, after the work is done).
                 os._exit(code)
         pids[pid] = r
-    store = connect(request["port"])
+    store = _connect(request)
     while pids:
         try:
             pid, status = os.wait()
@@ -282,7 +282,32 @@ def _limit_malloc_arenas() -> None:
         ctypes.CDLL(None).mallopt(-8, REPLICA_MALLOC_ARENAS)  # M_ARENA_MAX
 
 
-def _replica_main(r: int, request: dict) -> int:
+def _connect(request: dict):
+    """A client of the caller's store (under the launch's prefix on a pod slice's)."""
+    store = connect(request["port"])
+    if request["prefix"]:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(request["prefix"], store)
+    return store
+
+
+def _meet_hosts(store, world: int) -> None:
+    """On a rehearsed pod slice: wait until every host's replicas have started (a host may
+    start late, or its interpreter slowly), so that the first collective's timeout measures
+    only the replicas' own skew. Raises ``PeerFailed`` when the launch is aborted first (a
+    host was lost)."""
+    import time
+
+    store.add(UP, 1)
+    while store.add(UP, 0) < world:
+        if store.check([ABORT]):
+            raise PeerFailed(f"the pod slice's launch was aborted before every host's replicas "
+                             f"started: {store.get(ABORT).decode()}")
+        time.sleep(0.05)
+
+
+def _replica_main(r: int, local: int, request: dict) -> int:
     _die_with_parent()
     _enter_caller_context(request)
     _limit_malloc_arenas()
@@ -290,16 +315,18 @@ def _replica_main(r: int, request: dict) -> int:
 
     from ..runtime import replica
 
-    n = request["n"]
-    store = connect(request["port"])
+    n = request["world"]
+    store = _connect(request)
     _World.rank, _World.size, _World.store, _World.shm = r, n, store, request["shm"]
     reporter = Reporter(store, request["shm"], n)
     try:
-        _patch_torch_xla(r, n)
+        if request["prefix"]:
+            _meet_hosts(store, n)
+        _patch_torch_xla(r, n, local, request["n"], request["host"])
         replica.enter_simulated_replica()
         fn, args = cloudpickle.loads(request["payload"])
         if request["pass_index"]:
-            args = (r, *args)
+            args = (local if request["prefix"] else r, *args)  # xmp.spawn passes the local index
         if _PROF is not None:
             _profile_sync()
         out = fn(*args)

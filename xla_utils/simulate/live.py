@@ -204,11 +204,11 @@ def close_all() -> None:
 def live_or_launch(owner: Any, fn: Callable[..., Any], args: tuple,
                    placement: Placement) -> Any:
     """``runtime.launch``-like on ``placement``: a simulated call goes to ``owner``'s
-    live job (:func:`live_job_for`); anything else (a TPU, the torch backend) to a fresh
-    launch."""
+    live job (:func:`live_job_for`); anything else (a TPU, the torch backend, a host of a
+    rehearsed pod slice, whose call meets the other hosts') to a fresh launch."""
     from .. import runtime
 
-    if placement.is_simulated and not isinstance(placement.simulated, bool):
+    if placement.is_simulated and placement.joined is None:  # a pod slice's hosts: a launch
         return live_job_for(owner, placement.replicas).call(fn, args)
     return runtime.launch_job(fn, args, placement=placement, timeout=None, sim_threads=True)
 

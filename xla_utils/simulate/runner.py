@@ -11,11 +11,12 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from .caller import run_replicas
 from .footprint import SimulatedMemoryError
 from .forms import FORMS, detect_form
+from .pod import run_pod
 from .spmd import run_spmd
 from .torchrun import run_torchrun
 
@@ -74,7 +75,9 @@ def simulated_spawn(cores: int = 8, timeout: float | None = None,
 
 
 def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = (),
-               timeout: float | None = None, form: str = "auto") -> int:
+               timeout: float | None = None, form: str = "auto", *, hosts: int | None = None,
+               master_host: int = 0, late: Mapping[int, float] | None = None,
+               kill: Mapping[int, float] | None = None) -> int:
     """Run a torch_xla script as ``__main__`` on ``cores`` simulated cores
     (``%run``-like; ``args`` become ``sys.argv[1:]``).
 
@@ -85,10 +88,22 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
     as ``use_spmd`` or ``mark_sharding``, torchrun if it checks
     ``is_torchelastic_launched``; the choice is printed to stderr).
 
+    ``hosts=H`` rehearses a pod slice of H hosts x ``cores`` cores each: the script runs
+    once per simulated host, each a process group with its own ``/tmp`` and working folder,
+    meeting over loopback (:mod:`.pod`); ``master_host`` holds global ordinal 0; ``late``
+    (``{host: seconds}``) starts hosts late, ``kill`` (``{host: seconds}``) kills them. The
+    slice's exit status is returned (a lost host is said on stderr).
+
     Returns the script's exit status (0 when it ends normally or calls
     ``sys.exit(0)``); a replica's exception propagates as ``ReplicaError``.
     """
     path = str(path)
+    if hosts is not None:
+        result = run_pod(path, hosts, cores, args, master_host=master_host, late=late,
+                         kill=kill, timeout=timeout)
+        if result.lost:
+            print(f"xla_utils.simulate: the slice stopped: {result.lost}", file=sys.stderr)
+        return result.returncode
     if form not in FORMS:
         raise ValueError(f"form={form!r}: use one of {FORMS}")
     spawn_form = "auto" if form == "auto" else "spawn"  # functions using SPMD: see below
@@ -146,11 +161,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "replicas (RANK, WORLD_SIZE set); auto (default): spmd if the script "
                         "names an SPMD API (use_spmd, Mesh, mark_sharding, ...), torchrun if "
                         "it checks is_torchelastic_launched, else spawn")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="rehearse a pod slice: run the script once per simulated host (each "
+                        "its own process group and private /tmp, home and working folder), --cores "
+                        "simulated cores each, meeting over loopback (default: one host, the "
+                        "script run here)")
+    p.add_argument("--master-host", type=int, default=0,
+                   help="with --hosts: the host holding global ordinal 0 (default 0)")
+    p.add_argument("--late-host", action="append", default=[], metavar="HOST:SECONDS",
+                   help="with --hosts: start HOST that many seconds after the others")
+    p.add_argument("--kill-host", action="append", default=[], metavar="HOST:SECONDS",
+                   help="with --hosts: kill HOST (every process) that many seconds in")
     p.add_argument("script", help="path of the script to run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     ns = p.parse_args(argv)
     if ns.cores < 1:
         p.error("--cores must be >= 1")
+    if ns.hosts is not None:
+        return _main_pod(p, ns)
     from ..runtime.replica import ReplicaError
 
     try:
@@ -160,3 +188,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"xla_utils.simulate: {exc}", file=sys.stderr)
         return 1
 
+
+
+def _host_times(p: argparse.ArgumentParser, flag: str, values: Sequence[str]) -> dict[int, float]:
+    out = {}
+    for v in values:
+        host, _, secs = v.partition(":")
+        try:
+            out[int(host)] = float(secs)
+        except ValueError:
+            p.error(f"{flag} {v!r}: use HOST:SECONDS, e.g. {flag} 1:20")
+    return out
+
+
+def _main_pod(p: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """``--hosts H``: the script on a rehearsed pod slice (:func:`run_script`'s ``hosts``)."""
+    if ns.hosts < 1:
+        p.error("--hosts must be >= 1")
+    try:
+        return run_script(ns.script, ns.cores, ns.args, ns.timeout, hosts=ns.hosts,
+                          master_host=ns.master_host,
+                          late=_host_times(p, "--late-host", ns.late_host),
+                          kill=_host_times(p, "--kill-host", ns.kill_host))
+    except ValueError as exc:
+        p.error(str(exc))

@@ -141,6 +141,13 @@ def plan_strategy(settings: DeviceSettings, batch_size: int, model: torch.nn.Mod
     if why is not None:
         raise ValueError(f"strategy={settings.strategy!r}: {why}")
     devices, simulate = placement.replicas, placement.simulated
+    if placement.joined == "pod":
+        raise ValueError(
+            f"strategy={settings.strategy!r} on a rehearsed pod slice of {placement.hosts} hosts: "
+            "one SPMD program spanning several hosts (one process per host over a global mesh) is "
+            "not simulated. Fix: rehearse the mesh on one host (python -m xla_utils.simulate "
+            f"--hosts 1 --cores {devices}, or simulate={devices} without --hosts), and the "
+            "several hosts with strategy='spawn'")
     if simulate is None and not runtime.tpu_present():
         raise ValueError(f"strategy={settings.strategy!r} needs the devices of a TPU, and this "
                          "machine has none. Fix: pass simulate=8 (8 XLA:CPU devices) to try it here")

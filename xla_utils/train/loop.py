@@ -363,7 +363,9 @@ def _first_line(cfg: TrainerConfig, ws: int, base_lr: float, max_lr: float, how:
     the global batch, the optimizer and the LR scaling (``how``), on the torch backend what
     the device plan chose and the loader, then ``note``."""
     k = cfg.accum_steps
-    return (f"{runtime.replicas_word(ws, device_type)} x {cfg.batch_size} per "
+    hosts = runtime.slice_host()
+    return (f"{runtime.replicas_word(ws, device_type)}"
+            + (f" on {hosts[1]} hosts" if hosts else "") + f" x {cfg.batch_size} per "
             f"{runtime.replica_noun(device_type)}"
             + (f" x {k} accumulated" if k > 1 else "") + f" = "
             f"{ws * cfg.batch_size * k} global batch; {optimizer_label(cfg.optimizer)}, max_lr "
