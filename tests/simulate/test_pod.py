@@ -106,20 +106,24 @@ def _shared_out(tmp_path: Path) -> Path:
 def test_quick_start_on_two_hosts_equals_one_host_of_eight_cores(tmp_path, gcs_emulator):
     """The README's quick start as a script, its cache and checkpoints in the emulator's
     bucket: on 2 hosts x 4 cores (docs/STRATEGIES.md's command) with global ordinal 0 on the
-    second host, the same losses, weights and predictions as on 1 host x 8 cores (same global
-    batch); the cache built by one host while the other waits, the LR finder swept once, one
+    second host, the same losses, weights and predictions as on 1 host x 8 cores (the script
+    itself: fit(simulate=8), the same global batch); the cache built by one host while the other waits, the LR finder swept once, one
     checkpoint object per epoch, every test id once, in order, in the master host's
     submission."""
     _plants(tmp_path)
     out = _shared_out(tmp_path)
     try:
         runs = {}
-        for name, args in (("one", ["--hosts", "1", "--cores", "8"]),
-                           ("two", [*_doc_command(), "--master-host", "1"])):
+        # one host of 8 cores: the script run as a user runs it (fit(simulate=8)); two hosts
+        for name, args in (("one", None), ("two", [*_doc_command(), "--master-host", "1"])):
             bucket = gcs_emulator()
             (out / name).mkdir()
             script = _script(tmp_path, bucket, out / name)
-            proc = _simulate([*args, str(script)], tmp_path, _env(tmp_path / name))
+            if args is None:
+                proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, timeout=400,
+                                      env=_env(tmp_path / name), capture_output=True, text=True)
+            else:
+                proc = _simulate([*args, str(script)], tmp_path, _env(tmp_path / name))
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
             runs[name] = (bucket, proc.stdout + proc.stderr)
         want = json.loads((out / "one" / "out-0.json").read_text())
@@ -216,6 +220,26 @@ def test_a_host_started_20_s_late_trains_with_the_others(tmp_path):
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.multicore
+@pytest.mark.skipif(not PRIVATE, reason="private disks need root (a mount namespace)")
+@pytest.mark.timeout(400)
+def test_checkpoints_in_a_bucket_resume_on_every_host_and_a_local_folder_is_refused(
+        tmp_path, gcs_emulator):
+    """Global ordinal 0 on the second host writes the checkpoints; resume="last" from the
+    bucket continues on both hosts; from a local folder (only the master host's disk has it)
+    the first host refuses, naming the fix, and the slice stops."""
+    proc = _simulate(["--hosts", "2", "--cores", "1", "--master-host", "1", str(POINTS),
+                      "resume", gcs_emulator()], tmp_path, _env(tmp_path))
+    log = proc.stdout + proc.stderr
+    assert "[host 0] resumed on host 0: epochs [1, 2]" in log and "resumed on host 1: epochs [1, 2]" \
+        in log, log[-4000:]
+    assert proc.returncode != 0
+    assert re.search(r"\[host 0\] \S*ResumeError: .*\n\[host 0\] This is host 0 of 2: each host "
+                     r"of the run reads its own disk.*checkpoint_dir='gs://", log), log[-4000:]
+    assert "host 0 of 2 was lost: exit code 1" in log
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .config import TrainerConfig
 
 __all__ = ["CheckpointError", "ResumeError", "save_checkpoint", "checkpoint_name",
-           "resolve_resume", "check_resume",
+           "resolve_resume", "resume_on_every_host", "check_resume",
            "model_with_weights", "sharded_meta", "run_files", "prune_runs",
            "earlier_runs_note", "checkpoint_listing", "check_extra", "RESERVED_KEYS",
            "new_run_id", "phase_run_id", "run_of", "check_run_id"]
@@ -612,3 +612,28 @@ def _load_sharded_meta(path: Path) -> dict:
     meta = torch.load(f, map_location="cpu", weights_only=False)
     meta["sharded"] = str(path)
     return meta
+
+def resume_on_every_host(resume: str | os.PathLike, checkpoint_dir: Any,
+                          placement: runtime.Placement) -> tuple[Any, dict]:
+    """``resolve_resume``'s checkpoint, the same on every host of a run spanning several
+    (each host reads its own disk: a local ``checkpoint_dir`` holds the files only on the host
+    that wrote them). Raises ``ResumeError`` naming the fix when a host lacks it or differs."""
+    where = runtime.slice_host()
+    fix = ("each host of the run reads its own disk, and only global rank 0's host wrote the "
+           "checkpoints: put them in a bucket (checkpoint_dir='gs://bucket/run'), which every "
+           "host pulls before the run")
+    try:
+        path, ckpt = resolve_resume(resume, checkpoint_dir)
+    except (FileNotFoundError, ResumeError, CheckpointError) as exc:
+        if where is None:
+            raise
+        raise ResumeError(f"{exc}\nThis is host {where[0]} of {where[1]}: {fix}") from None
+    if where is not None:
+        mine = (os.path.basename(str(path)), ckpt["epoch"], (ckpt.get("in_epoch") or {}).get("step"))
+        theirs = runtime.same_everywhere(mine, placement)
+        if tuple(theirs) != mine:
+            raise ResumeError(f"resume={resume!r} is {mine[0]} (epoch {mine[1]}) on host {where[0]} "
+                              f"of {where[1]} but {theirs[0]} (epoch {theirs[1]}) on global rank "
+                              f"0's host: {fix}")
+    return path, ckpt
+

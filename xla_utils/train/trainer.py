@@ -30,7 +30,7 @@ from .. import runtime
 from . import mesh_tasks as _mesh_tasks
 from ..step import strategy as _strategy
 from .checkpoint import (CheckpointError, ResumeError, check_extra, check_resume, check_run_id,
-                         earlier_runs_note, model_with_weights, new_run_id, resolve_resume)
+                         earlier_runs_note, model_with_weights, new_run_id, resume_on_every_host)
 from .config import LOSS_MONITORS, TrainerConfig, check_option_names
 from ..data import CachedImageDataset, check_transform, iterate_batches
 from ..diagnostics.debug import DebugReport, debug_run
@@ -415,7 +415,7 @@ class OneCycleTrainer:
             plan = _strategy.plan_strategy(cfg.devices, cfg.batch_size, self.model, placement)
         ckpt, run_id = None, runtime.same_everywhere(run_id or new_run_id(), placement)
         if resume is not None:
-            path, ckpt = resolve_resume(resume, cfg.checkpoint_dir)
+            path, ckpt = resume_on_every_host(resume, cfg.checkpoint_dir, placement)
             # On a TPU the world is detected, not known (pod slices span hosts):
             # the replica compares cores and steps per epoch there.
             exact = placement.world_known
@@ -784,3 +784,4 @@ class OneCycleTrainer:
     def _prepare(self, spec: InputSpec, train: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> model input`` for batches of a dataset described by ``spec``."""
         return loop.input_preparer(self.config.data, spec, train)
+
