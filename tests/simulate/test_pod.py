@@ -280,3 +280,23 @@ def test_every_host_building_one_bucket_cache_builds_it_once(tmp_path, gcs_emula
     # the second host either waited for the first or found its cache finished
     assert len(re.findall(r"\(0 shards built, 1 reused", both)) == 1, logs
     assert all("(0 shards built, 1 reused" in log for log in waited), logs
+
+
+def test_max_lr_find_on_a_real_multi_host_tpu_slice_is_refused_with_the_fix(monkeypatch):
+    """On a real TPU slice the hosts have no channel before the launch (the rehearsal's
+    store is the simulator's), so a sweep per host could pick different LRs: refused, naming
+    the fix. The placement reads the slice from TPU_WORKER_HOSTNAMES / TPU_WORKER_ID."""
+    from torch import nn
+
+    from xla_utils import OneCycleTrainer
+    from xla_utils.runtime.placement import Placement
+
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1k-w-0,t1k-w-1")
+    monkeypatch.setenv("TPU_WORKER_ID", "1")
+    assert slice_host() == (1, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    t = OneCycleTrainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), data, batch_size=4)
+    pod = Placement("xla", "tpu", 4, host_devices=4, hosts=2, host=1)
+    with pytest.raises(ValueError, match=r"max_lr='find' on host 1 of a 2-host TPU pod slice.*"
+                                         r"pass max_lr=<that number> on every host"):
+        t._new_run_lr(t.config, "find", pod)

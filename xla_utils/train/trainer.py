@@ -519,6 +519,12 @@ class OneCycleTrainer:
                 "exactly use fit(resume=<checkpoint>).", UserWarning, stacklevel=5)
         if base_lr != "find":
             return base_lr, 1
+        if placement.kind == "tpu" and placement.hosts > 1:  # no channel between the hosts yet
+            raise ValueError(
+                f"max_lr='find' on host {placement.host} of a {placement.hosts}-host TPU pod slice: "
+                "each host would sweep on its own and might pick another LR. Fix: find it once "
+                "(on one host, or in the rehearsal: python -m xla_utils.simulate --hosts "
+                f"{placement.hosts} ...) and pass max_lr=<that number> on every host")
         # Measure at the run's own global batch: k accumulated micro-batches of the per-core
         # batch are exactly one k-core step's gradient (a mesh strategy's find_lr does this
         # itself, or sweeps on the mesh): no scaling rule on top of the finder's rule.
