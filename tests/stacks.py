@@ -106,6 +106,7 @@ KAGGLE: list[str] = [
     "tests/cache/test_runners.py::test_a_killed_driver_is_rerun_to_the_same_bytes",
     "tests/runtime/test_hosts.py::test_two_torchrun_nodes_train_as_one_four_replica_run",
     "tests/simulate/test_pod.py::test_checkpoints_in_a_bucket_resume_on_every_host_and_a_local_folder_is_refused",
+    "tests/simulate/test_pod.py::test_a_torch_xla_script_sees_the_slice_s_world_on_every_host",
     "tests/simulate/test_simulate.py::test_torch_xla_launch_entry_point_via_run_script[4]",
     "tests/simulate/test_forms.py::test_spmd_script_via_run_script_4_devices",
     "tests/simulate/test_forms.py::test_mixing_spmd_and_spawn_is_named",

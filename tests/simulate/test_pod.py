@@ -239,7 +239,7 @@ def test_checkpoints_in_a_bucket_resume_on_every_host_and_a_local_folder_is_refu
     assert proc.returncode != 0
     assert re.search(r"\[host 0\] \S*ResumeError: .*\n\[host 0\] This is host 0 of 2: each host "
                      r"of the run reads its own disk.*checkpoint_dir='gs://", log), log[-4000:]
-    assert "host 0 of 2 was lost: exit code 1" in log
+    assert "host 0 of 2 was lost: it ended first, with exit code 1" in log
 
 
 @pytest.mark.slow
@@ -254,7 +254,7 @@ def test_a_cache_only_on_the_first_host_s_disk_is_refused_on_the_second(tmp_path
     assert proc.returncode != 0, log[-3000:]
     assert re.search(r"\[host 1\] FileNotFoundError: \S*cache/train does not exist", log), log[-4000:]
     assert "[host 1] This is host 1 of 2: each host of a pod slice" in log
-    assert "host 1 of 2 was lost: exit code 1" in log
+    assert "host 1 of 2 was lost: it ended first, with exit code 1" in log
     assert "epoch 1 " not in log  # nobody trained
     assert not (tmp_path / "cache").exists()  # the first host's disk was its own too
 
@@ -300,3 +300,73 @@ def test_max_lr_find_on_a_real_multi_host_tpu_slice_is_refused_with_the_fix(monk
     with pytest.raises(ValueError, match=r"max_lr='find' on host 1 of a 2-host TPU pod slice.*"
                                          r"pass max_lr=<that number> on every host"):
         t._new_run_lr(t.config, "find", pod)
+
+
+RAW = '''
+import os, sys
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+
+def fn(index):
+    dev = torch_xla.device()
+    total = xm.all_reduce(xm.REDUCE_SUM, torch.full((1,), float(xr.global_ordinal()), device=dev))
+    xm.save({"ordinal": xr.global_ordinal()}, os.path.join(sys.argv[1], "saved-%d.pt" % xr.host_index()))
+    print("REPLICA index=%d world=%d ordinal=%d local=%d host=%d master=%s sum=%d" % (
+        index, xr.world_size(), xr.global_ordinal(), xr.local_ordinal(), xr.host_index(),
+        xm.is_master_ordinal(local=False), int(total.cpu().item())), flush=True)
+
+if __name__ == "__main__":
+    torch_xla.launch(fn)
+    print("WORKER", os.environ["TPU_WORKER_ID"], flush=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.multicore
+@pytest.mark.timeout(300)
+def test_a_torch_xla_script_sees_the_slice_s_world_on_every_host(tmp_path):
+    """An unmodified torch_xla script (torch_xla.launch) on 2 hosts x 2 cores, global ordinal 0
+    on the second host: 4 replicas, ordinals 0-1 on host 1 and 2-3 on host 0, one global
+    master, an all_reduce over all 4, xm.save written once per host (torch_xla's default)."""
+    script = tmp_path / "raw.py"
+    script.write_text(RAW)
+    out = _shared_out(tmp_path)
+    try:
+        proc = _simulate(["--hosts", "2", "--cores", "2", "--master-host", "1", str(script),
+                          str(out)], tmp_path, _env(tmp_path))
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-3000:]
+        rows = re.findall(r"^(\[host 0\] )?REPLICA index=(\d) world=(\d) ordinal=(\d) local=(\d) "
+                          r"host=(\d) master=(\w+) sum=(\d+)$", log, re.M)
+        got = sorted((int(o), int(h), int(i), int(lo), m, int(w), int(s))
+                     for _, i, w, o, lo, h, m, s in rows)
+        assert got == [(0, 1, 0, 0, "True", 4, 6), (1, 1, 1, 1, "False", 4, 6),
+                       (2, 0, 0, 0, "False", 4, 6), (3, 0, 1, 1, "False", 4, 6)], log[-3000:]
+        assert all((row[0] == "[host 0] ") == (row[5] == "0") for row in rows)
+        assert sorted(p.name for p in out.iterdir()) == ["saved-0.pt", "saved-1.pt"]
+        assert torch.load(out / "saved-1.pt")["ordinal"] == 0  # host 1's local master
+        assert "[host 0] WORKER 0" in log and re.search(r"^WORKER 1$", log, re.M)
+    finally:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_the_rehearsal_s_options_are_checked(tmp_path, capsys):
+    """Options of a slice without --hosts, negative times and SPMD scripts are refused."""
+    from xla_utils.simulate import main, run_script
+
+    x = tmp_path / "x.py"
+    x.write_text("print('never run')\n")
+    for argv, why in ((["--late-host", "1:5", str(x)], "--late-host rehearses a pod slice"),
+                      (["--hosts", "2", "--late-host", "1:-3", str(x)], "must be 0 or more"),
+                      (["--hosts", "2", "--master-host", "2", str(x)], "master_host: host 2")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and why in capsys.readouterr().err
+    spmd = tmp_path / "spmd.py"
+    spmd.write_text("import torch_xla.runtime as xr\nxr.use_spmd()\n")
+    with pytest.raises(ValueError, match=r"spmd program .* Rehearse the spmd program on one host"):
+        run_script(spmd, cores=2, hosts=2)

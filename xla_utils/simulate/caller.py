@@ -285,6 +285,7 @@ def _job_request(n: int, pod: PodWorld | None, payload: bytes, pass_index: bool,
         shm, store, prefix, status = pod_launch(pod)
         ranks, port, world = [pod.ordinal(i) for i in range(n)], pod.port, pod.world_size
     return store, {"n": n, "port": port, "payload": payload, "path": list(sys.path),
+                   "argv": list(sys.argv),
                    "cwd": os.getcwd(), "env": _caller_env(), "pass_index": pass_index,
                    "shm": shm, "threads": threads, "prefix": prefix, "ranks": ranks,
                    "world": world, "host": 0 if pod is None else pod.host, "status": status}

@@ -255,10 +255,11 @@ def _lost_text(kind: str, payload, failure: str) -> str:
 
 
 def _enter_caller_context(request: dict) -> None:
-    """The caller's environment, import path and working directory."""
+    """The caller's environment, import path, ``sys.argv`` and working directory."""
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path[:] = request["path"]
+    sys.argv[:] = request.get("argv", sys.argv)  # a forked replica's, as on a TPU
     with contextlib.suppress(OSError):
         os.chdir(request["cwd"])
 

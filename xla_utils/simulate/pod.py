@@ -65,9 +65,11 @@ class PodResult:
     @property
     def returncode(self) -> int:
         """0 when every host ended normally, else the first failing host's status (1 for
-        a signal)."""
+        a signal, or for a slice stopped early with no host's status: a timeout)."""
         bad = [c for _, c in sorted(self.codes.items()) if c != 0]
-        return 0 if not bad else (bad[0] if bad[0] > 0 else 1)
+        if not bad:
+            return 1 if self.lost else 0
+        return bad[0] if bad[0] > 0 else 1
 
 
 def _private_disk_command(host_dir: Path, cwd: str) -> list[str] | None:
@@ -195,8 +197,10 @@ def run_pod(path: str | os.PathLike, hosts: int, host_cores: int = 4, args: Sequ
     try:
         def start(h: int) -> None:
             pod = PodWorld(hosts, h, cores, master_host, store.port, str(base))
-            env = {**os.environ, POD_ENV: pod.env_value()}
-            cmd = [sys.executable, str(path), *map(str, args)]
+            env = {**os.environ, POD_ENV: pod.env_value(), "TPU_WORKER_ID": str(h)}
+            # the script as __main__, its xmp.spawn / torch_xla.launch on this host's cores
+            cmd = [sys.executable, "-m", "xla_utils.simulate", "--cores", str(cores), "--form",
+                   "spawn", str(path), *map(str, args)]
             if not why:
                 cmd = _private_disk_command(disks / f"host{h}", cwd) + cmd
             started[h] = _Host(pod, cmd, env, cwd, lock)
@@ -238,7 +242,8 @@ def _watch(start, started: dict, store, hosts: int, late: dict, kill: dict,
             result.codes[h] = code
             if code != 0 and not result.lost:
                 what = ("killed as asked (SIGKILL to every process)" if h in killed else
-                        f"{describe_status(code)}" + ("" if code < 0 else " (its error is above)"))
+                        f"it ended first, with {describe_status(code)}"
+                        + ("" if code < 0 else " (its output is above)"))
                 result.lost = f"host {h} of {hosts} was lost: {what}"
                 _tell_hosts(store, result.lost, hosts)
                 lost_at = time.monotonic()
@@ -248,9 +253,8 @@ def _watch(start, started: dict, store, hosts: int, late: dict, kill: dict,
         if lost_at is not None and time.monotonic() - lost_at > LOST_GRACE_S:
             return
         if timeout is not None and now > timeout:
-            result.lost = result.lost or f"the slice ran past its timeout of {timeout} s"
-            print(f"xla_utils.simulate: {result.lost}; every host was killed", file=sys.stderr,
-                  flush=True)
+            result.lost = result.lost or (f"the slice ran past its timeout of {timeout} s; "
+                                          "every host was killed")
             return
         time.sleep(0.1)
 

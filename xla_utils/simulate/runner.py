@@ -17,6 +17,7 @@ from .caller import run_replicas
 from .footprint import SimulatedMemoryError
 from .forms import FORMS, detect_form
 from .pod import run_pod
+from ..runtime.hosts import simulated_pod
 from .spmd import run_spmd
 from .torchrun import run_torchrun
 
@@ -46,12 +47,15 @@ def simulated_spawn(cores: int = 8, timeout: float | None = None,
     import torch_xla
     import torch_xla.distributed.xla_multiprocessing as xmp
 
+    pod = simulated_pod()  # a host of a rehearsed slice: its cores join the slice's world
+
     def spawn(fn, args=(), nprocs=None, join=True, daemon=False, start_method="spawn"):
         if nprocs not in (None, 1, cores):
             raise ValueError(f"Unsupported nprocs ({nprocs}): use nprocs=None (all {cores} "
                              "simulated cores) or 1, as torch_xla requires")
         return run_replicas(fn, tuple(args), 1 if nprocs == 1 else cores, timeout=timeout,
-                            pass_index=True, detect_spmd=form == "auto")
+                            pass_index=True, detect_spmd=form == "auto",
+                            pod=None if nprocs == 1 else pod)
 
     def launch(fn, args=(), start_method="spawn", debug_single_process=False):
         return spawn(fn, args=args, nprocs=1 if debug_single_process else None)
@@ -99,6 +103,7 @@ def run_script(path: str | os.PathLike, cores: int = 8, args: Sequence[str] = ()
     """
     path = str(path)
     if hosts is not None:
+        _check_pod_form(path, form)
         result = run_pod(path, hosts, cores, args, master_host=master_host, late=late,
                          kill=kill, timeout=timeout)
         if result.lost:
@@ -179,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--cores must be >= 1")
     if ns.hosts is not None:
         return _main_pod(p, ns)
+    for flag, given in (("--master-host", ns.master_host), ("--late-host", ns.late_host),
+                        ("--kill-host", ns.kill_host)):
+        if given:
+            p.error(f"{flag} rehearses a pod slice: it needs --hosts H")
     from ..runtime.replica import ReplicaError
 
     try:
@@ -190,6 +199,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 
+def _check_pod_form(path: str, form: str) -> None:
+    """A rehearsed slice runs spawn-form scripts (and xla_utils' own loops); refuse the others.
+
+    Raises:
+        ValueError: the script is (or ``form`` names) an SPMD or torchrun program.
+    """
+    why = f"form={form!r}"
+    if form == "auto":
+        form, why = detect_form(path)
+    if form in ("spmd", "torchrun"):
+        raise ValueError(
+            f"{path} is a {form} program ({why}); a pod slice of several hosts is rehearsed for "
+            "xmp.spawn / torch_xla.launch scripts and xla_utils' own fit/predict (strategy="
+            f"'spawn'). Rehearse the {form} program on one host (python -m xla_utils.simulate "
+            "--cores N script.py)")
+
+
 def _host_times(p: argparse.ArgumentParser, flag: str, values: Sequence[str]) -> dict[int, float]:
     out = {}
     for v in values:
@@ -198,6 +224,8 @@ def _host_times(p: argparse.ArgumentParser, flag: str, values: Sequence[str]) ->
             out[int(host)] = float(secs)
         except ValueError:
             p.error(f"{flag} {v!r}: use HOST:SECONDS, e.g. {flag} 1:20")
+        if out[int(host)] < 0:
+            p.error(f"{flag} {v!r}: SECONDS must be 0 or more")
     return out
 
 
