@@ -367,7 +367,7 @@ def test_fifteen_lines_on_two_torch_replicas(tmp_path, monkeypatch, capfd):
 @pytest.mark.timeout(600)
 def test_simulated_cores_blocks(tmp_path, capfd):
     script = str(ROOT / "tests" / "fixtures" / "idiom_digits.py")
-    cmd = _substitute(_block("bash", "python -m xla_utils.simulate"), {
+    cmd = _substitute(_block("bash", "python -m xla_utils.simulate --cores"), {
         "train.py": script, "--cores 8": "--cores 2",
     })
     cmd = [line for line in cmd.splitlines() if line.strip() and not line.startswith("#")][0]
