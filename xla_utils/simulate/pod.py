@@ -125,20 +125,21 @@ class _Host:
 
 
 def _relay(stream, name: str, label: bytes, lock: threading.Lock) -> None:
-    """Re-print a host's output here: the master host's as it is (its progress bars are the
-    run's one display), another host's a line at a time, each line labelled."""
+    """Re-print a host's output here a whole line at a time (so that the hosts' lines never
+    cut into each other), each line of a host other than the master host behind ``label``."""
     pending = b""
     for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
-        if label:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            chunk = b"".join(label + ln + b"\n" for ln in lines)
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        chunk = b"".join(label + ln + b"\n" for ln in lines)
+        if not chunk:
+            continue
         with lock:
             target = getattr(sys, name)
             with contextlib.suppress(Exception):
                 target.write(chunk.decode("utf-8", "replace"))
                 target.flush()
-    if label and pending:
+    if pending:
         with lock, contextlib.suppress(Exception):
             getattr(sys, name).write((label + pending + b"\n").decode("utf-8", "replace"))
 
