@@ -301,20 +301,16 @@ def pod_lost(pod: PodWorld) -> str | None:
     return store.get(POD_LOST).decode() if store.check([POD_LOST]) else None
 
 
-def check_pod(store) -> None:
-    """Raise :class:`HostLost` when the slice's rehearsal marked a host lost."""
-    if store.check([POD_LOST]):
-        raise HostLost(store.get(POD_LOST).decode())
-
-
-def pod_wait(store, key: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> bytes:
-    """``key``'s value once some host set it; :class:`HostLost` when a host was lost first,
-    ``TimeoutError`` (naming ``what``) after ``timeout_s`` seconds."""
+def pod_wait(pod: PodWorld, key: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> bytes:
+    """``key``'s value in the slice's store once some host set it; :class:`HostLost` when a
+    host was lost first, ``TimeoutError`` (naming ``what``) after ``timeout_s`` seconds."""
     import time
 
-    end = time.monotonic() + timeout_s
+    store, end = pod_store(pod), time.monotonic() + timeout_s
     while not store.check([key]):
-        check_pod(store)
+        lost = pod_lost(pod)
+        if lost is not None:
+            raise HostLost(lost)
         if time.monotonic() > end:
             raise TimeoutError(f"no host set {what} within {timeout_s:.0f} s")
         time.sleep(0.05)
@@ -337,6 +333,6 @@ def pod_agreed(value: Any, pod: PodWorld) -> Any:
         atomic_write(path, pickle.dumps(value), durable=False)
         store.set(key, "1")
         return value
-    pod_wait(store, key, f"agreed value {_AGREED[0]} (the master host's)")
+    pod_wait(pod, key, f"agreed value {_AGREED[0]} (the master host's)")
     with open(path, "rb") as f:
         return pickle.loads(f.read())

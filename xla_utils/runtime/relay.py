@@ -41,7 +41,8 @@ def _drop_lines(data: bytes, drop: Sequence[str]) -> bytes:
 
 
 def forward_output(stream, name: str, lock: threading.Lock, *, echo: bool = True,
-                   tail: OutputTail | None = None, drop: Sequence[str] = ()) -> None:
+                   tail: OutputTail | None = None, drop: Sequence[str] = (),
+                   label: bytes | None = None) -> None:
     """Re-print everything a child process writes to ``stream`` (its stdout or stderr pipe)
     on this process's ``sys.<name>`` (a notebook's, which is not file descriptor 1),
     one chunk at a time under ``lock``, until the pipe closes.
@@ -53,10 +54,13 @@ def forward_output(stream, name: str, lock: threading.Lock, *, echo: bool = True
         echo: print the output (default True); False only keeps ``tail``.
         tail: where the last bytes are kept (default: nowhere).
         drop: lines containing any of these strings are not printed (runtime noise).
+        label: print whole lines only, each behind ``label`` (``b""``: none), so that the
+            relays of several children sharing ``lock`` never cut into each other's lines
+            (default None: chunks as they come).
     """
     import select
 
-    fd = stream.fileno()
+    fd, pending = stream.fileno(), b""
     while True:
         with contextlib.suppress(OSError, ValueError):
             select.select([fd], [], [])
@@ -64,18 +68,26 @@ def forward_output(stream, name: str, lock: threading.Lock, *, echo: bool = True
             try:
                 data = os.read(fd, 65536)
             except OSError:
-                return
-            if not data:
+                data = b""
+            if not data and not pending:
                 return
             if tail is not None:
                 tail.add(data)
+            if label is not None:  # whole lines; what is left at the end, as a line
+                pending += data
+                *lines, pending = pending.split(b"\n") if data else (pending, b"")
+                data = b"".join(label + ln + b"\n" for ln in lines)
             data = _drop_lines(data, drop)
-            if not echo or not data:
-                continue
-            target = getattr(sys, name)
-            try:
-                target.write(data.decode("utf-8", "replace"))
-                target.flush()
-            except Exception:  # a closed or replaced stream must not kill forwarding
-                with contextlib.suppress(Exception):
-                    os.write(1 if name == "stdout" else 2, data)
+            if echo and data:
+                _write(name, data)
+
+
+def _write(name: str, data: bytes) -> None:
+    """``data`` on this process's ``sys.<name>``, or its file descriptor when that fails."""
+    target = getattr(sys, name)
+    try:
+        target.write(data.decode("utf-8", "replace"))
+        target.flush()
+    except Exception:  # a closed or replaced stream must not kill forwarding
+        with contextlib.suppress(Exception):
+            os.write(1 if name == "stdout" else 2, data)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..runtime.hosts import POD_ENV, POD_LOST, PodWorld
+from ..runtime.relay import forward_output
 from .pod_link import launch_key, started_key
 from .protocol import ABORT, FOLDER_PREFIX, describe_status, serve_store
 
@@ -113,8 +114,11 @@ class _Host:
         self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
+        # whole lines (the hosts' never cut into each other); each line of a host other than
+        # the master host labelled (the master's progress bars are the run's one display)
         label = b"" if pod.is_master_host else f"[host {pod.host}] ".encode()
-        self.relays = [threading.Thread(target=_relay, args=(s, n, label, lock), daemon=True)
+        self.relays = [threading.Thread(target=forward_output, args=(s, n, lock),
+                                        kwargs={"label": label}, daemon=True)
                        for s, n in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
         for t in self.relays:
             t.start()
@@ -122,26 +126,6 @@ class _Host:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-def _relay(stream, name: str, label: bytes, lock: threading.Lock) -> None:
-    """Re-print a host's output here a whole line at a time (so that the hosts' lines never
-    cut into each other), each line of a host other than the master host behind ``label``."""
-    pending = b""
-    for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        chunk = b"".join(label + ln + b"\n" for ln in lines)
-        if not chunk:
-            continue
-        with lock:
-            target = getattr(sys, name)
-            with contextlib.suppress(Exception):
-                target.write(chunk.decode("utf-8", "replace"))
-                target.flush()
-    if pending:
-        with lock, contextlib.suppress(Exception):
-            getattr(sys, name).write((label + pending + b"\n").decode("utf-8", "replace"))
 
 
 def run_pod(path: str | os.PathLike, hosts: int, host_cores: int = 4, args: Sequence[str] = (),
